@@ -1,0 +1,309 @@
+"""Low-rank compression of named tensors: PowerSGD-style power iteration with warm starts.
+
+A matrix M of shape (n, m) (any tensor of 2+ dims, viewed as (shape[0], rest)) travels as two
+factors: P = M·Q of shape (n, r) and Q' = Mᵀ·P̂ of shape (m, r), where P̂ is P with orthonormal
+columns and Q is warm-started from the previous round. Tensors too small to gain from a low rank
+(1-D biases and norms, tiny matrices) travel dense in a 16-bit float.
+
+Two ways to use it:
+
+- alone, as a strategy with ``compress`` / ``decompress`` / ``ratio`` (one power iteration on one
+  peer's matrix), and
+- between two peers, with :class:`PairRound`: each side holds its own M, and both end with the same
+  subspace P̂ and projections of both matrices onto it, having sent only factors.
+
+Error feedback is explicit state (:class:`ErrorFeedback`) so that it can be checkpointed. Pure
+torch, no network: the simulator and the real peers run this same code.
+"""
+
+from __future__ import annotations
+
+import math
+import zlib
+from collections.abc import Mapping
+from dataclasses import dataclass
+from typing import Literal
+
+import torch
+
+Mode = Literal["mean", "diff"]
+"""How two peers' matrices choose their shared subspace: the top directions of the sum ("mean",
+for averaging updates) or of the difference ("diff", for pulling two states together)."""
+
+WIRE_DTYPES = (torch.float16, torch.bfloat16, torch.float32)
+
+
+@dataclass(frozen=True, kw_only=True)
+class LowRankConfig:
+    rank: int = 4
+    factor_dtype: torch.dtype = torch.float16  # P and Q factors on the wire
+    dense_dtype: torch.dtype = torch.float16  # tensors sent whole (biases, norms, tiny matrices)
+    seed: int = 0  # seeds the first Q of every tensor, identically on every peer
+
+    def __post_init__(self) -> None:
+        if not 1 <= self.rank <= 1024:
+            raise ValueError(f"rank must be between 1 and 1024, got {self.rank}")
+        for label, dtype in (("factor_dtype", self.factor_dtype), ("dense_dtype", self.dense_dtype)):
+            if dtype not in WIRE_DTYPES:
+                raise ValueError(f"{label} must be float16, bfloat16 or float32, got {dtype}")
+
+
+@dataclass(frozen=True)
+class Slot:
+    """How one named tensor travels: low-rank with `rank` > 0, else dense."""
+
+    name: str
+    shape: tuple[int, ...]
+    rows: int
+    cols: int
+    rank: int
+
+    @property
+    def dense(self) -> bool:
+        return self.rank == 0
+
+    def numel(self) -> int:
+        return math.prod(self.shape)
+
+
+def plan(shapes: Mapping[str, tuple[int, ...]], rank: int) -> dict[str, Slot]:
+    """Choose low-rank or dense for each tensor: low-rank only where the factors are smaller."""
+    slots = {}
+    for name, shape in shapes.items():
+        shape = tuple(int(s) for s in shape)
+        if len(shape) >= 2:
+            rows, cols = shape[0], math.prod(shape[1:])
+            r = min(rank, rows, cols)
+            if (rows + cols) * r < rows * cols:
+                slots[name] = Slot(name, shape, rows, cols, r)
+                continue
+        numel = math.prod(shape)
+        slots[name] = Slot(name, shape, numel, 1, 0)
+    return slots
+
+
+def orthogonalize_(p: torch.Tensor, eps: float = 1e-12) -> torch.Tensor:
+    """Gram-Schmidt on the columns of p (n, r), in place. Columns that vanish become zero.
+
+    Runs in float64 on the CPU, so two peers orthogonalizing the same P get the same P̂.
+    """
+    work = p.detach().to(device="cpu", dtype=torch.float64)
+    for j in range(work.shape[1]):
+        col = work[:, j]
+        if j:
+            col -= work[:, :j] @ (work[:, :j].T @ col)
+        norm = torch.linalg.vector_norm(col)
+        if norm > eps:
+            col /= norm
+        else:
+            col.zero_()
+    p.copy_(work.to(p.dtype))
+    return p
+
+
+def quantize(t: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
+    """The tensor as it will be on the wire (contiguous, in `dtype`)."""
+    return t.detach().to(dtype).contiguous()
+
+
+class LowRankCompressor:
+    """Rank-r power iteration with warm-started Q per tensor name."""
+
+    def __init__(self, config: LowRankConfig = LowRankConfig()) -> None:
+        self.config = config
+        self._q: dict[str, torch.Tensor] = {}  # name -> (cols, r) float32, orthonormal-ish columns
+
+    # -- warm starts -------------------------------------------------------------------------------
+    def warm_q(self, slot: Slot, device: torch.device | str = "cpu") -> torch.Tensor:
+        """The Q to start this tensor's next power iteration from, shape (cols, r), float32."""
+        q = self._q.get(slot.name)
+        if q is None or q.shape != (slot.cols, slot.rank):
+            q = self._seeded_q(slot.name, slot.cols, slot.rank)
+        return q.to(device)
+
+    def set_warm_q(self, name: str, q: torch.Tensor) -> None:
+        """Keep `q` (cols, r) for the next round, columns normalized; dead columns re-seeded."""
+        q = q.detach().to(device="cpu", dtype=torch.float32).clone()
+        norms = torch.linalg.vector_norm(q, dim=0)
+        dead = ~(norms > 1e-20)
+        q[:, ~dead] /= norms[~dead]
+        if dead.any():
+            q[:, dead] = self._seeded_q(name, q.shape[0], q.shape[1])[:, dead]
+        self._q[name] = q
+
+    def _seeded_q(self, name: str, cols: int, rank: int) -> torch.Tensor:
+        gen = torch.Generator().manual_seed((zlib.crc32(name.encode()) ^ self.config.seed) & 0x7FFFFFFF)
+        q = torch.randn(cols, rank, generator=gen)
+        return q / torch.linalg.vector_norm(q, dim=0).clamp_min(1e-20)
+
+    def state_dict(self) -> dict[str, torch.Tensor]:
+        return {name: q.clone() for name, q in self._q.items()}
+
+    def load_state_dict(self, state: Mapping[str, torch.Tensor]) -> None:
+        self._q = {name: q.detach().to(torch.float32).clone() for name, q in state.items()}
+
+    # -- one peer alone: the compression strategy -------------------------------------------------
+    def compress(self, slot: Slot, tensor: torch.Tensor) -> dict[str, torch.Tensor]:
+        """One warm-started power iteration: {"p": P̂ (n, r), "q": Q (m, r)}, or {"v": dense}."""
+        if slot.dense:
+            return {"v": quantize(tensor, self.config.dense_dtype)}
+        m = tensor.detach().reshape(slot.rows, slot.cols).float()  # (n, m)
+        p = m @ self.warm_q(slot, m.device)  # (n, r)
+        orthogonalize_(p)
+        q = m.T @ p  # (m, r)
+        self.set_warm_q(slot.name, q)
+        return {"p": quantize(p, self.config.factor_dtype), "q": quantize(q, self.config.factor_dtype)}
+
+    @staticmethod
+    def decompress(slot: Slot, factors: Mapping[str, torch.Tensor]) -> torch.Tensor:
+        """The tensor `factors` stand for, float32, in the slot's shape."""
+        if slot.dense:
+            return factors["v"].float().reshape(slot.shape)
+        return (factors["p"].float() @ factors["q"].float().T).reshape(slot.shape)
+
+    def nbytes(self, slots: Mapping[str, Slot]) -> int:
+        """Exact payload bytes of one `compress` of every slot."""
+        factor = torch.tensor([], dtype=self.config.factor_dtype).element_size()
+        dense = torch.tensor([], dtype=self.config.dense_dtype).element_size()
+        return sum(s.numel() * dense if s.dense else (s.rows + s.cols) * s.rank * factor for s in slots.values())
+
+    def ratio(self, slots: Mapping[str, Slot]) -> float:
+        """Dense float32 bytes over compressed bytes (how many times smaller)."""
+        return sum(4 * s.numel() for s in slots.values()) / max(1, self.nbytes(slots))
+
+
+@dataclass(frozen=True)
+class Projection:
+    """One tensor's outcome of a pair round, float32 in the tensor's shape.
+
+    own: this side's matrix as the pair sees it (its projection onto the shared subspace).
+    mean: the mean of both sides' projections; identical on the two peers.
+    The residual tensor − own is what compression left out of this side's matrix.
+    """
+
+    own: torch.Tensor
+    mean: torch.Tensor
+
+
+class PairRound:
+    """One side of a two-party power iteration over named tensors.
+
+    Order of a round, the initiator's factors always first so both sides compute the same sums:
+    request_factors (initiator) → phase1 (both) → phase2 (both, after the other's phase1) →
+    finish (both, after the other's phase2) → commit (once the exchange is known to have gone
+    through). The caller moves the factors over the wire; nothing changes state before commit.
+    """
+
+    def __init__(
+        self,
+        compressor: LowRankCompressor,
+        slots: Mapping[str, Slot],
+        tensors: Mapping[str, torch.Tensor],
+        modes: Mapping[str, Mode],
+        q_init: Mapping[str, torch.Tensor],
+        *,
+        initiator: bool,
+    ) -> None:
+        self.compressor = compressor
+        self.slots = dict(slots)
+        self.tensors = dict(tensors)
+        self.modes = dict(modes)
+        self.q_init = {name: q.float() for name, q in q_init.items()}
+        self.initiator = initiator
+        self._mine1: dict[str, torch.Tensor] = {}
+        self._p_hat: dict[str, torch.Tensor] = {}
+        self._mine2: dict[str, torch.Tensor] = {}
+        self._other1: dict[str, torch.Tensor] = {}
+        self._next_q: dict[str, torch.Tensor] = {}
+
+    @staticmethod
+    def request_factors(compressor: LowRankCompressor, slots: Mapping[str, Slot]) -> dict[str, torch.Tensor]:
+        """The initiator's warm-start Q for every low-rank slot, as sent in the request."""
+        dtype = compressor.config.factor_dtype
+        return {n: quantize(compressor.warm_q(s), dtype) for n, s in slots.items() if not s.dense}
+
+    def _matrix(self, name: str) -> torch.Tensor:
+        slot = self.slots[name]
+        return self.tensors[name].detach().reshape(slot.rows, slot.cols).float()  # (n, m)
+
+    def phase1(self) -> dict[str, torch.Tensor]:
+        """This side's P = M·Q for low-rank slots, and dense tensors whole, in wire dtypes."""
+        cfg = self.compressor.config
+        for name, slot in self.slots.items():
+            if slot.dense:
+                self._mine1[name] = quantize(self.tensors[name], cfg.dense_dtype)
+            else:
+                m = self._matrix(name)
+                self._mine1[name] = quantize(m @ self.q_init[name].to(m.device), cfg.factor_dtype)  # (n, r)
+        return dict(self._mine1)
+
+    def phase2(self, other: Mapping[str, torch.Tensor]) -> dict[str, torch.Tensor]:
+        """Combine both P's into the shared P̂, and return this side's Q = Mᵀ·P̂ in wire dtype."""
+        self._other1 = dict(other)
+        for name, slot in self.slots.items():
+            if slot.dense:
+                continue
+            first, second = self._ordered(self._mine1[name], other[name])
+            sign = 1.0 if self.modes[name] == "mean" else -1.0
+            p = first.float() + sign * second.float()  # (n, r), bitwise the same on both sides
+            self._p_hat[name] = orthogonalize_(p)
+            m = self._matrix(name)
+            q = m.T @ self._p_hat[name].to(m.device)  # (m, r)
+            self._mine2[name] = quantize(q, self.compressor.config.factor_dtype)
+        return dict(self._mine2)
+
+    def finish(self, other: Mapping[str, torch.Tensor]) -> dict[str, Projection]:
+        """Both sides' projections; also keeps the combined Q as the next warm start."""
+        out = {}
+        for name, slot in self.slots.items():
+            if slot.dense:
+                own = self._mine1[name].float().reshape(slot.shape)
+                theirs = self._other1[name].float().reshape(slot.shape)
+                first, second = self._ordered(own, theirs)
+                out[name] = Projection(own=own, mean=(first + second) / 2)
+                continue
+            p_hat = self._p_hat[name].float()
+            q_own, q_other = self._mine2[name].float(), other[name].float()
+            first, second = self._ordered(q_own, q_other)
+            q_mean = (first + second) / 2  # (m, r), bitwise the same on both sides
+            out[name] = Projection(
+                own=(p_hat @ q_own.T).reshape(slot.shape), mean=(p_hat @ q_mean.T).reshape(slot.shape)
+            )
+            self._next_q[name] = first + second if self.modes[name] == "mean" else first - second
+        return out
+
+    def commit(self) -> None:
+        """The exchange went through: keep its combined Q factors as the next warm starts."""
+        for name, q in self._next_q.items():
+            self.compressor.set_warm_q(name, q)
+        self._next_q.clear()
+
+    def _ordered(self, mine: torch.Tensor, theirs: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        return (mine, theirs) if self.initiator else (theirs, mine)
+
+
+class ErrorFeedback:
+    """Per-tensor residuals that compression left out, added back into the next round."""
+
+    def __init__(self) -> None:
+        self.residuals: dict[str, torch.Tensor] = {}
+
+    def with_residual(self, name: str, tensor: torch.Tensor) -> torch.Tensor:
+        """tensor + the residual kept for `name` (a new tensor)."""
+        residual = self.residuals.get(name)
+        return tensor.clone() if residual is None else tensor + residual.to(tensor.device)
+
+    def keep(self, name: str, residual: torch.Tensor | None) -> None:
+        if residual is None:
+            self.residuals.pop(name, None)
+        else:
+            self.residuals[name] = residual.detach().clone()
+
+    def norm(self) -> float:
+        return math.sqrt(sum(float(r.float().pow(2).sum()) for r in self.residuals.values()))
+
+    def state_dict(self) -> dict[str, torch.Tensor]:
+        return {name: r.clone() for name, r in self.residuals.items()}
+
+    def load_state_dict(self, state: Mapping[str, torch.Tensor]) -> None:
+        self.residuals = {name: r.detach().clone() for name, r in state.items()}

@@ -1,0 +1,43 @@
+"""Choosing partners: who may be asked to average right now.
+
+A `PartnerSource` lists the peer ids that are ready to average. `DHTPartners` reads the run's
+live announcements; `StaticPartners` is a fixed list for tests and the in-process simulator.
+The averager picks among them at random and skips any that just declined.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Iterable
+from typing import Protocol
+
+from dht.records import PeerState, RunRecords
+
+
+class PartnerSource(Protocol):
+    async def candidates(self) -> list[str]: ...
+
+
+class StaticPartners:
+    def __init__(self, peers: Iterable[str] | Callable[[], Iterable[str]]) -> None:
+        self._peers = peers
+
+    async def candidates(self) -> list[str]:
+        peers = self._peers() if callable(self._peers) else self._peers
+        return list(peers)
+
+
+class DHTPartners:
+    """Peers whose announcement says ready, speak our protocol version and accept connections."""
+
+    def __init__(self, records: RunRecords, *, self_id: str, version: int) -> None:
+        self.records = records
+        self.self_id = self_id
+        self.version = version
+
+    async def candidates(self) -> list[str]:
+        peers = await self.records.a_peers()
+        return sorted(
+            pid
+            for pid, a in peers.items()
+            if pid != self.self_id and a.state == PeerState.READY and a.version == self.version and not a.client_mode
+        )

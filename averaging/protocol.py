@@ -1,0 +1,330 @@
+"""The pairwise gossip exchange, transport-agnostic.
+
+A peer that has finished its inner steps calls `GossipAverager.average(offer)`. For at most
+`window` seconds it looks for a partner: it asks random ready peers (the `PartnerSource`), and
+meanwhile answers peers that ask it. The first exchange that completes, in either role, is the
+round's result; if none does, `average` returns None and the peer steps alone. At most one
+exchange runs at a time (`_busy`); a peer that is busy or not ready declines.
+
+One exchange, initiator A and responder B (message kinds from `wire.Kind`):
+
+    A → B  REQUEST  A's warm-start Q factors, layout signature
+    B → A  ACCEPT   B's phase-1 P factors and dense tensors        (or DECLINE with a reason)
+    A → B  PHASE1   A's phase-1 P factors and dense tensors
+    B → A  PHASE2   B's phase-2 Q factors
+    A → B  COMMIT   A's phase-2 Q factors          → B applies
+    B → A  ACK                                      → A applies
+
+Every wait is bounded (`message_timeout`, and `exchange_timeout` for the whole exchange). Any
+failure (timeout, closed stream, a message that fails decoding, a wrong kind or session) aborts
+the exchange: nothing is returned, so the caller applies nothing and keeps its own update. The
+only window in which one side applies and the other does not is a lost ACK.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import collections
+import contextlib
+import hashlib
+import logging
+import random
+import time
+from collections.abc import Mapping
+from dataclasses import dataclass, field
+
+import torch
+
+from averaging import wire
+from averaging.compression import LowRankCompressor, Mode, PairRound, Projection, Slot, plan
+from averaging.partners import PartnerSource
+from averaging.transport import Stream, Transport
+from averaging.wire import Kind, TensorSpec
+
+logger = logging.getLogger("murmur.averaging")
+
+
+@dataclass(frozen=True, kw_only=True)
+class ExchangeConfig:
+    window: float = 3.0  # how long a ready peer looks for a partner before stepping alone
+    exchange_timeout: float = 10.0  # bound on one whole exchange
+    message_timeout: float = 5.0  # bound on waiting for any single message
+    retry_after: tuple[float, float] = (0.1, 0.5)  # a peer that declined is not asked again for this long
+    poll_interval: float = 0.2  # how often to re-read the partner list while nobody is ready
+    avoid_recent: int = 1  # prefer peers other than the last few partners, so the swarm mixes...
+    fresh_patience: float = 1.0  # ...waiting this long for one before settling for a recent partner
+    limits: wire.Limits = field(default_factory=wire.Limits)
+
+    def __post_init__(self) -> None:
+        if min(self.window, self.exchange_timeout, self.message_timeout, self.poll_interval) <= 0:
+            raise ValueError("exchange window and timeouts must be positive")
+
+
+@dataclass
+class Offer:
+    """What a ready peer brings to a round: named float tensors and how each is paired."""
+
+    step: int
+    tensors: dict[str, torch.Tensor]
+    modes: dict[str, Mode]
+
+
+@dataclass(frozen=True)
+class ExchangeResult:
+    partner: str
+    session: int
+    initiator: bool
+    projections: dict[str, Projection]
+    bytes_sent: int
+    bytes_received: int
+    seconds: float
+
+
+@dataclass
+class ExchangeStats:
+    ok: int = 0  # exchanges completed (either role)
+    failed: int = 0  # exchanges that began and were aborted
+    declined: int = 0  # requests of ours that a partner declined
+    alone: int = 0  # rounds that found no partner in the window
+    last_partner: str | None = None
+    last_error: str | None = None
+
+
+class ExchangeFailed(Exception):
+    """An exchange was aborted; str(e) is a one-line reason."""
+
+
+class Declined(ExchangeFailed):
+    """The partner declined before anything was exchanged."""
+
+
+def layout_signature(run_id: str, slots: Mapping[str, Slot], modes: Mapping[str, Mode], compressor) -> str:
+    """Two peers may pair only if they agree on every name, shape, rank, mode and wire dtype."""
+    cfg = compressor.config
+    parts = [run_id, str(wire.PROTOCOL_VERSION), str(cfg.factor_dtype), str(cfg.dense_dtype)]
+    parts += [f"{n}:{s.shape}:{s.rank}:{modes[n]}" for n, s in sorted(slots.items())]
+    return hashlib.sha256("|".join(parts).encode()).hexdigest()[:32]
+
+
+class GossipAverager:
+    def __init__(
+        self,
+        transport: Transport,
+        compressor: LowRankCompressor,
+        partners: PartnerSource,
+        *,
+        shapes: Mapping[str, tuple[int, ...]],
+        modes: Mapping[str, Mode],
+        run_id: str,
+        config: ExchangeConfig = ExchangeConfig(),
+        seed: int | None = None,
+    ) -> None:
+        self.transport = transport
+        self.compressor = compressor
+        self.partners = partners
+        self.config = config
+        self.modes = dict(modes)
+        self.slots = plan(shapes, compressor.config.rank)
+        self.signature = layout_signature(run_id, self.slots, self.modes, compressor)
+        self.stats = ExchangeStats()
+        self._rng = random.Random(seed)
+        self._busy = asyncio.Lock()
+        self._offer: Offer | None = None
+        self._result: asyncio.Future[ExchangeResult] | None = None
+        self._closed = False
+        self._recent: collections.deque[str] = collections.deque(maxlen=config.avoid_recent)
+        fd, dd = compressor.config.factor_dtype, compressor.config.dense_dtype
+        low = {n: s for n, s in self.slots.items() if not s.dense}
+        self._spec_q = {n: TensorSpec((s.cols, s.rank), fd) for n, s in low.items()}
+        self._spec_p = {
+            n: TensorSpec((s.rows, s.rank), fd) if not s.dense else TensorSpec(s.shape, dd)
+            for n, s in self.slots.items()
+        }
+
+    @property
+    def peer_id(self) -> str:
+        return self.transport.peer_id
+
+    async def start(self) -> None:
+        await self.transport.serve(self._handle)
+
+    async def stop(self) -> None:
+        """Decline everything from now on; wait for an exchange in flight to end."""
+        self._closed = True
+        self._offer = None
+        async with self._busy:
+            pass
+        await self.transport.close()
+
+    # -- the round --------------------------------------------------------------------------------
+    async def average(self, offer: Offer) -> ExchangeResult | None:
+        """Exchange with one partner within the window; None if no exchange completed."""
+        if self._offer is not None:
+            raise RuntimeError("average() is already running")
+        if offer.modes != self.modes or set(offer.tensors) != set(self.slots):
+            raise ValueError("offer does not match the averager's layout")
+        loop = asyncio.get_running_loop()
+        self._result = loop.create_future()
+        self._offer = offer
+        deadline = loop.time() + self.config.window
+        patience = loop.time() + min(self.config.fresh_patience, self.config.window / 2)
+        skip: dict[str, float] = {}
+        try:
+            # peers that became ready together would all ask at once and decline each other: listen first
+            await self._wait_result(loop.time() + self._rng.uniform(0, self.config.poll_interval))
+            while not self._closed and not self._result.done() and loop.time() < deadline:
+                if self._busy.locked():  # a partner is exchanging with us right now
+                    await self._wait_result(deadline)
+                    continue
+                now = loop.time()
+                candidates = [p for p in await self._candidates() if skip.get(p, 0.0) <= now]
+                fresh = [p for p in candidates if p not in self._recent]
+                if not fresh and (not candidates or now < patience):
+                    await self._wait_result(min(deadline, now + self.config.poll_interval))
+                    continue
+                partner = self._rng.choice(fresh or candidates)
+                async with self._busy:
+                    if self._result.done():
+                        break
+                    try:
+                        self._result.set_result(await self._initiate(partner, offer))
+                    except Declined as e:
+                        self.stats.declined += 1
+                        logger.debug("partner %s declined: %s", partner[-8:], e)
+                    except ExchangeFailed as e:
+                        self._note_failure(partner, e)
+                if not self._result.done():
+                    skip[partner] = loop.time() + self._rng.uniform(*self.config.retry_after)
+        finally:
+            async with self._busy:  # an exchange we are answering finishes first
+                self._offer = None
+            result = self._result.result() if self._result.done() else None
+            self._result = None
+        if result is None:
+            self.stats.alone += 1
+        return result
+
+    async def _candidates(self) -> list[str]:
+        try:
+            return [p for p in await self.partners.candidates() if p != self.peer_id]
+        except Exception as e:  # a DHT hiccup must not end the round
+            logger.warning("could not list partners: %s", e)
+            return []
+
+    async def _wait_result(self, until: float) -> None:
+        timeout = until - asyncio.get_running_loop().time()
+        if timeout > 0 and self._result is not None:
+            await asyncio.wait({self._result}, timeout=timeout)
+
+    def _note_failure(self, partner: str, error: Exception) -> None:
+        self.stats.failed += 1
+        self.stats.last_error = f"{partner[-8:]}: {error}"
+        logger.warning("exchange with %s aborted: %s", partner[-8:], error)
+
+    def _succeeded(self, partner: str, session: int, initiator: bool, projections, stream, started) -> ExchangeResult:
+        self.stats.ok += 1
+        self.stats.last_partner = partner
+        self._recent.append(partner)
+        return ExchangeResult(
+            partner=partner,
+            session=session,
+            initiator=initiator,
+            projections=projections,
+            bytes_sent=stream.sent,
+            bytes_received=stream.received,
+            seconds=time.monotonic() - started,
+        )
+
+    # -- initiator ---------------------------------------------------------------------------------
+    async def _initiate(self, partner: str, offer: Offer) -> ExchangeResult:
+        started = time.monotonic()
+        session = self._rng.getrandbits(63)
+        try:
+            stream = await asyncio.wait_for(self.transport.open(partner), self.config.message_timeout)
+        except (ConnectionError, TimeoutError) as e:
+            raise ExchangeFailed(f"unreachable: {e}") from None
+        try:
+            async with asyncio.timeout(self.config.exchange_timeout):
+                q_init = PairRound.request_factors(self.compressor, self.slots)
+                meta = {"sig": self.signature}
+                await self._send(stream, Kind.REQUEST, session, offer.step, q_init, meta)
+                accept = await self._recv(stream, Kind.ACCEPT, session, self._spec_p)
+                pair = PairRound(self.compressor, self.slots, offer.tensors, offer.modes, q_init, initiator=True)
+                await self._send(stream, Kind.PHASE1, session, offer.step, pair.phase1())
+                mine = pair.phase2(accept.tensors)
+                phase2 = await self._recv(stream, Kind.PHASE2, session, self._spec_q)
+                projections = pair.finish(phase2.tensors)
+                await self._send(stream, Kind.COMMIT, session, offer.step, mine)
+                await self._recv(stream, Kind.ACK, session, {})
+                pair.commit()
+                return self._succeeded(partner, session, True, projections, stream, started)
+        except TimeoutError:
+            raise ExchangeFailed(f"timed out after {time.monotonic() - started:.1f} s") from None
+        except (ConnectionError, wire.WireError) as e:
+            raise ExchangeFailed(str(e)) from None
+        finally:
+            await stream.close()
+
+    # -- responder ---------------------------------------------------------------------------------
+    async def _handle(self, remote: str, stream: Stream) -> None:
+        started = time.monotonic()
+        try:
+            request = await self._recv(stream, Kind.REQUEST, None, self._spec_q)
+        except (ExchangeFailed, ConnectionError, wire.WireError, TimeoutError) as e:
+            logger.warning("bad request from %s: %s", remote[-8:], e)
+            return
+        offer, session = self._offer, request.session
+        reason = None
+        if offer is None or self._closed:
+            reason = "not ready"
+        elif self._busy.locked() or self._result is None or self._result.done():
+            reason = "busy"
+        elif request.meta.get("sig") != self.signature:
+            reason = "incompatible run, model or compression settings"
+        if reason is not None:
+            with contextlib.suppress(ConnectionError, TimeoutError):
+                await self._send(stream, Kind.DECLINE, session, 0, {}, {"reason": reason})
+            return
+        async with self._busy:
+            try:
+                async with asyncio.timeout(self.config.exchange_timeout):
+                    pair = PairRound(
+                        self.compressor, self.slots, offer.tensors, offer.modes, request.tensors, initiator=False
+                    )
+                    await self._send(stream, Kind.ACCEPT, session, offer.step, pair.phase1())
+                    phase1 = await self._recv(stream, Kind.PHASE1, session, self._spec_p)
+                    await self._send(stream, Kind.PHASE2, session, offer.step, pair.phase2(phase1.tensors))
+                    commit = await self._recv(stream, Kind.COMMIT, session, self._spec_q)
+                    projections = pair.finish(commit.tensors)
+            except TimeoutError:
+                self._note_failure(remote, ExchangeFailed(f"timed out after {time.monotonic() - started:.1f} s"))
+                return
+            except (ExchangeFailed, ConnectionError, wire.WireError) as e:
+                self._note_failure(remote, e)
+                with contextlib.suppress(ConnectionError, TimeoutError):
+                    await self._send(stream, Kind.ABORT, session, 0, {}, {"reason": str(e)[:200]})
+                return
+            pair.commit()
+            self._result.set_result(self._succeeded(remote, session, False, projections, stream, started))
+            with contextlib.suppress(ConnectionError, TimeoutError):
+                await self._send(stream, Kind.ACK, session, offer.step, {})
+
+    # -- messages ----------------------------------------------------------------------------------
+    async def _send(self, stream: Stream, kind: Kind, session: int, step: int, tensors, meta=None) -> None:
+        message = wire.Message(kind=kind, session=session, step=step, tensors=tensors, meta=meta or {})
+        await asyncio.wait_for(stream.send(wire.encode(message)), self.config.message_timeout)
+
+    async def _recv(
+        self, stream: Stream, want: Kind, session: int | None, expected: Mapping[str, TensorSpec]
+    ) -> wire.Message:
+        limits = self.config.limits
+        data = await asyncio.wait_for(stream.recv(limits.max_message_bytes), self.config.message_timeout)
+        message = wire.decode(data, limits=limits, kinds={want, Kind.DECLINE, Kind.ABORT})
+        if message.kind == Kind.DECLINE:
+            raise Declined(str(message.meta.get("reason", "no reason given")))
+        if message.kind == Kind.ABORT:
+            raise ExchangeFailed(f"partner aborted: {message.meta.get('reason', 'no reason given')}")
+        if session is not None and message.session != session:
+            raise ExchangeFailed(f"message for session {message.session}, expected {session}")
+        wire.check_tensors(message.tensors, expected)
+        return message

@@ -1,0 +1,258 @@
+"""Framed byte streams between peers: libp2p streams for real, and an in-memory twin for tests.
+
+The exchange protocol sees only `Transport.open(peer_id)` → `Stream` and a handler given to
+`Transport.serve`; a `Stream` sends and receives whole frames (an 8-byte big-endian length, then
+the bytes). Every frame's length is checked against a cap *before* its body is read, so a hostile
+length prefix cannot make us allocate. Both transports count the bytes they move (`Traffic`).
+
+`InMemoryNetwork` connects `InMemoryTransport`s inside one event loop. It has hooks for faults:
+`before_send` may drop or alter a frame or crash a peer, and `crash(peer)` closes all of a peer's streams
+and cancels its handlers, as a SIGKILL would.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+from abc import ABC, abstractmethod
+from collections.abc import Awaitable, Callable
+from dataclasses import dataclass
+
+HEADER_LEN = 8
+BYTEORDER = "big"
+
+
+class StreamClosed(ConnectionError):
+    """The other side closed the stream or vanished."""
+
+
+class FrameTooLarge(ConnectionError):
+    """A frame's length prefix exceeds the cap; the stream is unusable afterwards."""
+
+
+@dataclass
+class Traffic:
+    bytes_sent: int = 0
+    bytes_received: int = 0
+
+
+class Stream(ABC):
+    def __init__(self, traffic: Traffic) -> None:
+        self.traffic = traffic
+        self.sent = 0
+        self.received = 0
+
+    async def send(self, data: bytes) -> None:
+        await self._send(data)
+        self.sent += HEADER_LEN + len(data)
+        self.traffic.bytes_sent += HEADER_LEN + len(data)
+
+    async def recv(self, max_bytes: int) -> bytes:
+        data = await self._recv(max_bytes)
+        self.received += HEADER_LEN + len(data)
+        self.traffic.bytes_received += HEADER_LEN + len(data)
+        return data
+
+    @abstractmethod
+    async def _send(self, data: bytes) -> None: ...
+
+    @abstractmethod
+    async def _recv(self, max_bytes: int) -> bytes: ...
+
+    @abstractmethod
+    async def close(self) -> None: ...
+
+
+Handler = Callable[[str, Stream], Awaitable[None]]
+
+
+class Transport(ABC):
+    peer_id: str
+    traffic: Traffic
+
+    @abstractmethod
+    async def open(self, peer_id: str) -> Stream:
+        """A stream to `peer_id`'s handler. Raises ConnectionError if it cannot be reached."""
+
+    @abstractmethod
+    async def serve(self, handler: Handler) -> None:
+        """Call `handler(remote_peer_id, stream)` for every incoming stream."""
+
+    @abstractmethod
+    async def close(self) -> None: ...
+
+
+# -- libp2p, through hivemind's P2P daemon ----------------------------------------------------------
+
+
+class P2PStream(Stream):
+    def __init__(self, reader: asyncio.StreamReader, writer: asyncio.StreamWriter, traffic: Traffic) -> None:
+        super().__init__(traffic)
+        self._reader = reader
+        self._writer = writer
+
+    async def _send(self, data: bytes) -> None:
+        try:
+            self._writer.write(len(data).to_bytes(HEADER_LEN, BYTEORDER))
+            self._writer.write(data)
+            await self._writer.drain()
+        except (OSError, RuntimeError) as e:
+            raise StreamClosed(f"send failed: {e}") from e
+
+    async def _recv(self, max_bytes: int) -> bytes:
+        try:
+            header = await self._reader.readexactly(HEADER_LEN)
+            length = int.from_bytes(header, BYTEORDER)
+            if length > max_bytes:
+                raise FrameTooLarge(f"frame of {length} bytes exceeds the {max_bytes}-byte cap")
+            return await self._reader.readexactly(length)
+        except asyncio.IncompleteReadError as e:
+            raise StreamClosed("stream closed by the other side") from e
+        except OSError as e:
+            raise StreamClosed(f"receive failed: {e}") from e
+
+    async def close(self) -> None:
+        with contextlib.suppress(Exception):
+            self._writer.close()
+
+
+class P2PTransport(Transport):
+    """Streams over a `hivemind.p2p.P2P` (e.g. `await dht.replicate_p2p()`), under one protocol name."""
+
+    def __init__(self, p2p, protocol: str) -> None:  # p2p: hivemind.p2p.P2P
+        self._p2p = p2p
+        self.protocol = protocol
+        self.peer_id = p2p.peer_id.to_base58()
+        self.traffic = Traffic()
+        self._serving = False
+
+    async def open(self, peer_id: str) -> Stream:
+        from hivemind.p2p import PeerID
+
+        try:
+            _, reader, writer = await self._p2p.call_binary_stream_handler(PeerID.from_base58(peer_id), self.protocol)
+        except Exception as e:  # p2pclient raises ControlFailure, ValueError, OSError, ...
+            raise ConnectionError(f"cannot open a stream to {peer_id[-8:]}: {e}") from e
+        return P2PStream(reader, writer, self.traffic)
+
+    async def serve(self, handler: Handler) -> None:
+        async def on_stream(info, reader, writer) -> None:
+            stream = P2PStream(reader, writer, self.traffic)
+            try:
+                await handler(info.peer_id.to_base58(), stream)
+            finally:
+                await stream.close()
+
+        await self._p2p.add_binary_stream_handler(self.protocol, on_stream)
+        self._serving = True
+
+    async def close(self) -> None:
+        if self._serving:
+            with contextlib.suppress(Exception):
+                await self._p2p.remove_binary_stream_handler(self.protocol)
+            self._serving = False
+
+
+# -- in memory, for unit tests ----------------------------------------------------------------------
+
+_EOF = object()
+
+
+class _MemoryStream(Stream):
+    def __init__(self, network: InMemoryNetwork, local: str, remote: str, traffic: Traffic) -> None:
+        super().__init__(traffic)
+        self.network, self.local, self.remote = network, local, remote
+        self.inbox: asyncio.Queue = asyncio.Queue()
+        self.peer: _MemoryStream | None = None
+        self.closed = False
+
+    async def _send(self, data: bytes) -> None:
+        if self.closed or self.peer is None or self.peer.closed:
+            raise StreamClosed("stream closed by the other side")
+        frame = await self.network.before_send(self.local, self.remote, bytes(data))
+        if frame is None:
+            return
+        if self.closed or self.peer.closed:
+            raise StreamClosed("stream closed by the other side")
+        self.peer.inbox.put_nowait(frame)
+
+    async def _recv(self, max_bytes: int) -> bytes:
+        if self.closed:
+            raise StreamClosed("stream is closed")
+        item = await self.inbox.get()
+        if item is _EOF:
+            self.closed = True
+            raise StreamClosed("stream closed by the other side")
+        if len(item) > max_bytes:
+            raise FrameTooLarge(f"frame of {len(item)} bytes exceeds the {max_bytes}-byte cap")
+        return item
+
+    async def close(self) -> None:
+        if not self.closed:
+            self.closed = True
+            if self.peer is not None and not self.peer.closed:
+                self.peer.inbox.put_nowait(_EOF)
+        self.network.streams.discard(self)
+
+
+async def _deliver(local: str, remote: str, frame: bytes) -> bytes | None:
+    return frame
+
+
+class InMemoryNetwork:
+    """A switchboard for `InMemoryTransport`s in one event loop, with fault hooks."""
+
+    def __init__(self) -> None:
+        self.handlers: dict[str, tuple[InMemoryTransport, Handler]] = {}
+        self.streams: set[_MemoryStream] = set()
+        self.tasks: dict[str, set[asyncio.Task]] = {}
+        # before_send(src, dst, frame) -> the frame to deliver (the same, or altered), or None to drop it;
+        # it may also call crash() to kill a peer mid-send
+        self.before_send: Callable[[str, str, bytes], Awaitable[bytes | None]] = _deliver
+
+    def transport(self, peer_id: str) -> InMemoryTransport:
+        return InMemoryTransport(self, peer_id)
+
+    async def crash(self, peer_id: str) -> None:
+        """Kill a peer: its handler is gone, its streams close, its running handlers are cancelled."""
+        self.handlers.pop(peer_id, None)
+        for stream in list(self.streams):
+            if stream.local == peer_id:
+                await stream.close()
+        tasks = self.tasks.pop(peer_id, set())
+        for task in tasks:
+            if task is not asyncio.current_task():
+                task.cancel()
+
+
+class InMemoryTransport(Transport):
+    def __init__(self, network: InMemoryNetwork, peer_id: str) -> None:
+        self.network = network
+        self.peer_id = peer_id
+        self.traffic = Traffic()
+
+    async def open(self, peer_id: str) -> Stream:
+        if peer_id not in self.network.handlers:
+            raise ConnectionError(f"cannot open a stream to {peer_id}: unreachable")
+        remote, handler = self.network.handlers[peer_id]
+        mine = _MemoryStream(self.network, self.peer_id, peer_id, self.traffic)
+        theirs = _MemoryStream(self.network, peer_id, self.peer_id, remote.traffic)
+        mine.peer, theirs.peer = theirs, mine
+        self.network.streams.update((mine, theirs))
+
+        async def run_handler() -> None:
+            try:
+                await handler(self.peer_id, theirs)
+            finally:
+                await theirs.close()
+
+        task = asyncio.get_running_loop().create_task(run_handler())
+        self.network.tasks.setdefault(peer_id, set()).add(task)
+        task.add_done_callback(lambda t: self.network.tasks.get(peer_id, set()).discard(t))
+        return mine
+
+    async def serve(self, handler: Handler) -> None:
+        self.network.handlers[self.peer_id] = (self, handler)
+
+    async def close(self) -> None:
+        self.network.handlers.pop(self.peer_id, None)

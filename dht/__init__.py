@@ -1,0 +1,47 @@
+"""Peer discovery and shared run records on a hivemind DHT. Knows nothing of torch or training.
+
+* ``addresses``  multiaddr and listen-host checks: ``parse_peer_multiaddr(s)``, ``parse_host``
+* ``identity``   the persistent key file that fixes a peer id: ``ensure_identity``, ``peer_id_of``
+* ``node``       start, join and stop a ``hivemind.DHT``: ``NodeConfig``, ``start_node``, ``stop_node``,
+  ``visible_addresses``
+* ``records``    typed, expiring, validated records under ``{run_id}:``: ``Announcement``, ``Metrics``,
+  ``RunRecord`` and ``RunRecords`` (blocking methods, each with an ``a_`` async twin)
+* ``heartbeat``  ``Heartbeat`` re-announces a peer on a thread until stopped, then withdraws it
+"""
+
+from .addresses import AddressError, parse_host, parse_peer_multiaddr, parse_peer_multiaddrs
+from .heartbeat import Heartbeat
+from .identity import IdentityError, ensure_identity, peer_id_of
+from .node import NodeConfig, NodeError, start_node, stop_node, visible_addresses
+from .records import (
+    PROTOCOL_VERSION,
+    Announcement,
+    Metrics,
+    PeerState,
+    RunRecord,
+    RunRecords,
+    validate_run_id,
+)
+
+__all__ = [
+    "PROTOCOL_VERSION",
+    "AddressError",
+    "Announcement",
+    "Heartbeat",
+    "IdentityError",
+    "Metrics",
+    "NodeConfig",
+    "NodeError",
+    "PeerState",
+    "RunRecord",
+    "RunRecords",
+    "ensure_identity",
+    "parse_host",
+    "parse_peer_multiaddr",
+    "parse_peer_multiaddrs",
+    "peer_id_of",
+    "start_node",
+    "stop_node",
+    "validate_run_id",
+    "visible_addresses",
+]

@@ -1,0 +1,83 @@
+"""Checks for the addresses a peer dials or listens on.
+
+A peer address is a libp2p multiaddr with a transport and the peer's id, such as
+``/ip4/203.0.113.5/tcp/31337/p2p/QmXyz...``. Everything is validated with the ``multiaddr``
+package and returned as a canonical ``str``: hivemind wants strings, not ``multiaddr.Multiaddr``.
+"""
+
+from __future__ import annotations
+
+import ipaddress
+from collections.abc import Iterable
+
+from multiaddr import Multiaddr
+
+__all__ = ["AddressError", "parse_host", "parse_peer_multiaddr", "parse_peer_multiaddrs"]
+
+_HOST_PROTOCOLS = frozenset({"ip4", "ip6", "dns", "dns4", "dns6"})
+_QUIC_PROTOCOLS = frozenset({"quic", "quic-v1"})
+_MAX_LENGTH = 300  # characters of an address or a reason quoted in an error
+
+
+class AddressError(ValueError):
+    """A bad peer address or listen host. ``str(e)`` is one line naming the address and why."""
+
+    def __init__(self, kind: str, text: object, reason: str) -> None:
+        super().__init__(f"bad {kind} {_shorten(repr(text))}: {_shorten(' '.join(reason.split()))}")
+
+
+def _shorten(line: str) -> str:
+    return line if len(line) <= _MAX_LENGTH else line[: _MAX_LENGTH - 3] + "..."
+
+
+def _transport_error(names: list[str]) -> str | None:
+    """Why these protocol names are not host/tcp/p2p or host/udp/quic/p2p, or None if they are."""
+    if not names or names[-1] != "p2p":
+        return "it must end with /p2p/<peer id>"
+    path = names[:-1]
+    if not path or path[0] not in _HOST_PROTOCOLS:
+        return "it must start with /ip4, /ip6, /dns, /dns4 or /dns6"
+    if path[1:] == ["tcp"] or (len(path) == 3 and path[1] == "udp" and path[2] in _QUIC_PROTOCOLS):
+        return None
+    return "the transport must be /tcp/<port> or /udp/<port>/quic-v1 (or /quic)"
+
+
+def parse_peer_multiaddr(text: str) -> str:
+    """Validate one peer multiaddr and return its canonical string form."""
+    if not isinstance(text, str):
+        raise AddressError("multiaddr", text, f"expected a str, got {type(text).__name__}")
+    stripped = text.strip()
+    if not stripped:
+        raise AddressError("multiaddr", text, "it is empty")
+    try:
+        maddr = Multiaddr(stripped)
+        values = [(proto.name, maddr.value_for_protocol(proto.code)) for proto in maddr.protocols()]
+    except Exception as e:  # the multiaddr package raises several unrelated types
+        raise AddressError("multiaddr", text, getattr(e, "message", None) or str(e) or type(e).__name__) from e
+
+    names = [name for name, _ in values]
+    reason = _transport_error(names)
+    if reason is None:
+        port = int(values[1][1])
+        if not 0 < port < 65536:
+            reason = f"port {port} is not in 1..65535"
+    if reason is not None:
+        raise AddressError("multiaddr", text, reason)
+    return str(maddr)
+
+
+def parse_peer_multiaddrs(texts: Iterable[str]) -> list[str]:
+    """Validate every address (all or nothing); return them canonical, de-duplicated, in order."""
+    if isinstance(texts, str):
+        raise AddressError("multiaddr list", texts, "expected a list of addresses, got one str")
+    return list(dict.fromkeys(parse_peer_multiaddr(text) for text in texts))
+
+
+def parse_host(host: str) -> str:
+    """Validate a literal IPv4 or IPv6 address to listen on; return its compressed form."""
+    if not isinstance(host, str):
+        raise AddressError("host", host, f"expected a str, got {type(host).__name__}")
+    try:
+        return str(ipaddress.ip_address(host.strip()))
+    except ValueError:
+        raise AddressError("host", host, "it must be a literal IPv4 or IPv6 address") from None

@@ -1,0 +1,177 @@
+"""Start, join and stop a ``hivemind.DHT`` node.
+
+A ``hivemind.DHT`` is a forked worker process that runs one ``p2pd`` child. ``start_node`` starts
+one from a validated ``NodeConfig`` and turns every start failure into ``NodeError``;
+``stop_node`` shuts it down and makes sure, by PID, that the worker and its ``p2pd`` are gone.
+"""
+
+from __future__ import annotations
+
+import ipaddress
+import math
+import os
+from dataclasses import dataclass
+from pathlib import Path
+
+import hivemind
+import psutil
+
+from .addresses import parse_host, parse_peer_multiaddrs
+from .identity import IdentityError, ensure_identity, peer_id_of
+
+__all__ = ["NodeConfig", "NodeError", "start_node", "stop_node", "visible_addresses"]
+
+_SOCKET_FLAG = "-listen=/unix"  # p2pd's control socket; hivemind names the client socket after it
+
+
+class NodeError(RuntimeError):
+    """A DHT node could not be started. ``str(e)`` is one line."""
+
+
+@dataclass(frozen=True, kw_only=True)
+class NodeConfig:
+    """Where a node listens, whom it joins, and which identity it uses. Checked when built."""
+
+    initial_peers: tuple[str, ...] = ()  # bootstrap multiaddrs with /p2p/<id>; empty starts a new DHT
+    host: str = "127.0.0.1"  # a literal IPv4/IPv6 address to listen on
+    port: int = 0  # 0 lets the OS choose
+    identity_path: str | None = None  # key file that fixes the peer id; created if missing
+    client_mode: bool = False  # a client-mode node can read and write but stores nothing for others
+    startup_timeout: float = 30.0  # seconds until the node must be ready
+
+    def __post_init__(self) -> None:
+        object.__setattr__(self, "initial_peers", tuple(parse_peer_multiaddrs(self.initial_peers)))
+        object.__setattr__(self, "host", parse_host(self.host))
+        if isinstance(self.port, bool) or not isinstance(self.port, int) or not 0 <= self.port <= 65535:
+            raise ValueError(f"port must be an int in 0..65535, got {self.port!r}")
+        if self.identity_path is not None:
+            object.__setattr__(self, "identity_path", os.fspath(self.identity_path))
+        if not isinstance(self.client_mode, bool):
+            raise ValueError(f"client_mode must be a bool, got {self.client_mode!r}")
+        timeout = self.startup_timeout
+        if isinstance(timeout, bool) or not isinstance(timeout, int | float) or not 0 < timeout < math.inf:
+            raise ValueError(f"startup_timeout must be a positive number of seconds, got {timeout!r}")
+
+    @property
+    def host_maddr(self) -> str:
+        family = "ip6" if ipaddress.ip_address(self.host).version == 6 else "ip4"
+        return f"/{family}/{self.host}/tcp/{self.port}"
+
+
+def start_node(config: NodeConfig) -> hivemind.DHT:
+    """Start a DHT node and block until it is ready; NodeError (one line) if it cannot start."""
+    if config.identity_path is not None:
+        _ensure_identity_not_taken(config.identity_path, config.initial_peers)
+    dht = hivemind.DHT(
+        initial_peers=list(config.initial_peers) or None,
+        start=False,
+        host_maddrs=[config.host_maddr],
+        nat_port_map=False,
+        identity_path=config.identity_path,
+        # hivemind's own check starts a second p2pd with NAT port mapping on; see the check above.
+        check_if_identity_free=False,
+        client_mode=config.client_mode,
+        startup_timeout=config.startup_timeout,
+    )
+    started = False
+    try:
+        dht.run_in_background(await_ready=True, timeout=config.startup_timeout)
+        started = True
+    except TimeoutError as e:
+        raise NodeError(f"DHT node on {config.host_maddr} was not ready in {config.startup_timeout:g} s") from e
+    except Exception as e:
+        reason = " ".join(str(e).split()) or type(e).__name__
+        raise NodeError(f"DHT node on {config.host_maddr} failed to start: {reason}") from e
+    finally:
+        if not started:
+            _reap(_processes_of(dht), timeout=5.0)
+    return dht
+
+
+def _ensure_identity_not_taken(identity_path: str, initial_peers: tuple[str, ...]) -> None:
+    """Create or check the key file, and refuse to join through a peer that has this identity.
+
+    That catches the usual mistake (a bootstrap node listed as its own initial peer) without
+    contacting anyone. Unlike hivemind's check, it cannot see the same key in use elsewhere.
+    """
+    try:
+        peer_id = peer_id_of(ensure_identity(identity_path))
+    except IdentityError as e:
+        raise NodeError(str(e)) from e
+    for address in initial_peers:
+        if address.endswith(f"/p2p/{peer_id}"):
+            raise NodeError(f"identity {identity_path!r} is already taken: initial peer {address} has its peer id")
+
+
+def visible_addresses(dht: hivemind.DHT) -> list[str]:
+    """The node's multiaddrs, each ending in /p2p/<id>; loopback ones first, otherwise in p2pd's order."""
+    addresses = list(dict.fromkeys(str(maddr) for maddr in dht.get_visible_maddrs()))
+    return sorted(addresses, key=lambda address: not _is_loopback(address))
+
+
+def stop_node(dht: hivemind.DHT, timeout: float = 10.0) -> None:
+    """Shut the node down; then terminate, by PID, whatever of its worker and p2pd is still running."""
+    processes = _processes_of(dht)
+    if dht.pid is not None and dht.is_alive():
+        dht.shutdown_timeout = timeout
+        dht.shutdown()
+    _reap(processes, timeout=timeout)
+
+
+def _is_loopback(address: str) -> bool:
+    parts = address.split("/")
+    try:
+        return parts[1] in ("ip4", "ip6") and ipaddress.ip_address(parts[2]).is_loopback
+    except (IndexError, ValueError):
+        return False
+
+
+def _processes_of(dht: hivemind.DHT) -> list[psutil.Process]:
+    """The DHT's worker process and its descendants (p2pd), found by PID while they are alive."""
+    if dht.pid is None:
+        return []
+    try:
+        worker = psutil.Process(dht.pid)
+        return [worker, *worker.children(recursive=True)]
+    except psutil.NoSuchProcess:
+        return []
+
+
+def _reap(processes: list[psutil.Process], timeout: float) -> None:
+    """Stop a DHT's processes (worker first in the list, then its p2pd) and remove p2pd's sockets.
+
+    p2pd goes first: a worker still waiting on it then fails and exits by itself. The worker is
+    signalled only if it has not exited within ``timeout``, because killing it while it holds one
+    of hivemind's process-shared MPFuture locks would hang every other DHT in this process family.
+    """
+    sockets = [path for process in processes for path in _socket_paths(process)]
+    _terminate(processes[1:], grace=0.0, timeout=timeout)
+    _terminate(processes[:1], grace=timeout, timeout=timeout)
+    for path in sockets:
+        path.unlink(missing_ok=True)
+
+
+def _terminate(processes: list[psutil.Process], grace: float, timeout: float) -> None:
+    """Wait ``grace`` seconds for the processes to exit; then SIGTERM, and after ``timeout``, SIGKILL."""
+    _, alive = psutil.wait_procs(processes, timeout=grace)
+    for signal_them in (psutil.Process.terminate, psutil.Process.kill):
+        for process in alive:
+            try:
+                signal_them(process)
+            except psutil.NoSuchProcess:
+                pass
+        _, alive = psutil.wait_procs(alive, timeout=timeout)
+
+
+def _socket_paths(process: psutil.Process) -> list[Path]:
+    """The unix sockets a p2pd process and its hivemind client use (hivemind leaves some behind)."""
+    try:
+        cmdline = process.cmdline()
+    except psutil.Error:
+        return []
+    for arg in cmdline:
+        if arg.startswith(_SOCKET_FLAG):
+            daemon_socket = Path(arg.removeprefix("-listen=").removeprefix("/unix"))
+            client_socket = daemon_socket.with_name(daemon_socket.name.replace("-p2pd-", "-p2pclient-"))
+            return [daemon_socket, client_socket]
+    return []

@@ -1,0 +1,305 @@
+"""Typed, expiring, validated records that a run keeps in the DHT, under the run's namespace.
+
+Keys (every one prefixed with the run id; a subkey per peer where peers write their own entry):
+
+* ``{run_id}:peers``   subkey peer id -> ``Announcement`` (``None`` is a withdrawal tombstone)
+* ``{run_id}:config``  ``RunRecord``, the run's flat training config
+* ``{run_id}:metrics`` subkey peer id -> ``Metrics``
+
+Every record expires. Values travel as plain msgpack (``model_dump(mode="json")``) and are
+validated again when read: readers skip malformed or expired entries and never raise on them.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import re
+from collections.abc import Callable
+from dataclasses import dataclass
+from enum import StrEnum
+from typing import Annotated, Any, Generic, TypeVar
+
+import hivemind
+from hivemind.utils import MPFuture
+from hivemind.utils.timed_storage import ValueWithExpiration, get_dht_time
+from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator, model_validator
+
+from .addresses import AddressError, parse_peer_multiaddr
+
+__all__ = [
+    "PROTOCOL_VERSION",
+    "Announcement",
+    "Metrics",
+    "PeerState",
+    "RunRecord",
+    "RunRecords",
+    "validate_run_id",
+]
+
+logger = logging.getLogger(__name__)
+
+PROTOCOL_VERSION = 1
+_RUN_ID = re.compile(r"[A-Za-z0-9_.-]{1,64}")
+_MAX_ADDRESSES = 32
+_MAX_CONFIG_ITEMS = 256
+
+T = TypeVar("T")
+Model = TypeVar("Model", bound=BaseModel)
+PeerId = Annotated[str, Field(min_length=1, max_length=128)]
+Count = Annotated[int, Field(ge=0)]
+
+
+def validate_run_id(run_id: str) -> str:
+    """Return ``run_id`` if it is 1-64 characters of [A-Za-z0-9_.-]; ValueError (one line) otherwise."""
+    if not isinstance(run_id, str) or not _RUN_ID.fullmatch(run_id):
+        raise ValueError(f"bad run id {run_id!r}: it must be 1-64 characters of A-Z a-z 0-9 _ . -")
+    return run_id
+
+
+class _Record(BaseModel):
+    model_config = ConfigDict(extra="forbid", frozen=True, strict=True, allow_inf_nan=False)
+
+
+class PeerState(StrEnum):
+    TRAINING = "training"  # taking inner steps; do not ask it to exchange now
+    READY = "ready"  # between inner phases; may be asked to exchange
+
+
+class Announcement(_Record):
+    """A live peer: where to reach it and how far along it is."""
+
+    peer_id: PeerId
+    addresses: list[str] = Field(max_length=_MAX_ADDRESSES)  # multiaddrs ending in /p2p/<peer_id>
+    step: Count
+    samples_per_second: float = Field(ge=0)
+    state: PeerState = Field(strict=False)  # accepts the wire value "ready" as well as PeerState.READY
+    version: int = Field(default=PROTOCOL_VERSION, ge=1)  # protocol version the peer speaks
+    client_mode: bool = False  # True: reachable only through relays or not at all
+
+    @field_validator("addresses")
+    @classmethod
+    def _addresses_parse(cls, addresses: list[str]) -> list[str]:
+        try:
+            return [parse_peer_multiaddr(address) for address in addresses]
+        except AddressError as e:
+            raise ValueError(str(e)) from None
+
+    @model_validator(mode="after")
+    def _addresses_name_this_peer(self) -> Announcement:
+        suffix = f"/p2p/{self.peer_id}"
+        for address in self.addresses:
+            if not address.endswith(suffix):
+                raise ValueError(f"address {address!r} does not end with {suffix}")
+        return self
+
+
+class Metrics(_Record):
+    """A peer's running totals, published for dashboards and benchmarks."""
+
+    peer_id: PeerId
+    step: Count
+    samples: Count
+    loss: float | None
+    exchanges_ok: Count
+    exchanges_failed: Count
+    bytes_sent: Count
+    bytes_received: Count
+
+
+class RunRecord(_Record):
+    """The run's training config (flat), published by the peer that created the run."""
+
+    run_id: str
+    config: dict[Annotated[str, Field(max_length=128)], str | int | float | bool | None] = Field(
+        max_length=_MAX_CONFIG_ITEMS
+    )
+    created_by: PeerId
+
+    @field_validator("run_id")
+    @classmethod
+    def _run_id_is_valid(cls, run_id: str) -> str:
+        return validate_run_id(run_id)
+
+
+@dataclass(frozen=True)
+class _Request(Generic[T]):
+    """One DHT request and how to turn its raw result into T: the one sync/async bridge.
+
+    ``start`` sends the request and returns hivemind's MPFuture. It runs only once the caller has
+    chosen how to wait, because an MPFuture can be awaited only on the loop running when it was made.
+    """
+
+    start: Callable[[], MPFuture]
+    finish: Callable[[Any], T]
+    timeout: float
+
+    def wait(self) -> T:
+        """Block for the result. Refused inside a running event loop, which it would stall."""
+        try:
+            asyncio.get_running_loop()
+        except RuntimeError:
+            pass
+        else:
+            raise RuntimeError("a blocking DHT call inside an event loop would stall it; await the a_ twin")
+        future = self.start()
+        try:
+            return self.finish(future.result(timeout=self.timeout))
+        except TimeoutError:
+            future.cancel()
+            raise
+
+    async def wait_async(self) -> T:
+        future = self.start()
+        try:
+            return self.finish(await asyncio.wait_for(_awaitable(future), self.timeout))
+        except (TimeoutError, asyncio.CancelledError):
+            future.cancel()
+            raise
+
+
+async def _awaitable(future: MPFuture) -> Any:
+    return await future
+
+
+class RunRecords:
+    """Read and write one run's records. Each blocking method has an ``a_`` twin for event loops."""
+
+    def __init__(
+        self,
+        dht: hivemind.DHT,
+        run_id: str,
+        *,
+        announce_ttl: float = 15.0,
+        metrics_ttl: float = 60.0,
+        config_ttl: float = 3600.0,
+        request_timeout: float = 30.0,
+    ) -> None:
+        for name, ttl in [("announce_ttl", announce_ttl), ("metrics_ttl", metrics_ttl), ("config_ttl", config_ttl)]:
+            if not ttl > 0:
+                raise ValueError(f"{name} must be positive, got {ttl!r}")
+        self.dht = dht
+        self.run_id = validate_run_id(run_id)
+        self.announce_ttl, self.metrics_ttl, self.config_ttl = announce_ttl, metrics_ttl, config_ttl
+        self.request_timeout = request_timeout
+        self.peers_key = f"{run_id}:peers"
+        self.config_key = f"{run_id}:config"
+        self.metrics_key = f"{run_id}:metrics"
+
+    # Requests: each builds one _Request; the public pairs below only choose how to wait for it.
+
+    def _store(self, key: str, value: Any, ttl: float, subkey: str | None = None) -> _Request[bool]:
+        def start() -> MPFuture:
+            return self.dht.store(key, value, get_dht_time() + ttl, subkey=subkey, return_future=True)
+
+        return _Request(start, bool, self.request_timeout)
+
+    def _get(self, key: str, finish: Callable[[Any], T]) -> _Request[T]:
+        # latest=True keeps searching past the first copy found, so subkeys held by different nodes merge.
+        return _Request(lambda: self.dht.get(key, latest=True, return_future=True), finish, self.request_timeout)
+
+    def _announce(self, a: Announcement) -> _Request[bool]:
+        return self._store(self.peers_key, a.model_dump(mode="json"), self.announce_ttl, subkey=a.peer_id)
+
+    def _withdraw(self, peer_id: str) -> _Request[bool]:
+        # Hivemind cannot delete. A subkey is replaced only by a later expiration, and now + ttl is
+        # later than that of any announcement made before now with the same ttl.
+        return self._store(self.peers_key, None, self.announce_ttl, subkey=peer_id)
+
+    def _peers(self) -> _Request[dict[str, Announcement]]:
+        return self._get(self.peers_key, lambda found: self._by_peer(found, Announcement))
+
+    def _publish_config(self, record: RunRecord) -> _Request[bool]:
+        if record.run_id != self.run_id:
+            raise ValueError(f"config is for run {record.run_id!r}, not {self.run_id!r}")
+        return self._store(self.config_key, record.model_dump(mode="json"), self.config_ttl)
+
+    def _fetch_config(self) -> _Request[RunRecord | None]:
+        return self._get(self.config_key, self._config)
+
+    def _publish_metrics(self, m: Metrics) -> _Request[bool]:
+        return self._store(self.metrics_key, m.model_dump(mode="json"), self.metrics_ttl, subkey=m.peer_id)
+
+    def _metrics(self) -> _Request[dict[str, Metrics]]:
+        return self._get(self.metrics_key, lambda found: self._by_peer(found, Metrics))
+
+    def announce(self, a: Announcement) -> bool:
+        return self._announce(a).wait()
+
+    async def a_announce(self, a: Announcement) -> bool:
+        return await self._announce(a).wait_async()
+
+    def withdraw(self, peer_id: str) -> bool:
+        return self._withdraw(peer_id).wait()
+
+    async def a_withdraw(self, peer_id: str) -> bool:
+        return await self._withdraw(peer_id).wait_async()
+
+    def peers(self) -> dict[str, Announcement]:
+        return self._peers().wait()
+
+    async def a_peers(self) -> dict[str, Announcement]:
+        return await self._peers().wait_async()
+
+    def publish_config(self, record: RunRecord) -> bool:
+        return self._publish_config(record).wait()
+
+    async def a_publish_config(self, record: RunRecord) -> bool:
+        return await self._publish_config(record).wait_async()
+
+    def fetch_config(self) -> RunRecord | None:
+        return self._fetch_config().wait()
+
+    async def a_fetch_config(self) -> RunRecord | None:
+        return await self._fetch_config().wait_async()
+
+    def publish_metrics(self, m: Metrics) -> bool:
+        return self._publish_metrics(m).wait()
+
+    async def a_publish_metrics(self, m: Metrics) -> bool:
+        return await self._publish_metrics(m).wait_async()
+
+    def metrics(self) -> dict[str, Metrics]:
+        return self._metrics().wait()
+
+    async def a_metrics(self) -> dict[str, Metrics]:
+        return await self._metrics().wait_async()
+
+    # Decoding: never raises on what other peers stored.
+
+    def _by_peer(self, found: ValueWithExpiration | None, model: type[Model]) -> dict[str, Model]:
+        if found is None:
+            return {}
+        if not isinstance(found.value, dict):
+            logger.debug("skipping %s: a %s, not a dict of subkeys", model.__name__, type(found.value).__name__)
+            return {}
+        now = get_dht_time()
+        records: dict[str, Model] = {}
+        for subkey, entry in found.value.items():
+            if entry.value is None or entry.expiration_time < now:
+                continue  # withdrawn or expired
+            record = _decode(model, entry.value, where=f"{model.__name__} under subkey {subkey!r}")
+            if record is not None and getattr(record, "peer_id", None) != subkey:
+                logger.debug("skipping %s under subkey %r: it names peer %r", model.__name__, subkey, record.peer_id)
+            elif record is not None:
+                records[subkey] = record
+        return records
+
+    def _config(self, found: ValueWithExpiration | None) -> RunRecord | None:
+        if found is None or found.expiration_time < get_dht_time():
+            return None
+        record = _decode(RunRecord, found.value, where=f"run config of {self.run_id!r}")
+        if record is not None and record.run_id != self.run_id:
+            logger.debug("skipping run config: it is for run %r, not %r", record.run_id, self.run_id)
+            return None
+        return record
+
+
+def _decode(model: type[Model], value: Any, where: str) -> Model | None:
+    """Validate a stored value against ``model``; None (and one debug line) if it does not fit."""
+    try:
+        return model.model_validate(value)
+    except ValidationError as e:
+        problems = "; ".join(f"{'.'.join(map(str, err['loc'])) or 'value'}: {err['msg']}" for err in e.errors())
+        logger.debug("skipping malformed %s: %s", where, " ".join(problems.split()))
+        return None

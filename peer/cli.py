@@ -1,0 +1,174 @@
+"""The `murmur` command: parse, build, run, and close in `finally`.
+
+    murmur bootstrap --run RUN             start a bootstrap node and print the join line
+    murmur join --initial-peers MADDR... --run RUN
+    murmur simulate --peers N --duration SECONDS --report PATH
+
+Every expected failure (a bad flag, address or config, an unreachable run) is one line on stderr
+and a non-zero exit code, never a traceback.
+"""
+
+from __future__ import annotations
+
+import argparse
+import logging
+import signal
+import sys
+import threading
+from pathlib import Path
+
+from averaging.protocol import ExchangeConfig
+from dht.addresses import AddressError
+from dht.identity import IdentityError
+from dht.node import NodeConfig, NodeError, start_node, stop_node, visible_addresses
+from dht.records import RunRecord, RunRecords
+from peer.config import ConfigError, TrainConfig
+from peer.runner import PeerError, PeerOptions, run_peer
+from peer.simulate import SimulationConfig, simulate
+
+EXPECTED_ERRORS = (AddressError, ConfigError, IdentityError, NodeError, PeerError, ValueError, OSError)
+
+
+class _Parser(argparse.ArgumentParser):
+    def error(self, message: str) -> None:  # one line, exit code 2
+        self.exit(2, f"{self.prog}: error: {message}\n")
+
+
+def _train_flags(parser: argparse.ArgumentParser) -> None:
+    group = parser.add_argument_group("run config (published to the DHT; joiners take it from there)")
+    defaults = TrainConfig()
+    group.add_argument("--model", default=defaults.model, help="model from the registry (default: %(default)s)")
+    group.add_argument("--seed", type=int, help=f"model init seed (default: {defaults.seed})")
+    group.add_argument("--batch-size", type=int, help=f"sequences per inner step (default: {defaults.batch_size})")
+    group.add_argument("--inner-steps", type=int, help=f"H, inner steps per round (default: {defaults.inner_steps})")
+    group.add_argument("--inner-lr", type=float, help=f"AdamW learning rate (default: {defaults.inner_lr})")
+    group.add_argument("--outer-lr", type=float, help=f"outer Nesterov learning rate (default: {defaults.outer_lr})")
+    group.add_argument("--rank", type=int, help=f"low-rank compression rank (default: {defaults.rank})")
+
+
+def _train_config(args: argparse.Namespace) -> TrainConfig:
+    return TrainConfig(model=args.model).with_overrides(
+        seed=args.seed, batch_size=args.batch_size, inner_steps=args.inner_steps,
+        inner_lr=args.inner_lr, outer_lr=args.outer_lr, rank=args.rank,
+    )  # fmt: skip
+
+
+def _node_flags(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument("--host", default="127.0.0.1", help="address to listen on (default: %(default)s)")
+    parser.add_argument("--port", type=int, default=0, help="TCP port, 0 picks a free one (default: %(default)s)")
+    parser.add_argument("--identity", help="key file that keeps this node's peer id across restarts")
+
+
+def build_parser() -> argparse.ArgumentParser:
+    parser = _Parser(prog="murmur", description="Decentralized training: gossip DiLoCo over a DHT.")
+    parser.add_argument("-v", "--verbose", action="store_true", help="log debug messages")
+    sub = parser.add_subparsers(dest="command", required=True, parser_class=_Parser)
+
+    boot = sub.add_parser("bootstrap", help="start a bootstrap node for a run and print the join line")
+    boot.add_argument("--run", required=True, help="run id, shared by every peer of the run")
+    _node_flags(boot)
+    _train_flags(boot)
+
+    join = sub.add_parser("join", help="join a run as a training peer")
+    join.add_argument("--initial-peers", nargs="+", required=True, metavar="MADDR", help="bootstrap multiaddrs")
+    join.add_argument("--run", required=True, help="run id")
+    join.add_argument("--duration", type=float, help="seconds to train (default: until Ctrl-C)")
+    join.add_argument("--out-dir", type=Path, help="folder for metrics.jsonl, report.json and anchor.pt")
+    join.add_argument("--data-seed", type=int, default=0, help="seed of this peer's data stream")
+    join.add_argument("--window", type=float, default=ExchangeConfig().window, help="seconds to look for a partner")
+    join.add_argument("--exchange-timeout", type=float, default=ExchangeConfig().exchange_timeout)
+    join.add_argument("--quiet", action="store_true", help="no per-round progress line")
+    _node_flags(join)
+
+    sim = sub.add_parser("simulate", help="run a bootstrap node and N peers on 127.0.0.1, then write a report")
+    sim.add_argument("--peers", type=int, default=4)
+    sim.add_argument("--duration", type=float, default=60.0, help="seconds each peer trains")
+    sim.add_argument("--report", type=Path, default=Path("report.json"))
+    sim.add_argument("--run", default="sim", help="run id")
+    sim.add_argument("--out-dir", type=Path, help="folder for the peers' logs (default: runs/RUN)")
+    _train_flags(sim)
+    return parser
+
+
+def _stop_on_signals(stop: threading.Event) -> None:
+    def handler(signum, frame) -> None:
+        if stop.is_set():
+            raise KeyboardInterrupt
+        stop.set()
+
+    signal.signal(signal.SIGTERM, handler)
+    signal.signal(signal.SIGINT, handler)
+
+
+def _bootstrap(args: argparse.Namespace) -> int:
+    config = _train_config(args)
+    dht = start_node(NodeConfig(host=args.host, port=args.port, identity_path=args.identity))
+    stop = threading.Event()
+    _stop_on_signals(stop)
+    try:
+        records = RunRecords(dht, args.run)
+        record = RunRecord(run_id=args.run, config=config.to_record(), created_by=dht.peer_id.to_base58())
+        print("murmur join --initial-peers " + " ".join(visible_addresses(dht)) + f" --run {args.run}", flush=True)
+        while not stop.is_set():
+            records.publish_config(record)
+            stop.wait(records.config_ttl / 3)
+    finally:
+        stop_node(dht)
+    return 0
+
+
+def _join(args: argparse.Namespace) -> int:
+    options = PeerOptions(
+        run_id=args.run,
+        node=NodeConfig(initial_peers=tuple(args.initial_peers), host=args.host, port=args.port,
+                        identity_path=args.identity),
+        exchange=ExchangeConfig(window=args.window, exchange_timeout=args.exchange_timeout),
+        data_seed=args.data_seed, duration=args.duration, out_dir=args.out_dir, verbose=not args.quiet,
+    )  # fmt: skip
+    stop = threading.Event()
+    _stop_on_signals(stop)
+    report = run_peer(options, stop)
+    print(
+        f"peer {report.peer_id[-8:]}: {report.steps} steps, eval loss {report.initial_eval_loss:.3f} -> "
+        f"{report.final_eval_loss:.3f}, exchanges {report.exchanges_ok} ok / {report.exchanges_failed} failed"
+    )
+    return 0
+
+
+def _simulate(args: argparse.Namespace) -> int:
+    config = SimulationConfig(
+        peers=args.peers, duration=args.duration, run_id=args.run, report=args.report,
+        out_dir=args.out_dir or Path("runs") / args.run, train=_train_config(args),
+    )  # fmt: skip
+    report = simulate(config)
+    losses = [(p.initial_eval_loss, p.final_eval_loss) for p in report.peers]
+    print(f"report written to {args.report}: {len(report.peers)}/{args.peers} peers reported")
+    for p in report.peers:
+        print(
+            f"  peer {p.peer_id[-8:]}: eval loss {p.initial_eval_loss:.3f} -> {p.final_eval_loss:.3f}, "
+            f"{p.exchanges_ok} exchanges ok, {p.exchanges_failed} failed, {p.bytes_sent / 1e6:.2f} MB sent"
+        )
+    if report.consensus_distance is not None:
+        print(f"  consensus distance {report.consensus_distance:.4f}")
+    return 0 if len(losses) == args.peers else 1
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = build_parser().parse_args(argv)
+    logging.basicConfig(
+        level=logging.DEBUG if args.verbose else logging.WARNING,
+        format="%(asctime)s %(name)s %(levelname)s %(message)s",
+    )
+    command = {"bootstrap": _bootstrap, "join": _join, "simulate": _simulate}[args.command]
+    try:
+        return command(args)
+    except EXPECTED_ERRORS as e:
+        print(f"murmur {args.command}: error: {e}", file=sys.stderr)
+        return 1
+    except KeyboardInterrupt:
+        print(f"murmur {args.command}: interrupted", file=sys.stderr)
+        return 130
+
+
+if __name__ == "__main__":
+    sys.exit(main())

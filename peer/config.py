@@ -1,0 +1,93 @@
+"""The run's training config: what every peer of a run must agree on.
+
+The bootstrap node publishes it on the DHT as the run record, so a volunteer needs only a
+bootstrap address and a run id. It travels as a flat dict of scalars; `from_record` checks every
+key and value, so a wrong or hostile record gets a one-line error instead of a crash later.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import math
+from dataclasses import dataclass
+from typing import Any
+
+from averaging.compression import LowRankConfig
+from peer.model import DEFAULT_MODEL, MODELS
+from peer.outer import OuterConfig
+
+
+class ConfigError(ValueError):
+    """A bad config value; str(e) is one line."""
+
+
+@dataclass(frozen=True, kw_only=True)
+class TrainConfig:
+    model: str = DEFAULT_MODEL
+    seed: int = 0  # model init, identical on every peer
+    batch_size: int = 16
+    inner_steps: int = 20  # H: local AdamW steps between exchanges
+    inner_lr: float = 2e-3
+    warmup_steps: int = 20
+    weight_decay: float = 0.01
+    grad_clip: float = 1.0
+    outer_lr: float = 0.7
+    outer_momentum: float = 0.9
+    rank: int = 4
+    consensus: bool = True
+    error_feedback: bool = True
+    solo_after: int = 4  # rounds without a partner before a peer takes an outer step alone
+    eval_batches: int = 8
+    heldout_fraction: float = 0.1
+
+    def __post_init__(self) -> None:
+        if self.model not in MODELS:
+            raise ConfigError(f"unknown model '{self.model}'; choose one of: {', '.join(MODELS)}")
+        for name in ("batch_size", "inner_steps", "rank", "eval_batches", "solo_after"):
+            if getattr(self, name) < 1:
+                raise ConfigError(f"{name} must be at least 1, got {getattr(self, name)}")
+        for name in ("inner_lr", "outer_lr", "grad_clip"):
+            value = getattr(self, name)
+            if not (math.isfinite(value) and value > 0):
+                raise ConfigError(f"{name} must be a positive finite number, got {value}")
+        if self.warmup_steps < 0 or self.weight_decay < 0:
+            raise ConfigError("warmup_steps and weight_decay must not be negative")
+        try:
+            self.outer()
+            self.compression()
+        except ValueError as e:
+            raise ConfigError(str(e)) from None
+
+    def outer(self) -> OuterConfig:
+        return OuterConfig(
+            lr=self.outer_lr,
+            momentum=self.outer_momentum,
+            consensus=self.consensus,
+            error_feedback=self.error_feedback,
+            solo_after=self.solo_after,
+        )
+
+    def compression(self) -> LowRankConfig:
+        return LowRankConfig(rank=self.rank, seed=self.seed)
+
+    def to_record(self) -> dict[str, Any]:
+        return dataclasses.asdict(self)
+
+    @classmethod
+    def from_record(cls, record: dict[str, Any]) -> TrainConfig:
+        fields = {f.name: f for f in dataclasses.fields(cls)}
+        unknown = sorted(set(record) - set(fields))
+        if unknown:
+            raise ConfigError(f"run config has unknown keys {unknown}: is this peer older than the run?")
+        values = {}
+        for name, value in record.items():
+            kind = type(getattr(cls(), name))
+            if kind is float and type(value) is int:
+                value = float(value)
+            if type(value) is not kind:
+                raise ConfigError(f"run config key '{name}' must be {kind.__name__}, got {value!r}")
+            values[name] = value
+        return cls(**values)
+
+    def with_overrides(self, **overrides: Any) -> TrainConfig:
+        return dataclasses.replace(self, **{k: v for k, v in overrides.items() if v is not None})

@@ -1,0 +1,87 @@
+"""What a peer and a swarm report: the per-round metrics log and the end-of-run report schema.
+
+A peer appends one JSON line per round to `metrics.jsonl` in its run folder (the simulator's
+live progress and later plots read it) and writes `report.json` when it stops. `murmur simulate`
+gathers the peers' reports into a `SwarmReport`. Both reports are pydantic models, so a reader
+gets a validated object or a one-line error.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+from collections.abc import Mapping
+from pathlib import Path
+
+import torch
+from pydantic import BaseModel, ConfigDict, Field
+
+
+class PeerReport(BaseModel):
+    model_config = ConfigDict(extra="forbid")
+
+    peer_id: str
+    steps: int = Field(ge=0)
+    rounds: int = Field(ge=0)
+    samples: int = Field(ge=0)
+    initial_eval_loss: float
+    final_eval_loss: float
+    exchanges_ok: int = Field(ge=0)
+    exchanges_failed: int = Field(ge=0)
+    exchanges_declined: int = Field(ge=0)
+    rounds_alone: int = Field(ge=0)
+    bytes_sent: int = Field(ge=0)
+    bytes_received: int = Field(ge=0)
+    compute_utilization: float = Field(ge=0, le=1)
+    wall_seconds: float = Field(ge=0)
+
+
+class SwarmReport(BaseModel):
+    model_config = ConfigDict(extra="forbid")
+
+    wall_seconds: float
+    dense_model_bytes: int
+    consensus_distance: float | None
+    peers: list[PeerReport]
+    run_id: str
+    config: dict
+
+
+class MetricsLog:
+    """Appends one JSON object per line; each line is flushed so readers see it at once."""
+
+    def __init__(self, path: Path) -> None:
+        path.parent.mkdir(parents=True, exist_ok=True)
+        self.path = path
+        self._file = path.open("a", encoding="utf-8")
+
+    def write(self, **record) -> None:
+        self._file.write(json.dumps(record, allow_nan=False) + "\n")
+        self._file.flush()
+
+    def close(self) -> None:
+        self._file.close()
+
+
+def read_metrics(path: Path) -> list[dict]:
+    """The records of a metrics log; a torn last line (a peer killed mid-write) is skipped."""
+    if not path.exists():
+        return []
+    records = []
+    for line in path.read_text(encoding="utf-8").splitlines():
+        try:
+            records.append(json.loads(line))
+        except json.JSONDecodeError:
+            continue
+    return records
+
+
+def consensus_distance(anchors: list[Mapping[str, torch.Tensor]]) -> float | None:
+    """max_i ‖φ_i − φ̄‖ / ‖φ̄‖ over the peers' anchors, every parameter flattened together."""
+    if not anchors:
+        return None
+    names = sorted(anchors[0])
+    flat = torch.stack([torch.cat([a[n].reshape(-1).double() for n in names]) for a in anchors])  # (peers, params)
+    mean = flat.mean(dim=0)
+    distance = max(float(torch.linalg.vector_norm(row - mean)) for row in flat)
+    return distance / max(float(torch.linalg.vector_norm(mean)), math.ulp(1.0))

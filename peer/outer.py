@@ -1,0 +1,120 @@
+"""The outer optimizer of gossip DiLoCo: what a peer offers to a round and how it applies the result.
+
+Per parameter the peer keeps its anchor φ (the model at its last outer step), an outer momentum m
+and an error-feedback residual e. After H inner steps, the model is θ and the round offers:
+
+    delta/NAME     M = (φ − θ) + e   paired by its sum ("mean"): the averaged pseudo-gradient
+    anchor/NAME    φ                  paired by its difference ("diff"): consensus on the anchor
+    momentum/NAME  m                  paired by its difference: consensus on the outer momentum
+
+With a partner's result, the averaged pseudo-gradient is d = mean(delta); the residual
+e ← M − own(delta) keeps what compression left out (no work lost); φ and m move halfway toward
+the partner along the shared subspace (x ← x + mean − own). Then Nesterov: m ← μ·m + d,
+φ ← φ − lr·(μ·m + d), and the model is reset to θ ← φ.
+
+Without a partner the round's work stays pending: no outer step, θ keeps training from where it
+is, and the next round's M holds every step since the last exchange. Only after `solo_after`
+lonely rounds in a row does the peer step alone (d = M, e ← 0), so a peer by itself still learns.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+from torch import nn
+
+from averaging.compression import ErrorFeedback, Mode
+from averaging.protocol import ExchangeResult, Offer
+
+
+@dataclass(frozen=True, kw_only=True)
+class OuterConfig:
+    lr: float = 0.7
+    momentum: float = 0.9
+    consensus: bool = True  # pull anchors and momenta together in every exchange
+    error_feedback: bool = True
+    solo_after: int = 4  # lonely rounds in a row before stepping alone
+
+    def __post_init__(self) -> None:
+        if not self.lr > 0 or not 0 <= self.momentum < 1:
+            raise ValueError(f"outer lr must be > 0 and momentum in [0, 1), got {self.lr} and {self.momentum}")
+        if self.solo_after < 1:
+            raise ValueError(f"solo_after must be at least 1, got {self.solo_after}")
+
+
+def offer_layout(model: nn.Module, config: OuterConfig) -> tuple[dict[str, tuple[int, ...]], dict[str, Mode]]:
+    """Names, shapes and pairing modes of every tensor a round offers."""
+    shapes: dict[str, tuple[int, ...]] = {}
+    modes: dict[str, Mode] = {}
+    groups: list[tuple[str, Mode]] = [("delta", "mean")]
+    if config.consensus:
+        groups += [("anchor", "diff"), ("momentum", "diff")]
+    for name, p in model.named_parameters():
+        for group, mode in groups:
+            shapes[f"{group}/{name}"] = tuple(p.shape)
+            modes[f"{group}/{name}"] = mode
+    return shapes, modes
+
+
+class OuterOptimizer:
+    def __init__(self, model: nn.Module, config: OuterConfig = OuterConfig()) -> None:
+        self.model = model
+        self.config = config
+        self.params = dict(model.named_parameters())
+        self.anchor = {n: p.detach().clone().float() for n, p in self.params.items()}
+        self.momentum = {n: torch.zeros_like(a) for n, a in self.anchor.items()}
+        self.error_feedback = ErrorFeedback()
+        self.shapes, self.modes = offer_layout(model, config)
+        self.step = 0  # outer steps taken
+        self.lonely_rounds = 0  # rounds in a row without a partner
+
+    @torch.no_grad()
+    def offer(self) -> Offer:
+        tensors = {}
+        for name, p in self.params.items():
+            tensors[f"delta/{name}"] = self.error_feedback.with_residual(name, self.anchor[name] - p.detach().float())
+            if self.config.consensus:
+                tensors[f"anchor/{name}"] = self.anchor[name]
+                tensors[f"momentum/{name}"] = self.momentum[name]
+        return Offer(step=self.step, tensors=tensors, modes=dict(self.modes))
+
+    @torch.no_grad()
+    def apply(self, offer: Offer, result: ExchangeResult | None) -> bool:
+        """The round's outer step, if it takes one (returns whether it did).
+
+        After a step the model is reset to the new anchor; a lonely round leaves everything as is.
+        """
+        if result is None:
+            self.lonely_rounds += 1
+            if self.lonely_rounds < self.config.solo_after:
+                return False
+        self.lonely_rounds = 0
+        mu, lr = self.config.momentum, self.config.lr
+        for name, p in self.params.items():
+            delta = offer.tensors[f"delta/{name}"]
+            if result is None:
+                d = delta
+                self.error_feedback.keep(name, None)
+            else:
+                proj = result.projections[f"delta/{name}"]
+                d = proj.mean
+                self.error_feedback.keep(name, delta - proj.own if self.config.error_feedback else None)
+                if self.config.consensus:
+                    for group, state in (("anchor", self.anchor), ("momentum", self.momentum)):
+                        pr = result.projections[f"{group}/{name}"]
+                        state[name] += pr.mean - pr.own
+            m = self.momentum[name]
+            m.mul_(mu).add_(d)
+            self.anchor[name] -= lr * (mu * m + d)
+            p.copy_(self.anchor[name])
+        self.step += 1
+        return True
+
+    def state_dict(self) -> dict:
+        return {
+            "step": self.step,
+            "anchor": {n: t.clone() for n, t in self.anchor.items()},
+            "momentum": {n: t.clone() for n, t in self.momentum.items()},
+            "error_feedback": self.error_feedback.state_dict(),
+        }

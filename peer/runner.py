@@ -1,0 +1,216 @@
+"""A volunteer peer on the real network: DHT node, P2P streams, heartbeat, training rounds, report.
+
+`run_peer` builds everything, trains until the deadline or a stop request, and tears everything
+down in `finally`: it withdraws its announcement, stops the averager and the event loop, and
+shuts down its DHT node and `p2pd`. What it writes goes into `out_dir`: `metrics.jsonl` (a line
+per round), `report.json` and `anchor.pt` (the final model, for the consensus distance).
+"""
+
+from __future__ import annotations
+
+import logging
+import threading
+import time
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import torch
+
+from averaging.compression import LowRankCompressor
+from averaging.partners import DHTPartners
+from averaging.protocol import ExchangeConfig, GossipAverager
+from averaging.transport import P2PTransport
+from averaging.wire import PROTOCOL_VERSION
+from dht.heartbeat import Heartbeat
+from dht.loop import LoopThread
+from dht.node import NodeConfig, start_node, stop_node, visible_addresses
+from dht.records import Announcement, Metrics, PeerState, RunRecords
+from peer.config import TrainConfig
+from peer.data import DataConfig, load_corpus
+from peer.metrics import MetricsLog, PeerReport
+from peer.trainer import NonFiniteLoss, Trainer
+
+logger = logging.getLogger("murmur.peer")
+
+
+class PeerError(RuntimeError):
+    """A peer could not start or join; str(e) is one line."""
+
+
+@dataclass(frozen=True, kw_only=True)
+class PeerOptions:
+    run_id: str
+    node: NodeConfig
+    exchange: ExchangeConfig = field(default_factory=ExchangeConfig)
+    data_seed: int = 0
+    duration: float | None = None  # seconds of training; None runs until stopped
+    out_dir: Path | None = None
+    config_wait: float = 20.0  # how long to look for the run's config on the DHT
+    eval_every: int = 5  # rounds between held-out evaluations in the metrics log
+    verbose: bool = False  # print a progress line every eval_every rounds
+
+
+def fetch_train_config(records: RunRecords, wait: float) -> TrainConfig:
+    deadline = time.monotonic() + wait
+    while True:
+        record = records.fetch_config()
+        if record is not None:
+            return TrainConfig.from_record(record.config)
+        if time.monotonic() >= deadline:
+            raise PeerError(f"run '{records.run_id}' has no config on the DHT: check the run id and the address")
+        time.sleep(0.5)
+
+
+class VolunteerPeer:
+    """One peer on the real network. `create()` starts it, `run()` trains, `close()` tears down."""
+
+    def __init__(self, options: PeerOptions, dht, trainer: Trainer, records: RunRecords) -> None:
+        self.options = options
+        self.dht = dht
+        self.trainer = trainer
+        self.records = records
+        self.peer_id = dht.peer_id.to_base58()
+        self.addresses = visible_addresses(dht)
+        self.state = PeerState.TRAINING
+        self.samples_per_second = 0.0
+        self.loop = LoopThread()
+        self.averager: GossipAverager | None = None
+        self.heartbeat: Heartbeat | None = None
+        self.metrics_log = MetricsLog(options.out_dir / "metrics.jsonl") if options.out_dir else None
+
+    @classmethod
+    def create(cls, options: PeerOptions) -> VolunteerPeer:
+        torch.set_num_threads(1)
+        dht = start_node(options.node)
+        peer = None
+        try:
+            records = RunRecords(dht, options.run_id)
+            config = fetch_train_config(records, options.config_wait)
+            corpus = load_corpus(DataConfig(heldout_fraction=config.heldout_fraction))
+            peer = cls(options, dht, Trainer(config, corpus, data_seed=options.data_seed), records)
+            peer.averager = peer.loop.run(peer._start_averager(), timeout=30)
+            peer.heartbeat = Heartbeat(records, peer.announcement).start()
+            return peer
+        except BaseException:
+            if peer is not None:
+                peer.close()
+            else:
+                stop_node(dht)
+            raise
+
+    async def _start_averager(self) -> GossipAverager:
+        p2p = await self.dht.replicate_p2p()
+        averager = GossipAverager(
+            P2PTransport(p2p, f"murmur/{self.options.run_id}/avg/{PROTOCOL_VERSION}"),
+            LowRankCompressor(self.trainer.config.compression()),
+            DHTPartners(self.records, self_id=self.peer_id, version=PROTOCOL_VERSION),
+            shapes=self.trainer.outer.shapes,
+            modes=self.trainer.outer.modes,
+            run_id=self.options.run_id,
+            config=self.options.exchange,
+            seed=self.options.data_seed,
+        )
+        await averager.start()
+        return averager
+
+    def announcement(self) -> Announcement:
+        return Announcement(
+            peer_id=self.peer_id,
+            addresses=self.addresses,
+            step=self.trainer.outer.step,
+            version=PROTOCOL_VERSION,
+            samples_per_second=self.samples_per_second,
+            state=self.state,
+        )
+
+    def _set_state(self, state: PeerState) -> None:
+        self.state = state
+        self.records.announce(self.announcement())
+
+    def run(self, stop: threading.Event) -> PeerReport:
+        """Train round after round until the deadline or `stop`; returns the peer's report."""
+        trainer, averager, options = self.trainer, self.averager, self.options
+        started = time.monotonic()
+        deadline = started + options.duration if options.duration is not None else float("inf")
+        initial_loss = eval_loss = trainer.evaluate()
+        rounds = 0
+        while not stop.is_set() and time.monotonic() < deadline:
+            round_start = time.monotonic()
+            try:
+                loss = trainer.inner_phase()
+            except NonFiniteLoss as e:
+                logger.warning("%s; round discarded", e)
+                continue
+            offer = trainer.outer.offer()
+            self._set_state(PeerState.READY)
+            result = self.loop.run(averager.average(offer))
+            self._set_state(PeerState.TRAINING)
+            trainer.finish_round(offer, result)
+            elapsed = max(1e-9, time.monotonic() - round_start)
+            self.samples_per_second = trainer.config.batch_size * trainer.config.inner_steps / elapsed
+            rounds += 1
+            if rounds % options.eval_every == 0:
+                eval_loss = trainer.evaluate()
+            self._log_round(rounds, loss, eval_loss, result)
+        return self._report(started, rounds, initial_loss)
+
+    def _log_round(self, rounds: int, loss: float, eval_loss: float, result) -> None:
+        stats, traffic, trainer = self.averager.stats, self.averager.transport.traffic, self.trainer
+        partner = result.partner if result else None
+        if self.metrics_log is not None:
+            self.metrics_log.write(
+                t=time.time(), round=rounds, step=trainer.steps, samples=trainer.samples, loss=loss,
+                eval_loss=eval_loss, exchanges_ok=stats.ok, exchanges_failed=stats.failed, partner=partner,
+                bytes_sent=traffic.bytes_sent, bytes_received=traffic.bytes_received,
+            )  # fmt: skip
+        self.records.publish_metrics(
+            Metrics(
+                peer_id=self.peer_id, step=trainer.steps, samples=trainer.samples, loss=loss,
+                exchanges_ok=stats.ok, exchanges_failed=stats.failed,
+                bytes_sent=traffic.bytes_sent, bytes_received=traffic.bytes_received,
+            )
+        )  # fmt: skip
+        if self.options.verbose and rounds % self.options.eval_every == 0:
+            print(
+                f"round {rounds} step {trainer.steps} loss {loss:.3f} eval {eval_loss:.3f} "
+                f"exchanges {stats.ok} ok / {stats.failed} failed, last partner {partner and partner[-8:]}",
+                flush=True,
+            )
+
+    def _report(self, started: float, rounds: int, initial_loss: float) -> PeerReport:
+        stats, traffic, trainer = self.averager.stats, self.averager.transport.traffic, self.trainer
+        wall = time.monotonic() - started
+        report = PeerReport(
+            peer_id=self.peer_id, steps=trainer.steps, rounds=rounds, samples=trainer.samples,
+            initial_eval_loss=initial_loss, final_eval_loss=trainer.evaluate(),
+            exchanges_ok=stats.ok, exchanges_failed=stats.failed, exchanges_declined=stats.declined,
+            rounds_alone=stats.alone, bytes_sent=traffic.bytes_sent, bytes_received=traffic.bytes_received,
+            compute_utilization=min(1.0, trainer.compute_seconds / max(wall, 1e-9)), wall_seconds=wall,
+        )  # fmt: skip
+        if self.options.out_dir is not None:
+            self.options.out_dir.mkdir(parents=True, exist_ok=True)
+            torch.save(trainer.outer.anchor, self.options.out_dir / "anchor.pt")
+            (self.options.out_dir / "report.json").write_text(report.model_dump_json(indent=2))
+        return report
+
+    def close(self) -> None:
+        """Withdraw, stop the averager (an exchange in flight ends first), the loop and the DHT node."""
+        if self.heartbeat is not None:
+            self.heartbeat.stop()  # also withdraws the announcement
+        if self.averager is not None:
+            try:
+                self.loop.run(self.averager.stop(), timeout=15)
+            except Exception as e:  # teardown goes on whatever happened
+                logger.warning("averager did not stop cleanly: %s", e)
+        self.loop.stop()
+        if self.metrics_log is not None:
+            self.metrics_log.close()
+        stop_node(self.dht)
+
+
+def run_peer(options: PeerOptions, stop: threading.Event | None = None) -> PeerReport:
+    peer = VolunteerPeer.create(options)
+    try:
+        return peer.run(stop or threading.Event())
+    finally:
+        peer.close()

@@ -1,0 +1,171 @@
+"""`murmur simulate`: a bootstrap node and N real peer processes on 127.0.0.1, then one report.
+
+Each peer is `python -m peer.cli join ...` in its own process group (its DHT worker and `p2pd`
+inherit the group), so the simulator can stop a peer and everything under it by PID: SIGTERM
+first, SIGKILL after a grace period. That happens in `finally`, on a normal end, an error or
+Ctrl-C alike. Progress comes from the peers' metrics logs; the report gathers their reports and
+the consensus distance of their final anchors.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import os
+import signal
+import subprocess
+import sys
+import time
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import torch
+from rich.console import Console
+from rich.live import Live
+from rich.table import Table
+
+from dht.node import NodeConfig, start_node, stop_node, visible_addresses
+from dht.records import RunRecord, RunRecords
+from peer.config import TrainConfig
+from peer.metrics import PeerReport, SwarmReport, consensus_distance, read_metrics
+from peer.model import build_model
+
+
+@dataclass(frozen=True, kw_only=True)
+class SimulationConfig:
+    peers: int = 4
+    duration: float = 60.0
+    run_id: str = "sim"
+    out_dir: Path = Path("runs/sim")
+    report: Path = Path("report.json")
+    train: TrainConfig = field(default_factory=TrainConfig)
+    startup_grace: float = 90.0  # time for a peer process to import, join and load its data
+    stop_grace: float = 15.0  # time between SIGTERM and SIGKILL
+
+    def __post_init__(self) -> None:
+        if not 1 <= self.peers <= 64:
+            raise ValueError(f"--peers must be between 1 and 64, got {self.peers}")
+        if not self.duration > 0:
+            raise ValueError(f"--duration must be positive, got {self.duration}")
+
+
+def _peer_command(config: SimulationConfig, index: int, maddrs: list[str]) -> list[str]:
+    return [
+        sys.executable, "-m", "peer.cli", "join",
+        "--initial-peers", *maddrs,
+        "--run", config.run_id,
+        "--duration", str(config.duration),
+        "--out-dir", str(config.out_dir / f"peer-{index}"),
+        "--data-seed", str(index + 1),
+        "--quiet",
+    ]  # fmt: skip
+
+
+def stop_processes(procs: list[subprocess.Popen], grace: float) -> None:
+    """SIGTERM each peer's process group, then SIGKILL whatever is left after `grace` seconds."""
+    for proc in procs:
+        if proc.poll() is None:
+            with contextlib.suppress(ProcessLookupError):
+                os.killpg(proc.pid, signal.SIGTERM)
+    deadline = time.monotonic() + grace
+    for proc in procs:
+        with contextlib.suppress(subprocess.TimeoutExpired):
+            proc.wait(timeout=max(0.0, deadline - time.monotonic()))
+    for proc in procs:  # the group may outlive its leader (a p2pd child): always sweep it
+        with contextlib.suppress(ProcessLookupError, PermissionError):
+            os.killpg(proc.pid, signal.SIGKILL)
+        with contextlib.suppress(subprocess.TimeoutExpired):
+            proc.wait(timeout=5)
+
+
+def _progress_table(config: SimulationConfig, elapsed: float) -> Table:
+    table = Table(title=f"murmur simulate: {config.peers} peers, {elapsed:.0f}/{config.duration:.0f} s")
+    for column in ("peer", "round", "step", "loss", "eval loss", "exchanges ok/failed", "sent"):
+        table.add_column(column, justify="right")
+    for i in range(config.peers):
+        records = read_metrics(config.out_dir / f"peer-{i}" / "metrics.jsonl")
+        if not records:
+            table.add_row(str(i), "starting", "", "", "", "", "")
+            continue
+        r = records[-1]
+        table.add_row(
+            str(i), str(r["round"]), str(r["step"]), f"{r['loss']:.3f}", f"{r['eval_loss']:.3f}",
+            f"{r['exchanges_ok']}/{r['exchanges_failed']}", f"{r['bytes_sent'] / 1e6:.2f} MB",
+        )  # fmt: skip
+    return table
+
+
+def simulate(config: SimulationConfig, console: Console | None = None) -> SwarmReport:
+    console = console or Console(stderr=True)
+    config.out_dir.mkdir(parents=True, exist_ok=True)
+    started = time.monotonic()
+    boot = start_node(NodeConfig())
+    procs: list[subprocess.Popen] = []
+    logs = []
+    try:
+        records = RunRecords(boot, config.run_id)
+        records.publish_config(
+            RunRecord(run_id=config.run_id, config=config.train.to_record(), created_by=boot.peer_id.to_base58())
+        )
+        maddrs = visible_addresses(boot)
+        env = {**os.environ, "HIVEMIND_LOGLEVEL": os.environ.get("HIVEMIND_LOGLEVEL", "ERROR")}
+        for i in range(config.peers):
+            log = (config.out_dir / f"peer-{i}.log").open("w")
+            logs.append(log)
+            procs.append(
+                subprocess.Popen(
+                    _peer_command(config, i, maddrs),
+                    stdout=log,
+                    stderr=subprocess.STDOUT,
+                    start_new_session=True,
+                    env=env,
+                )  # fmt: skip
+            )
+        _watch(config, procs, started, console)
+    finally:
+        stop_processes(procs, config.stop_grace)
+        for log in logs:
+            log.close()
+        stop_node(boot)
+    return _gather(config, time.monotonic() - started)
+
+
+def _watch(config: SimulationConfig, procs: list[subprocess.Popen], started: float, console: Console) -> None:
+    deadline = started + config.duration + config.startup_grace
+    with (
+        Live(console=console, refresh_per_second=1, transient=False)
+        if console.is_terminal
+        else (contextlib.nullcontext()) as live
+    ):
+        last_print = 0.0
+        while any(p.poll() is None for p in procs) and time.monotonic() < deadline:
+            elapsed = time.monotonic() - started
+            if live is not None:
+                live.update(_progress_table(config, elapsed))
+            elif elapsed - last_print >= 10:
+                console.print(_progress_table(config, elapsed))
+                last_print = elapsed
+            time.sleep(0.5)
+    failed = [i for i, p in enumerate(procs) if p.poll() not in (None, 0)]
+    if failed:
+        console.print(f"[red]peers {failed} exited with an error; see {config.out_dir}/peer-N.log[/red]")
+
+
+def _gather(config: SimulationConfig, wall: float) -> SwarmReport:
+    peers, anchors = [], []
+    for i in range(config.peers):
+        folder = config.out_dir / f"peer-{i}"
+        with contextlib.suppress(FileNotFoundError):
+            peers.append(PeerReport.model_validate_json((folder / "report.json").read_text()))
+            anchors.append(torch.load(folder / "anchor.pt", weights_only=True))
+    model = build_model(config.train.model, seed=config.train.seed)
+    report = SwarmReport(
+        wall_seconds=wall,
+        dense_model_bytes=sum(4 * p.numel() for p in model.parameters()),
+        consensus_distance=consensus_distance(anchors),
+        peers=peers,
+        run_id=config.run_id,
+        config=config.train.to_record(),
+    )
+    config.report.parent.mkdir(parents=True, exist_ok=True)
+    config.report.write_text(report.model_dump_json(indent=2))
+    return report

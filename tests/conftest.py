@@ -1,0 +1,36 @@
+"""Shared fixtures: every process a test starts is reaped by PID, p2pd daemons included."""
+
+from __future__ import annotations
+
+import os
+
+import psutil
+import pytest
+
+os.environ.setdefault("HIVEMIND_LOGLEVEL", "ERROR")
+os.environ.setdefault("GOLOG_LOG_LEVEL", "error")
+
+
+def reap_descendants(timeout: float = 5.0) -> list[int]:
+    """Terminate, then kill, every live descendant of this process. Returns the PIDs found."""
+    children = psutil.Process(os.getpid()).children(recursive=True)
+    for child in children:
+        try:
+            child.terminate()
+        except psutil.NoSuchProcess:
+            pass
+    _, alive = psutil.wait_procs(children, timeout=timeout)
+    for child in alive:
+        try:
+            child.kill()
+        except psutil.NoSuchProcess:
+            pass
+    psutil.wait_procs(alive, timeout=timeout)
+    return [child.pid for child in children]
+
+
+@pytest.fixture(autouse=True, scope="module")
+def reap_processes():
+    """After each test module, no process it started (DHT workers, p2pd, peers) is left running."""
+    yield
+    reap_descendants()

@@ -1,0 +1,79 @@
+"""The `murmur` command line: help screens and one-line errors, never a traceback."""
+
+import subprocess
+import sys
+
+import pytest
+
+from peer.cli import main
+from peer.config import ConfigError, TrainConfig
+
+
+@pytest.mark.parametrize("command", [[], ["bootstrap"], ["join"], ["simulate"]])
+def test_help_screens(command, capsys):
+    with pytest.raises(SystemExit) as exit_info:
+        main([*command, "--help"])
+    assert exit_info.value.code == 0
+    out = capsys.readouterr().out
+    assert out.startswith("usage: murmur")
+    for flag in {"bootstrap": ["--run", "--port"], "join": ["--initial-peers", "--run"],
+                 "simulate": ["--peers", "--duration", "--report"]}.get(command[0] if command else "", []):
+        assert flag in out  # fmt: skip
+
+
+@pytest.mark.parametrize(
+    ("argv", "needle"),
+    [
+        (["join", "--run", "r"], "--initial-peers"),
+        (["simulate", "--peers", "many"], "invalid int value"),
+        (["fly"], "invalid choice"),
+    ],
+)
+def test_bad_flags_exit_2_with_one_line(argv, needle, capsys):
+    with pytest.raises(SystemExit) as exit_info:
+        main(argv)
+    assert exit_info.value.code == 2
+    err = capsys.readouterr().err
+    assert needle in err and len(err.strip().splitlines()) == 1
+
+
+@pytest.mark.parametrize(
+    ("argv", "needle"),
+    [
+        (["join", "--initial-peers", "not-a-multiaddr", "--run", "r"], "not-a-multiaddr"),
+        (["join", "--initial-peers", "/ip4/127.0.0.1/tcp/1", "--run", "r"], "/p2p/"),
+        (["join", "--initial-peers", "/ip4/127.0.0.1/tcp/99999/p2p/QmXyz", "--run", "r"], "99999"),
+        (["simulate", "--rank", "0"], "rank must be at least 1"),
+        (["simulate", "--model", "gpt-huge"], "unknown model 'gpt-huge'"),
+        (["simulate", "--peers", "0"], "--peers must be between 1 and 64"),
+        (["simulate", "--inner-lr", "nan"], "inner_lr must be a positive finite number"),
+    ],
+)
+def test_bad_values_are_one_line_errors(argv, needle, capsys):
+    assert main(argv) == 1
+    err = capsys.readouterr().err
+    assert needle in err, err
+    assert len(err.strip().splitlines()) == 1 and "Traceback" not in err
+
+
+def test_console_entry_point_reports_a_bad_address_in_one_line():
+    done = subprocess.run(
+        [sys.executable, "-m", "peer.cli", "join", "--initial-peers", "/ip4/1.2.3/tcp/1", "--run", "r"],
+        capture_output=True, text=True, timeout=120,
+    )  # fmt: skip
+    assert done.returncode == 1
+    assert "Traceback" not in done.stderr and len(done.stderr.strip().splitlines()) == 1
+    assert "/ip4/1.2.3/tcp/1" in done.stderr
+
+
+def test_run_config_round_trips_and_rejects_hostile_records():
+    config = TrainConfig(rank=8, inner_steps=5)
+    assert TrainConfig.from_record(config.to_record()) == config
+    with pytest.raises(ConfigError, match="unknown keys"):
+        TrainConfig.from_record({**config.to_record(), "exec": "rm -rf /"})
+    with pytest.raises(ConfigError, match="must be int"):
+        TrainConfig.from_record({**config.to_record(), "rank": "4"})
+    with pytest.raises(ConfigError, match="must be int"):
+        TrainConfig.from_record({**config.to_record(), "rank": True})
+    with pytest.raises(ConfigError, match="unknown model"):
+        TrainConfig.from_record({**config.to_record(), "model": "../../etc/passwd"})

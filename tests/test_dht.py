@@ -1,0 +1,608 @@
+"""Tests for dht/: address, identity and schema checks offline; real hivemind DHT nodes on loopback (slow)."""
+
+from __future__ import annotations
+
+import asyncio
+import gc
+import math
+import os
+import socket
+import time
+import uuid
+from collections.abc import Callable, Iterator
+from pathlib import Path
+from typing import Any, TypeVar
+
+import msgpack
+import psutil
+import pytest
+from hivemind.utils import MPFuture
+from hivemind.utils.timed_storage import ValueWithExpiration, get_dht_time
+from pydantic import ValidationError
+
+from dht import (
+    AddressError,
+    Announcement,
+    Heartbeat,
+    IdentityError,
+    Metrics,
+    NodeConfig,
+    NodeError,
+    PeerState,
+    RunRecord,
+    RunRecords,
+    ensure_identity,
+    parse_host,
+    parse_peer_multiaddr,
+    parse_peer_multiaddrs,
+    peer_id_of,
+    start_node,
+    stop_node,
+    validate_run_id,
+    visible_addresses,
+)
+
+T = TypeVar("T")
+PEER = "QmNnooDu7bfjPFoTZYxMNLWUQJyrVwtbZg5gBMjTezGAJN"
+OTHER_PEER = "12D3KooWD3eckifWpRn9wQpMG9R9hX3sD158z7EqHWmweQAJU5SA"
+ADDRESS = f"/ip4/127.0.0.1/tcp/4001/p2p/{PEER}"
+
+
+def announcement(peer_id: str = PEER, **changes: Any) -> Announcement:
+    fields: dict[str, Any] = dict(
+        peer_id=peer_id,
+        addresses=[f"/ip4/127.0.0.1/tcp/4001/p2p/{peer_id}"],
+        step=3,
+        samples_per_second=12.5,
+        state=PeerState.READY,
+    )
+    return Announcement(**(fields | changes))
+
+
+def metrics(peer_id: str = PEER, **changes: Any) -> Metrics:
+    fields: dict[str, Any] = dict(
+        peer_id=peer_id,
+        step=10,
+        samples=640,
+        loss=2.5,
+        exchanges_ok=4,
+        exchanges_failed=1,
+        bytes_sent=1000,
+        bytes_received=900,
+    )
+    return Metrics(**(fields | changes))
+
+
+def wait_for(probe: Callable[[], T], done: Callable[[T], bool], timeout: float = 10.0) -> T:
+    """Poll ``probe`` until ``done`` holds for its value; fail the test at the deadline."""
+    deadline = time.monotonic() + timeout
+    while True:
+        value = probe()
+        if done(value):
+            return value
+        if time.monotonic() > deadline:
+            pytest.fail(f"condition not met within {timeout} s; last value: {value!r}")
+        time.sleep(0.05)
+
+
+def descendants() -> set[tuple[int, float]]:
+    """(pid, create time) of the live descendants of this test process that a DHT could have left.
+
+    torch_shm_manager is left out: torch starts it once per process, on hivemind's first MPFuture.
+    """
+    found = set()
+    for child in psutil.Process(os.getpid()).children(recursive=True):
+        try:
+            if child.name() != "torch_shm_manager":
+                found.add((child.pid, child.create_time()))
+        except psutil.NoSuchProcess:
+            pass
+    return found
+
+
+def closed_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+# ---------------------------------------------------------------- addresses
+
+
+@pytest.mark.parametrize(
+    ("text", "canonical"),
+    [
+        (ADDRESS, ADDRESS),
+        (f"  {ADDRESS}/ ", ADDRESS),
+        (f"/ip6/::1/tcp/31337/p2p/{OTHER_PEER}", f"/ip6/::1/tcp/31337/p2p/{OTHER_PEER}"),
+        (f"/dns4/boot.example.org/tcp/1/p2p/{PEER}", f"/dns4/boot.example.org/tcp/1/p2p/{PEER}"),
+        (f"/ip4/10.0.0.2/udp/9/quic-v1/p2p/{PEER}", f"/ip4/10.0.0.2/udp/9/quic-v1/p2p/{PEER}"),
+    ],
+)
+def test_good_multiaddrs_come_back_canonical(text: str, canonical: str) -> None:
+    assert parse_peer_multiaddr(text) == canonical
+
+
+@pytest.mark.parametrize(
+    "text",
+    [
+        "foo",
+        "",
+        "   ",
+        f"/ip4/999.1.1.1/tcp/1/p2p/{PEER}",
+        "/ip4/127.0.0.1/tcp/1",
+        f"/ip4/127.0.0.1/tcp/70000/p2p/{PEER}",
+        f"/ip4/127.0.0.1/tcp/0/p2p/{PEER}",
+        f"/ip4/127.0.0.1/udp/5/p2p/{PEER}",
+        f"/ip4/127.0.0.1/tcp/5/ws/p2p/{PEER}",
+        f"/p2p/{PEER}",
+        "/ip4/127.0.0.1/tcp/1/p2p/not-a-peer-id",
+        "/ip4/127.0.0.1/tcp/1/p2p/Qm\nnewline",
+        f"/unix/tmp/p2pd.sock/p2p/{PEER}",
+    ],
+)
+def test_bad_multiaddrs_raise_one_line_naming_the_address(text: str) -> None:
+    with pytest.raises(AddressError) as caught:
+        parse_peer_multiaddr(text)
+    message = str(caught.value)
+    assert "\n" not in message
+    assert message.startswith(f"bad multiaddr {text!r}: ")
+
+
+@pytest.mark.parametrize("value", [None, 4001, b"/ip4/127.0.0.1/tcp/1"])
+def test_non_string_multiaddr_is_an_address_error(value: Any) -> None:
+    with pytest.raises(AddressError, match="expected a str"):
+        parse_peer_multiaddr(value)
+
+
+def test_multiaddr_list_is_deduplicated_in_order_and_all_or_nothing() -> None:
+    second = f"/ip4/127.0.0.2/tcp/4001/p2p/{OTHER_PEER}"
+    assert parse_peer_multiaddrs([ADDRESS, second, ADDRESS + "/"]) == [ADDRESS, second]
+    assert parse_peer_multiaddrs([]) == []
+    with pytest.raises(AddressError, match="/ip4/127.0.0.1/tcp/1'"):
+        parse_peer_multiaddrs([ADDRESS, "/ip4/127.0.0.1/tcp/1"])
+    with pytest.raises(AddressError, match="expected a list"):
+        parse_peer_multiaddrs(ADDRESS)
+
+
+@pytest.mark.parametrize(
+    ("host", "canonical"),
+    [("127.0.0.1", "127.0.0.1"), ("0.0.0.0", "0.0.0.0"), (" ::1 ", "::1"), ("0:0::0:1", "::1")],
+)
+def test_good_hosts(host: str, canonical: str) -> None:
+    assert parse_host(host) == canonical
+
+
+@pytest.mark.parametrize("host", ["localhost", "999.0.0.1", "", "10.0.0.0/8", "/ip4/127.0.0.1", None])
+def test_bad_hosts(host: Any) -> None:
+    with pytest.raises(AddressError) as caught:
+        parse_host(host)
+    assert "\n" not in str(caught.value) and str(caught.value).startswith(f"bad host {host!r}")
+
+
+# ---------------------------------------------------------------- node config and run ids
+
+
+def test_node_config_validates_and_normalizes() -> None:
+    config = NodeConfig(initial_peers=(ADDRESS, ADDRESS + "/"), host="::1", identity_path=Path("/tmp/x.key"))
+    assert config.initial_peers == (ADDRESS,)
+    assert config.host_maddr == "/ip6/::1/tcp/0"
+    assert config.identity_path == "/tmp/x.key"
+    assert NodeConfig(port=31337).host_maddr == "/ip4/127.0.0.1/tcp/31337"
+
+
+@pytest.mark.parametrize(
+    ("changes", "error"),
+    [
+        (dict(initial_peers=("/ip4/127.0.0.1/tcp/1",)), AddressError),
+        (dict(host="localhost"), AddressError),
+        (dict(port=-1), ValueError),
+        (dict(port=65536), ValueError),
+        (dict(port=True), ValueError),
+        (dict(startup_timeout=0), ValueError),
+        (dict(startup_timeout=math.inf), ValueError),
+        (dict(client_mode="yes"), ValueError),
+    ],
+)
+def test_node_config_rejects(changes: dict[str, Any], error: type[Exception]) -> None:
+    with pytest.raises(error):
+        NodeConfig(**changes)
+
+
+@pytest.mark.parametrize("run_id", ["r", "run-1", "A_b.C-9", "x" * 64])
+def test_good_run_ids(run_id: str) -> None:
+    assert validate_run_id(run_id) == run_id
+
+
+@pytest.mark.parametrize("run_id", ["", "x" * 65, "a b", "a:b", "a/b", "rün", "a\n", None, 7])
+def test_bad_run_ids(run_id: Any) -> None:
+    with pytest.raises(ValueError, match="bad run id") as caught:
+        validate_run_id(run_id)
+    assert "\n" not in str(caught.value)
+    with pytest.raises(ValueError, match="bad run id"):
+        RunRecords(object(), run_id)  # type: ignore[arg-type]
+
+
+# ---------------------------------------------------------------- schemas
+
+
+def test_announcement_round_trips_through_msgpack() -> None:
+    a = announcement(samples_per_second=3)
+    wire = msgpack.unpackb(msgpack.packb(a.model_dump(mode="json")))
+    assert wire["state"] == "ready" and wire["version"] == 1
+    assert Announcement.model_validate(wire) == a
+
+
+@pytest.mark.parametrize(
+    "changes",
+    [
+        dict(step=-1),
+        dict(step="3"),
+        dict(step=3.0),
+        dict(step=True),
+        dict(samples_per_second=math.nan),
+        dict(samples_per_second=math.inf),
+        dict(samples_per_second=-0.5),
+        dict(samples_per_second="fast"),
+        dict(state="sleeping"),
+        dict(peer_id=""),
+        dict(peer_id=5),
+        dict(addresses="/ip4/127.0.0.1/tcp/1"),
+        dict(addresses=["/ip4/127.0.0.1/tcp/1"]),
+        dict(addresses=[f"/ip4/127.0.0.1/tcp/4001/p2p/{OTHER_PEER}"]),
+        dict(version=0),
+        dict(client_mode="no"),
+        dict(colour="blue"),
+    ],
+)
+def test_announcement_rejects(changes: dict[str, Any]) -> None:
+    with pytest.raises(ValidationError):
+        announcement(**changes)
+
+
+def test_records_are_frozen() -> None:
+    with pytest.raises(ValidationError):
+        announcement().step = 4  # type: ignore[misc]
+
+
+@pytest.mark.parametrize(
+    "changes",
+    [dict(loss=math.nan), dict(loss="low"), dict(bytes_sent=-1), dict(samples=1.5), dict(extra=1), dict(step=None)],
+)
+def test_metrics_reject(changes: dict[str, Any]) -> None:
+    with pytest.raises(ValidationError):
+        metrics(**changes)
+
+
+def test_metrics_allow_unknown_loss() -> None:
+    assert metrics(loss=None).loss is None
+
+
+def test_run_record_schema() -> None:
+    config = {"lr": 0.7, "steps": 500, "model": "tiny", "nesterov": True, "seed": None}
+    record = RunRecord(run_id="r1", config=config, created_by=PEER)
+    assert RunRecord.model_validate(msgpack.unpackb(msgpack.packb(record.model_dump(mode="json")))) == record
+    for bad in [
+        dict(run_id="bad id", config={}, created_by=PEER),
+        dict(run_id="r1", config={"nested": {"a": 1}}, created_by=PEER),
+        dict(run_id="r1", config={"lr": math.nan}, created_by=PEER),
+        dict(run_id="r1", config={str(i): i for i in range(300)}, created_by=PEER),
+        dict(run_id="r1", config={}, created_by=PEER, extra=True),
+    ]:
+        with pytest.raises(ValidationError):
+            RunRecord(**bad)
+
+
+# ---------------------------------------------------------------- RunRecords against an in-memory DHT
+
+
+class FakeDHT:
+    """Stands in for hivemind.DHT: answers get() from a dict and records store() calls."""
+
+    def __init__(self, found: dict[str, Any] | None = None) -> None:
+        self.found = found or {}
+        self.stores: list[tuple[str, Any, float, str | None]] = []
+
+    def store(self, key: str, value: Any, expiration_time: float, subkey: str | None = None, **_: Any) -> MPFuture:
+        msgpack.packb(value)  # what hivemind would do with it
+        self.stores.append((key, value, expiration_time, subkey))
+        return self._done(True)
+
+    def get(self, key: str, latest: bool = False, **_: Any) -> MPFuture:
+        assert latest, "RunRecords must ask for the latest value so subkeys from all nodes merge"
+        return self._done(self.found.get(key))
+
+    @staticmethod
+    def _done(value: Any) -> MPFuture:
+        future: MPFuture = MPFuture()
+        future.set_result(value)
+        return future
+
+
+def entry(value: Any, ttl: float = 30.0) -> ValueWithExpiration:
+    return ValueWithExpiration(value, get_dht_time() + ttl)
+
+
+def test_readers_skip_malformed_expired_and_withdrawn_entries() -> None:
+    good, other = announcement(), announcement(OTHER_PEER)
+    subkeys = {
+        PEER: entry(good.model_dump(mode="json")),
+        OTHER_PEER: entry(other.model_dump(mode="json"), ttl=-1.0),  # expired
+        "withdrawn": entry(None),
+        "wrong-types": entry(good.model_dump(mode="json") | {"step": "many", "peer_id": "wrong-types"}),
+        "not-a-dict": entry("hello"),
+        "someone-else": entry(good.model_dump(mode="json")),  # names PEER under another subkey
+        7: entry([1, 2, 3]),
+    }
+    records = RunRecords(FakeDHT({"r:peers": entry(subkeys)}), "r")  # type: ignore[arg-type]
+    assert records.peers() == {PEER: good}
+    assert RunRecords(FakeDHT({"r:peers": entry(b"plain")}), "r").peers() == {}  # type: ignore[arg-type]
+    assert RunRecords(FakeDHT(), "r").peers() == {}  # type: ignore[arg-type]
+    assert RunRecords(FakeDHT({"r:config": entry({"run_id": 1})}), "r").fetch_config() is None  # type: ignore[arg-type]
+    foreign = RunRecord(run_id="other", config={}, created_by=PEER).model_dump(mode="json")
+    assert RunRecords(FakeDHT({"r:config": entry(foreign)}), "r").fetch_config() is None  # type: ignore[arg-type]
+
+
+def test_writes_are_namespaced_expiring_and_plain() -> None:
+    dht = FakeDHT()
+    records = RunRecords(dht, "run-7", announce_ttl=5.0, metrics_ttl=6.0, config_ttl=7.0)  # type: ignore[arg-type]
+    before = get_dht_time()
+    assert records.announce(announcement())
+    assert records.withdraw(PEER)
+    assert records.publish_metrics(metrics())
+    assert records.publish_config(RunRecord(run_id="run-7", config={"lr": 0.1}, created_by=PEER))
+    with pytest.raises(ValueError, match="not 'run-7'"):
+        records.publish_config(RunRecord(run_id="run-8", config={}, created_by=PEER))
+    (k1, v1, e1, s1), (k2, v2, e2, s2), (k3, _, e3, s3), (k4, _, e4, s4) = dht.stores
+    assert (k1, s1, k2, v2, s2) == ("run-7:peers", PEER, "run-7:peers", None, PEER)
+    assert v1["state"] == "ready"
+    assert (k3, s3, k4, s4) == ("run-7:metrics", PEER, "run-7:config", None)
+    for expiration, ttl in [(e1, 5.0), (e2, 5.0), (e3, 6.0), (e4, 7.0)]:
+        assert before + ttl <= expiration <= get_dht_time() + ttl
+    assert e2 > e1, "a withdrawal must outlive the announcement it replaces"
+
+
+def test_async_twins_and_the_blocking_guard() -> None:
+    found = {"r:metrics": entry({PEER: entry(metrics().model_dump(mode="json"))})}
+    records = RunRecords(FakeDHT(found), "r")  # type: ignore[arg-type]
+
+    async def main() -> None:
+        assert await records.a_metrics() == {PEER: metrics()}
+        assert await records.a_announce(announcement())
+        assert await records.a_fetch_config() is None
+        with pytest.raises(RuntimeError, match="a_ twin"):
+            records.metrics()
+
+    asyncio.run(main())
+
+
+def test_heartbeat_beats_and_withdraws() -> None:
+    dht = FakeDHT()
+    records = RunRecords(dht, "r", announce_ttl=0.3)  # type: ignore[arg-type]
+    with Heartbeat(records, announcement, period=0.02) as heartbeat:
+        wait_for(lambda: heartbeat.beats, lambda beats: beats >= 3, timeout=5.0)
+    assert dht.stores[-1][1] is None and dht.stores[-1][3] == PEER
+    assert heartbeat.period == 0.02 and Heartbeat(records, announcement).period == pytest.approx(0.1)
+
+
+# ---------------------------------------------------------------- identity
+
+
+def test_ensure_identity_creates_once_and_keeps_it(tmp_path: Path) -> None:
+    path = tmp_path / "keys" / "nested" / "peer.key"
+    assert ensure_identity(path) == path
+    content, peer_id = path.read_bytes(), peer_id_of(path)
+    assert ensure_identity(str(path)) == path and path.read_bytes() == content
+    assert peer_id_of(path) == peer_id and peer_id.startswith("Qm")
+    assert list(path.parent.iterdir()) == [path], "no temporary file is left behind"
+
+
+@pytest.mark.parametrize("content", [b"", b"not a key at all", b"\x08\x00\x12\x03abc", bytes(range(256))])
+def test_corrupt_identity_raises(tmp_path: Path, content: bytes) -> None:
+    path = tmp_path / "peer.key"
+    path.write_bytes(content)
+    for call in (ensure_identity, peer_id_of):
+        with pytest.raises(IdentityError) as caught:
+            call(path)
+        assert "\n" not in str(caught.value) and str(path) in str(caught.value)
+
+
+def test_identity_path_must_be_a_readable_file(tmp_path: Path) -> None:
+    with pytest.raises(IdentityError, match="not a regular file"):
+        ensure_identity(tmp_path)
+    with pytest.raises(IdentityError, match="cannot be read"):
+        peer_id_of(tmp_path / "missing.key")
+
+
+# ---------------------------------------------------------------- real nodes on loopback
+
+
+@pytest.fixture(scope="module")
+def swarm() -> Iterator[list[Any]]:
+    """A bootstrap node and two nodes that joined through its visible addresses."""
+    nodes = []
+    try:
+        nodes.append(start_node(NodeConfig()))
+        initial_peers = tuple(visible_addresses(nodes[0]))
+        for _ in range(2):
+            nodes.append(start_node(NodeConfig(initial_peers=initial_peers, startup_timeout=15.0)))
+        yield nodes
+    finally:
+        for node in nodes:
+            stop_node(node)
+        # Free the nodes' MPFutures now: their torch shared memory must not outlive torch_shm_manager,
+        # which the conftest reaper kills when this module ends (freeing it later aborts the process).
+        nodes.clear()
+        gc.collect()
+
+
+def live_announcement(node: Any, **changes: Any) -> Announcement:
+    peer_id = node.peer_id.to_base58()
+    return announcement(peer_id, addresses=visible_addresses(node), **changes)
+
+
+def new_run() -> str:
+    return f"test-{uuid.uuid4().hex[:12]}"
+
+
+@pytest.mark.slow
+def test_visible_addresses_are_dialable_strings(swarm: list[Any]) -> None:
+    for node in swarm:
+        addresses = visible_addresses(node)
+        assert addresses and parse_peer_multiaddrs(addresses) == addresses
+        assert addresses[0].startswith("/ip4/127.0.0.1/tcp/")
+        assert all(address.endswith(f"/p2p/{node.peer_id.to_base58()}") for address in addresses)
+
+
+@pytest.mark.slow
+def test_joiners_see_each_other_and_withdraw(swarm: list[Any]) -> None:
+    boot, a, b = swarm
+    run = new_run()
+    records = {node: RunRecords(node, run) for node in swarm}
+    ann_a, ann_b = live_announcement(a), live_announcement(b, state=PeerState.TRAINING, step=0)
+    assert records[a].announce(ann_a) and records[b].announce(ann_b)
+    both = {ann_a.peer_id: ann_a, ann_b.peer_id: ann_b}
+    for node in swarm:
+        wait_for(records[node].peers, lambda peers: peers == both)
+
+    assert records[b].withdraw(ann_b.peer_id)
+    for node in swarm:
+        wait_for(records[node].peers, lambda peers: peers == {ann_a.peer_id: ann_a})
+
+
+@pytest.mark.slow
+def test_expired_announcement_disappears(swarm: list[Any]) -> None:
+    boot, a, b = swarm
+    run = new_run()
+    assert RunRecords(a, run, announce_ttl=1.0).announce(live_announcement(a))
+    reader = RunRecords(b, run)
+    wait_for(reader.peers, lambda peers: a.peer_id.to_base58() in peers)
+    wait_for(reader.peers, lambda peers: peers == {}, timeout=5.0)
+
+
+@pytest.mark.slow
+def test_malformed_values_in_the_dht_are_skipped(swarm: list[Any]) -> None:
+    boot, a, b = swarm
+    run = new_run()
+    records = RunRecords(b, run)
+    good = live_announcement(a)
+    assert RunRecords(a, run).announce(good)
+    expiration = get_dht_time() + 30
+    wrong_types = good.model_dump(mode="json") | {"peer_id": "mallory", "step": "lots", "addresses": 5}
+    assert a.store(records.peers_key, wrong_types, expiration, subkey="mallory")
+    assert a.store(records.peers_key, "not a dict", expiration, subkey="eve")
+    peers = wait_for(records.peers, lambda peers: good.peer_id in peers)
+    assert peers == {good.peer_id: good}
+
+    other = RunRecords(b, new_run())  # a plain (non-dictionary) value under a peers key
+    assert a.store(other.peers_key, [1, 2, 3], expiration)
+    assert other.peers() == {}
+
+
+@pytest.mark.slow
+def test_config_and_metrics_round_trip(swarm: list[Any]) -> None:
+    boot, a, b = swarm
+    run = new_run()
+    writer, reader = RunRecords(a, run), RunRecords(b, run)
+    assert reader.fetch_config() is None
+    record = RunRecord(run_id=run, config={"lr": 0.7, "inner_steps": 50, "model": "tiny"}, created_by=PEER)
+    assert writer.publish_config(record)
+    wait_for(reader.fetch_config, lambda found: found == record)
+
+    m = metrics(a.peer_id.to_base58(), loss=None)
+    assert writer.publish_metrics(m)
+    wait_for(reader.metrics, lambda found: found == {m.peer_id: m})
+
+
+@pytest.mark.slow
+def test_async_twins_on_a_real_node(swarm: list[Any]) -> None:
+    boot, a, b = swarm
+    run = new_run()
+    writer, reader = RunRecords(a, run), RunRecords(b, run)
+    ann = live_announcement(a)
+
+    async def main() -> dict[str, Announcement]:
+        assert await writer.a_announce(ann)
+        deadline = time.monotonic() + 10
+        while (peers := await reader.a_peers()) != {ann.peer_id: ann} and time.monotonic() < deadline:
+            await asyncio.sleep(0.05)
+        return peers
+
+    assert asyncio.run(main()) == {ann.peer_id: ann}
+
+
+@pytest.mark.slow
+def test_heartbeat_on_a_real_node(swarm: list[Any]) -> None:
+    boot, a, b = swarm
+    run = new_run()
+    reader = RunRecords(b, run)
+    ann = live_announcement(a)
+    with Heartbeat(RunRecords(a, run, announce_ttl=1.0), lambda: ann) as heartbeat:
+        wait_for(reader.peers, lambda peers: peers == {ann.peer_id: ann})
+        wait_for(lambda: heartbeat.beats, lambda beats: beats >= 4)  # well past one ttl
+        assert reader.peers() == {ann.peer_id: ann}
+    wait_for(reader.peers, lambda peers: peers == {}, timeout=3.0)
+
+
+@pytest.mark.slow
+def test_identity_survives_restarts_and_cannot_be_shared(tmp_path: Path) -> None:
+    key = tmp_path / "boot.key"
+    config = NodeConfig(identity_path=str(key))
+    first = start_node(config)
+    content = key.read_bytes()
+    try:
+        peer_id = first.peer_id.to_base58()
+        assert peer_id == peer_id_of(key)
+        with pytest.raises(NodeError, match="already taken") as caught:
+            start_node(NodeConfig(identity_path=str(key), initial_peers=tuple(visible_addresses(first))))
+        assert "\n" not in str(caught.value)
+        key.chmod(0o600)
+        key.write_bytes(b"garbage")
+        with pytest.raises(NodeError, match="not a libp2p RSA private key"):
+            start_node(config)
+        key.write_bytes(content)
+    finally:
+        stop_node(first)
+    second = start_node(config)
+    try:
+        assert second.peer_id.to_base58() == peer_id
+    finally:
+        stop_node(second)
+
+
+@pytest.mark.slow
+def test_unreachable_initial_peer_is_a_node_error(tmp_path: Path) -> None:
+    before = descendants()
+    nobody = peer_id_of(ensure_identity(tmp_path / "nobody.key"))
+    refused = f"/ip4/127.0.0.1/tcp/{closed_port()}/p2p/{nobody}"
+    with socket.socket() as silent:  # accepts TCP connections and then never says a word
+        silent.bind(("127.0.0.1", 0))
+        silent.listen()
+        mute = f"/ip4/127.0.0.1/tcp/{silent.getsockname()[1]}/p2p/{nobody}"
+        for address, timeout in [(refused, 10.0), (mute, 1.5)]:
+            started = time.monotonic()
+            with pytest.raises(NodeError) as caught:
+                start_node(NodeConfig(initial_peers=(address,), startup_timeout=timeout))
+            assert time.monotonic() - started < timeout + 6.0
+            assert "\n" not in str(caught.value)
+    assert descendants() <= before
+
+
+@pytest.mark.slow
+def test_stop_node_leaves_no_processes_or_sockets() -> None:
+    before = descendants()
+    node = start_node(NodeConfig())
+    worker = psutil.Process(node.pid)
+    processes = [worker, *worker.children(recursive=True)]
+    assert any(process.name() == "p2pd" for process in processes)
+    sockets = [
+        Path(arg.removeprefix("-listen=/unix"))
+        for process in processes
+        for arg in process.cmdline()
+        if arg.startswith("-listen=/unix")
+    ]
+    assert sockets and all(path.exists() for path in sockets)
+    stop_node(node)
+    assert not any(process.is_running() for process in processes)
+    assert not any(path.exists() for path in sockets)
+    assert descendants() <= before

@@ -1,0 +1,178 @@
+"""The gossip exchange over the in-memory transport: the same protocol code the real peers run."""
+
+import asyncio
+
+import pytest
+import torch
+
+from averaging import wire
+from averaging.compression import LowRankCompressor, LowRankConfig
+from averaging.partners import StaticPartners
+from averaging.protocol import ExchangeConfig, GossipAverager, Offer
+from averaging.transport import InMemoryNetwork
+
+SHAPES = {"delta/w": (24, 16), "delta/b": (16,), "anchor/w": (24, 16)}
+MODES = {"delta/w": "mean", "delta/b": "mean", "anchor/w": "diff"}
+FAST = ExchangeConfig(window=1.0, exchange_timeout=2.0, message_timeout=0.5, poll_interval=0.05)
+
+
+def make_offer(seed: int, step: int = 0) -> Offer:
+    g = torch.Generator().manual_seed(seed)
+    return Offer(step=step, tensors={n: torch.randn(s, generator=g) for n, s in SHAPES.items()}, modes=dict(MODES))
+
+
+def make_averager(network, name, partners, config=FAST, run_id="r", rank=4):
+    return GossipAverager(
+        network.transport(name),
+        LowRankCompressor(LowRankConfig(rank=rank)),
+        StaticPartners(partners),
+        shapes=SHAPES,
+        modes=MODES,
+        run_id=run_id,
+        config=config,
+        seed=hash(name) % 1000,
+    )
+
+
+async def started(*averagers):
+    for a in averagers:
+        await a.start()
+    return averagers
+
+
+def test_two_ready_peers_exchange_and_agree_on_the_mean():
+    async def main():
+        net = InMemoryNetwork()
+        a, b = await started(make_averager(net, "A", ["B"]), make_averager(net, "B", []))
+        ra, rb = await asyncio.gather(a.average(make_offer(1)), b.average(make_offer(2)))
+        return a, b, ra, rb
+
+    a, b, ra, rb = asyncio.run(main())
+    assert ra is not None and rb is not None
+    assert (ra.partner, rb.partner, ra.initiator, rb.initiator) == ("B", "A", True, False)
+    for name in SHAPES:
+        assert torch.equal(ra.projections[name].mean, rb.projections[name].mean)
+    # dense tensors are averaged exactly up to their fp16 wire precision
+    expected = (make_offer(1).tensors["delta/b"] + make_offer(2).tensors["delta/b"]) / 2
+    torch.testing.assert_close(ra.projections["delta/b"].mean, expected, atol=2e-3, rtol=2e-3)
+    assert (a.stats.ok, b.stats.ok, a.stats.failed, b.stats.failed) == (1, 1, 0, 0)
+    assert ra.bytes_sent == rb.bytes_received > 0
+    assert a.transport.traffic.bytes_sent == ra.bytes_sent == b.transport.traffic.bytes_received
+    assert a.transport.traffic.bytes_received == b.transport.traffic.bytes_sent > rb.bytes_sent  # + the ACK
+
+
+def test_lone_peer_steps_alone_after_the_window():
+    async def main():
+        net = InMemoryNetwork()
+        (a,) = await started(make_averager(net, "A", []))
+        loop = asyncio.get_running_loop()
+        t0 = loop.time()
+        result = await a.average(make_offer(1))
+        return a, result, loop.time() - t0
+
+    a, result, elapsed = asyncio.run(main())
+    assert result is None and a.stats.alone == 1
+    assert FAST.window <= elapsed < FAST.window + 0.5
+
+
+def test_busy_or_unready_partner_declines_and_nothing_is_applied():
+    async def main():
+        net = InMemoryNetwork()
+        a, _ = await started(make_averager(net, "A", ["B"]), make_averager(net, "B", []))
+        return a, await a.average(make_offer(1))  # B never calls average(): it is still training
+
+    a, result = asyncio.run(main())
+    assert result is None
+    assert a.stats.declined >= 1 and a.stats.ok == 0 and a.stats.failed == 0
+
+
+def test_incompatible_partner_is_declined():
+    async def main():
+        net = InMemoryNetwork()
+        a = make_averager(net, "A", ["B"])
+        b = make_averager(net, "B", [], rank=2)  # different compression settings: different signature
+        await started(a, b)
+        return await asyncio.gather(a.average(make_offer(1)), b.average(make_offer(2)))
+
+    ra, rb = asyncio.run(main())
+    assert ra is None and rb is None
+
+
+KINDS_BY_SENDER = [
+    ("A", wire.Kind.REQUEST),
+    ("B", wire.Kind.ACCEPT),
+    ("A", wire.Kind.PHASE1),
+    ("B", wire.Kind.PHASE2),
+    ("A", wire.Kind.COMMIT),
+    ("B", wire.Kind.ACK),
+]
+
+
+@pytest.mark.parametrize(("victim", "kind"), KINDS_BY_SENDER, ids=[k.name for _, k in KINDS_BY_SENDER])
+def test_partner_vanishing_mid_exchange_leaves_the_survivor_unchanged(victim, kind):
+    """Kill one side just as it would send `kind`: the survivor applies nothing, within a bound."""
+
+    async def main():
+        net = InMemoryNetwork()
+        a, b = await started(make_averager(net, "A", ["B"]), make_averager(net, "B", []))
+        survivor = b if victim == "A" else a
+        warm_before = {n: q.clone() for n, q in survivor.compressor.state_dict().items()}
+
+        async def before_send(src, dst, frame):
+            if src == victim and wire.decode(frame).kind == kind:
+                await net.crash(victim)
+                return None
+            return frame
+
+        net.before_send = before_send
+        loop = asyncio.get_running_loop()
+        t0 = loop.time()
+        task_a = asyncio.create_task(a.average(make_offer(1)))
+        task_b = asyncio.create_task(b.average(make_offer(2)))
+        survivor_task = task_b if victim == "A" else task_a
+        result = await survivor_task
+        elapsed = loop.time() - t0
+        for task in (task_a, task_b):
+            task.cancel()
+        await asyncio.gather(task_a, task_b, return_exceptions=True)
+        return survivor, result, elapsed, warm_before
+
+    survivor, result, elapsed, warm_before = asyncio.run(main())
+    assert result is None, "the survivor must not apply a half-finished exchange"
+    assert survivor.stats.ok == 0
+    assert elapsed < FAST.window + FAST.exchange_timeout + 1.0
+    after = survivor.compressor.state_dict()
+    assert after.keys() == warm_before.keys() and all(torch.equal(after[n], warm_before[n]) for n in after)
+
+
+def test_garbage_from_a_partner_aborts_only_that_exchange():
+    async def main():
+        net = InMemoryNetwork()
+        a, b = await started(make_averager(net, "A", ["B"]), make_averager(net, "B", []))
+
+        async def truncate_phase2(src, dst, frame):
+            return frame[: len(frame) // 2] if wire.decode(frame).kind == wire.Kind.PHASE2 else frame
+
+        net.before_send = truncate_phase2
+        return await asyncio.gather(a.average(make_offer(1)), b.average(make_offer(2))), a, b
+
+    (ra, rb), a, b = asyncio.run(main())
+    assert ra is None and rb is None
+    assert a.stats.failed >= 1 and "malformed" in (a.stats.last_error or "")
+    assert b.stats.failed >= 1  # B was told to abort, or timed out waiting for the commit
+
+
+def test_many_peers_pair_up_in_one_round():
+    async def main():
+        net = InMemoryNetwork()
+        names = [f"P{i}" for i in range(6)]
+        averagers = [make_averager(net, n, [m for m in names if m != n]) for n in names]
+        await started(*averagers)
+        results = await asyncio.gather(*(a.average(make_offer(i)) for i, a in enumerate(averagers)))
+        return names, results
+
+    names, results = asyncio.run(main())
+    paired = [r for r in results if r is not None]
+    assert len(paired) >= 4
+    partners = {n: r.partner for n, r in zip(names, results, strict=True) if r is not None}
+    assert all(partners[p] == n for n, p in partners.items())  # pairs are mutual

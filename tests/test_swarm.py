@@ -1,0 +1,137 @@
+"""Real peers on loopback: hivemind DHT nodes, p2pd daemons, libp2p streams, and `murmur simulate`."""
+
+import asyncio
+import contextlib
+import json
+import os
+import subprocess
+import sys
+import uuid
+
+import psutil
+import pytest
+import torch
+
+from averaging.compression import LowRankCompressor, LowRankConfig
+from averaging.partners import DHTPartners
+from averaging.protocol import ExchangeConfig, GossipAverager, Offer
+from averaging.transport import P2PTransport
+from averaging.wire import PROTOCOL_VERSION
+from dht.loop import LoopThread
+from dht.node import NodeConfig, start_node, stop_node, visible_addresses
+from dht.records import Announcement, PeerState, RunRecords
+from peer.metrics import consensus_distance
+
+pytestmark = pytest.mark.slow
+
+RUN = "swarm-test"
+SHAPES = {"anchor/w": (32, 24), "anchor/b": (24,)}
+MODES = {"anchor/w": "diff", "anchor/b": "diff"}
+
+
+@pytest.fixture
+def three_nodes():
+    nodes = [start_node(NodeConfig())]
+    try:
+        for _ in range(2):
+            nodes.append(start_node(NodeConfig(initial_peers=tuple(visible_addresses(nodes[0])))))
+        yield nodes
+    finally:
+        for node in nodes:
+            stop_node(node)
+
+
+@pytest.fixture
+def loop():
+    thread = LoopThread()
+    yield thread
+    thread.stop()
+
+
+def test_three_real_peers_reach_consensus(three_nodes, loop):
+    g = torch.Generator().manual_seed(0)
+    base = torch.randn(32, 24, generator=g)
+    # Each peer starts elsewhere: a rank-2 offset on the matrix, a dense offset on the vector.
+    states = [
+        {"anchor/w": base + torch.randn(32, 2, generator=g) @ torch.randn(2, 24, generator=g),
+         "anchor/b": torch.randn(24, generator=g)}
+        for _ in three_nodes
+    ]  # fmt: skip
+    records = [RunRecords(node, RUN) for node in three_nodes]
+    ids = [node.peer_id.to_base58() for node in three_nodes]
+    config = ExchangeConfig(window=1.5, exchange_timeout=5.0, message_timeout=3.0)
+
+    async def build(i):
+        transport = P2PTransport(await three_nodes[i].replicate_p2p(), f"murmur/{RUN}/avg/test")
+        averager = GossipAverager(
+            transport, LowRankCompressor(LowRankConfig(rank=4)),
+            DHTPartners(records[i], self_id=ids[i], version=PROTOCOL_VERSION),
+            shapes=SHAPES, modes=MODES, run_id=RUN, config=config, seed=i,
+        )  # fmt: skip
+        await averager.start()
+        return averager
+
+    averagers = [loop.run(build(i), timeout=30) for i in range(3)]
+
+    def announce(i, state):
+        addresses = visible_addresses(three_nodes[i])
+        a = Announcement(
+            peer_id=ids[i], addresses=addresses, step=0, samples_per_second=0.0, state=state, version=PROTOCOL_VERSION
+        )
+        records[i].announce(a)
+
+    start = consensus_distance(states)
+    for round_ in range(12):
+        for i in range(3):
+            announce(i, PeerState.READY)
+
+        async def one_round(step):
+            offers = [Offer(step=step, tensors=s, modes=dict(MODES)) for s in states]
+            return await asyncio.gather(*(a.average(o) for a, o in zip(averagers, offers, strict=True)))
+
+        results = loop.run(one_round(round_), timeout=60)
+        for state, result in zip(states, results, strict=True):
+            if result is not None:
+                for name in state:
+                    state[name] = state[name] + result.projections[name].mean - result.projections[name].own
+        for i in range(3):
+            announce(i, PeerState.TRAINING)
+    end = consensus_distance(states)
+    ok = [a.stats.ok for a in averagers]
+    for a in averagers:
+        loop.run(a.stop(), timeout=15)
+    assert start > 0.05
+    assert end < 0.03 * start, f"consensus distance {start:.4f} -> {end:.4f}"
+    assert all(n >= 3 for n in ok), f"exchanges per peer: {ok}"
+    assert all(a.stats.failed == 0 for a in averagers)
+    assert all(a.transport.traffic.bytes_sent > 0 for a in averagers)
+
+
+def test_simulate_command_trains_a_swarm_and_reaps_everything(tmp_path):
+    report_path = tmp_path / "report.json"
+    cmd = [
+        sys.executable, "-m", "peer.cli", "simulate", "--peers", "2", "--duration", "20",
+        "--report", str(report_path), "--out-dir", str(tmp_path / "runs"), "--inner-steps", "10",
+    ]  # fmt: skip
+    tag = f"simulate-{uuid.uuid4()}"  # inherited by every process the simulation starts, p2pd included
+    done = subprocess.run(cmd, capture_output=True, text=True, timeout=300, env={**os.environ, "MURMUR_TEST_TAG": tag})
+    assert done.returncode == 0, done.stdout[-2000:] + done.stderr[-2000:]
+    report = json.loads(report_path.read_text())
+    assert set(report) >= {"wall_seconds", "dense_model_bytes", "consensus_distance", "peers"}
+    assert len(report["peers"]) == 2
+    for peer in report["peers"]:
+        assert peer["final_eval_loss"] < peer["initial_eval_loss"] - 1.0
+        assert peer["exchanges_ok"] >= 2
+        assert 0 < peer["compute_utilization"] <= 1
+        assert 0 < peer["bytes_sent"] / max(1, peer["exchanges_ok"]) < 0.25 * report["dense_model_bytes"]
+    assert report["consensus_distance"] < 0.05
+    assert not tagged_processes(tag), "the simulation left processes running"
+
+
+def tagged_processes(tag: str) -> list[int]:
+    found = []
+    for proc in psutil.process_iter():
+        with contextlib.suppress(psutil.Error):
+            if proc.environ().get("MURMUR_TEST_TAG") == tag:
+                found.append(proc.pid)
+    return found
