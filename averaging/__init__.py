@@ -1,0 +1,13 @@
+"""Everything that moves an update between peers. Knows nothing of the training loop or the CLI.
+
+* ``compression``  low-rank power iteration (``LowRankCompressor``: compress / decompress / ratio, exact
+  byte counts), the two-party round ``PairRound``, and explicit ``ErrorFeedback`` state. Pure torch.
+* ``wire``         the versioned msgpack message format: ``Kind``, ``Message``, ``encode``, ``decode`` with
+  size caps, dtype/shape/finiteness checks. Never pickle.
+* ``protocol``     the pairwise exchange as a bounded, abortable sequence of messages: ``GossipAverager``
+  finds a ready partner within a window and returns an ``ExchangeResult`` or None
+* ``transport``    framed byte streams: ``P2PTransport`` over hivemind's libp2p daemon, and the
+  ``InMemoryNetwork`` twin with fault hooks for tests
+* ``partners``     who may be asked: ``DHTPartners`` (ready peers from the run's announcements) and
+  ``StaticPartners``
+"""

@@ -174,7 +174,7 @@ class GossipAverager:
             await self._wait_result(loop.time() + self._rng.uniform(0, self.config.poll_interval))
             while not self._closed and not self._result.done() and loop.time() < deadline:
                 if self._busy.locked():  # a partner is exchanging with us right now
-                    await self._wait_result(deadline)
+                    await self._wait_result(min(deadline, loop.time() + self.config.poll_interval))
                     continue
                 now = loop.time()
                 candidates = [p for p in await self._candidates() if skip.get(p, 0.0) <= now]

@@ -7,6 +7,7 @@
 * ``records``    typed, expiring, validated records under ``{run_id}:``: ``Announcement``, ``Metrics``,
   ``RunRecord`` and ``RunRecords`` (blocking methods, each with an ``a_`` async twin)
 * ``heartbeat``  ``Heartbeat`` re-announces a peer on a thread until stopped, then withdraws it
+* ``loop``       ``LoopThread``: the one sync/async bridge, an event loop (uvloop) on a background thread
 """
 
 from .addresses import AddressError, parse_host, parse_peer_multiaddr, parse_peer_multiaddrs

@@ -21,9 +21,7 @@ class Heartbeat:
     manager to do both. A failed announcement is logged and retried at the next beat.
     """
 
-    def __init__(
-        self, records: RunRecords, current: Callable[[], Announcement], period: float | None = None
-    ) -> None:
+    def __init__(self, records: RunRecords, current: Callable[[], Announcement], period: float | None = None) -> None:
         self.records = records
         self.current = current
         self.period = records.announce_ttl / 3 if period is None else period

@@ -15,6 +15,7 @@ from __future__ import annotations
 import asyncio
 import logging
 import re
+import threading
 from collections.abc import Callable
 from dataclasses import dataclass
 from enum import StrEnum
@@ -122,6 +123,9 @@ class RunRecord(_Record):
         return validate_run_id(run_id)
 
 
+_PIPE_LOCK = threading.Lock()
+
+
 @dataclass(frozen=True)
 class _Request(Generic[T]):
     """One DHT request and how to turn its raw result into T: the one sync/async bridge.
@@ -134,6 +138,12 @@ class _Request(Generic[T]):
     finish: Callable[[Any], T]
     timeout: float
 
+    def _send(self) -> MPFuture:
+        # hivemind.DHT writes requests to one multiprocessing pipe without a lock of its own, and the
+        # heartbeat thread, the training thread and the event-loop thread all make requests
+        with _PIPE_LOCK:
+            return self.start()
+
     def wait(self) -> T:
         """Block for the result. Refused inside a running event loop, which it would stall."""
         try:
@@ -142,7 +152,7 @@ class _Request(Generic[T]):
             pass
         else:
             raise RuntimeError("a blocking DHT call inside an event loop would stall it; await the a_ twin")
-        future = self.start()
+        future = self._send()
         try:
             return self.finish(future.result(timeout=self.timeout))
         except TimeoutError:
@@ -150,7 +160,7 @@ class _Request(Generic[T]):
             raise
 
     async def wait_async(self) -> T:
-        future = self.start()
+        future = self._send()
         try:
             return self.finish(await asyncio.wait_for(_awaitable(future), self.timeout))
         except (TimeoutError, asyncio.CancelledError):

@@ -1,0 +1,12 @@
+"""The volunteer's program: a training peer, its config, and the `murmur` command.
+
+* ``config``    ``TrainConfig``: what every peer of a run agrees on; published as the run record
+* ``model``     the model registry: a small byte-level GPT (``build_model``, ``MODELS``)
+* ``data``      the Python standard library's own source as text, split by file; batches and eval sets
+* ``trainer``   ``Trainer``: the inner AdamW loop, evaluation, and compute-time accounting
+* ``outer``     ``OuterOptimizer``: what a round offers, and the outer Nesterov step with consensus
+* ``runner``    ``VolunteerPeer``: a peer on the real network (DHT node, P2P, heartbeat, rounds, report)
+* ``metrics``   the per-round metrics log, ``PeerReport`` / ``SwarmReport``, the consensus distance
+* ``simulate``  ``murmur simulate``: a bootstrap node and N peer processes on loopback, then a report
+* ``cli``       the ``murmur`` entry point: parse, build, run, close
+"""

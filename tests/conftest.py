@@ -9,6 +9,9 @@ import pytest
 
 os.environ.setdefault("HIVEMIND_LOGLEVEL", "ERROR")
 os.environ.setdefault("GOLOG_LOG_LEVEL", "error")
+# hivemind's default "file_system" sharing starts a torch_shm_manager child of this process; the
+# reaper below would kill it, and freeing shared memory afterwards aborts pytest
+os.environ.setdefault("HIVEMIND_MEMORY_SHARING_STRATEGY", "file_descriptor")
 
 
 def reap_descendants(timeout: float = 5.0) -> list[int]:

@@ -16,8 +16,11 @@ def test_help_screens(command, capsys):
     assert exit_info.value.code == 0
     out = capsys.readouterr().out
     assert out.startswith("usage: murmur")
-    for flag in {"bootstrap": ["--run", "--port"], "join": ["--initial-peers", "--run"],
-                 "simulate": ["--peers", "--duration", "--report"]}.get(command[0] if command else "", []):
+    for flag in {
+        "bootstrap": ["--run", "--port"],
+        "join": ["--initial-peers", "--run"],
+        "simulate": ["--peers", "--duration", "--report"],
+    }.get(command[0] if command else "", []):
         assert flag in out  # fmt: skip
 
 

@@ -419,13 +419,13 @@ def test_identity_path_must_be_a_readable_file(tmp_path: Path) -> None:
 
 @pytest.fixture(scope="module")
 def swarm() -> Iterator[list[Any]]:
-    """A bootstrap node and two nodes that joined through its visible addresses."""
+    """A bootstrap node and two nodes that joined through its visible addresses, the second in client mode."""
     nodes = []
     try:
         nodes.append(start_node(NodeConfig()))
         initial_peers = tuple(visible_addresses(nodes[0]))
-        for _ in range(2):
-            nodes.append(start_node(NodeConfig(initial_peers=initial_peers, startup_timeout=15.0)))
+        for client_mode in (False, True):
+            nodes.append(start_node(NodeConfig(initial_peers=initial_peers, client_mode=client_mode)))
         yield nodes
     finally:
         for node in nodes:
@@ -438,7 +438,7 @@ def swarm() -> Iterator[list[Any]]:
 
 def live_announcement(node: Any, **changes: Any) -> Announcement:
     peer_id = node.peer_id.to_base58()
-    return announcement(peer_id, addresses=visible_addresses(node), **changes)
+    return announcement(peer_id, addresses=visible_addresses(node), client_mode=node.client_mode, **changes)
 
 
 def new_run() -> str:
@@ -460,6 +460,7 @@ def test_joiners_see_each_other_and_withdraw(swarm: list[Any]) -> None:
     run = new_run()
     records = {node: RunRecords(node, run) for node in swarm}
     ann_a, ann_b = live_announcement(a), live_announcement(b, state=PeerState.TRAINING, step=0)
+    assert ann_b.client_mode and not ann_a.client_mode
     assert records[a].announce(ann_a) and records[b].announce(ann_b)
     both = {ann_a.peer_id: ann_a, ann_b.peer_id: ann_b}
     for node in swarm:
