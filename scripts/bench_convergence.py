@@ -1,0 +1,171 @@
+"""Convergence per byte: ddp, synchronous DiLoCo and Murmur's gossip on one model, data and budget.
+
+N peers run in one process in virtual time (peer/virtual.py): each peer has a compute speed, each
+link a bandwidth and a latency, and waiting counts. Two scenarios: all peers equal, and one peer
+3x slower. Writes bench_convergence.json and bench_convergence.png (loss against samples and
+against virtual time) into --out.
+
+    .venv/bin/python scripts/bench_convergence.py --quick     # about 2-4 minutes
+    .venv/bin/python scripts/bench_convergence.py             # the full run, about 30 minutes
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import time
+from pathlib import Path
+
+import torch
+
+from peer.config import TrainConfig
+from peer.data import load_corpus
+from peer.virtual import Link, MethodResult, Scenario, run_ddp, run_diloco, run_murmur, time_to_loss
+
+
+def variants(base: TrainConfig) -> dict[str, TrainConfig]:
+    return {
+        "murmur": base,
+        "murmur-r1": base.with_overrides(rank=1),
+        "murmur-r8": base.with_overrides(rank=8),
+        "murmur-r16": base.with_overrides(rank=16),
+        "murmur-no-ef": base.with_overrides(error_feedback=False),
+    }
+
+
+def run_method(name: str, config: TrainConfig, corpus, scenario: Scenario, ddp_lr: float | None) -> MethodResult:
+    if name == "ddp":
+        return run_ddp(config, corpus, scenario, lr=ddp_lr)
+    if name == "diloco":
+        return run_diloco(config, corpus, scenario)
+    return run_murmur(config, corpus, scenario, name=name)
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--quick", action="store_true", help="4 peers, 8 outer rounds: a few minutes")
+    parser.add_argument("--peers", type=int, help="peers (default 8, quick 4)")
+    parser.add_argument("--rounds", type=int, help="outer rounds of the budget (default 30, quick 8)")
+    parser.add_argument("--inner-steps", type=int, help="H (default 20, quick 10)")
+    parser.add_argument("--bandwidth-mbps", type=float, default=50.0)
+    parser.add_argument("--latency-ms", type=float, default=50.0)
+    # The defaults won a sweep at the --quick budget (see the README): plain averaging (outer lr 1,
+    # no momentum) beat DiLoCo's 0.7 / 0.9 for both diloco and murmur; lr 2e-3 was best for ddp.
+    parser.add_argument("--inner-lr", type=float, default=2e-3, help="AdamW lr of every method, ddp included")
+    parser.add_argument("--outer-lr", type=float, default=1.0)
+    parser.add_argument("--outer-momentum", type=float, default=0.0)
+    parser.add_argument("--ddp-lr", type=float, help="ddp's AdamW lr (default: --inner-lr)")
+    parser.add_argument("--out", type=Path, default=Path("."))
+    args = parser.parse_args()
+
+    torch.set_num_threads(2)
+    peers = args.peers or (4 if args.quick else 8)
+    rounds = args.rounds or (8 if args.quick else 30)
+    base = TrainConfig(
+        inner_steps=args.inner_steps or (10 if args.quick else 20),
+        inner_lr=args.inner_lr,
+        outer_lr=args.outer_lr,
+        outer_momentum=args.outer_momentum,
+    )
+    budget = peers * base.batch_size * base.inner_steps * rounds
+    link = Link(bandwidth_bps=args.bandwidth_mbps * 1e6, latency_s=args.latency_ms / 1e3)
+    scenarios = {
+        "equal": Scenario(peers=peers, sample_budget=budget, link=link, eval_points=rounds),
+        "straggler": Scenario(
+            peers=peers, speeds=(1 / 3,) + (1.0,) * (peers - 1), sample_budget=budget, link=link, eval_points=rounds
+        ),
+    }
+    methods = {"equal": ["ddp", "diloco", *variants(base)], "straggler": ["ddp", "diloco", "murmur"]}
+    corpus = load_corpus()
+    results: dict[str, dict[str, MethodResult]] = {}
+    started = time.monotonic()
+    for scenario_name, scenario in scenarios.items():
+        results[scenario_name] = {}
+        for name in methods[scenario_name]:
+            t0 = time.monotonic()
+            config = variants(base).get(name, base)
+            r = run_method(name, config, corpus, scenario, args.ddp_lr)
+            results[scenario_name][name] = r
+            print(
+                f"{scenario_name:9s} {name:13s} loss {r.final_eval_loss:.4f} worst {r.worst_peer_eval_loss:.4f} "
+                f"sent/peer {r.bytes_sent_per_peer / 1e6:8.2f} MB  virtual {r.virtual_seconds:8.1f} s  "
+                f"consensus {r.consensus_distance:.4f}  ({time.monotonic() - t0:.0f} s)",
+                flush=True,
+            )
+    summary = summarize(results)
+    report = {
+        "config": {"peers": peers, "rounds": rounds, "sample_budget": budget, "train": base.to_record(),
+                   "bandwidth_mbps": args.bandwidth_mbps, "latency_ms": args.latency_ms, "quick": args.quick},
+        "wall_seconds": time.monotonic() - started,
+        "scenarios": {s: {m: r.to_json() for m, r in rs.items()} for s, rs in results.items()},
+        "summary": summary,
+    }  # fmt: skip
+    args.out.mkdir(parents=True, exist_ok=True)
+    (args.out / "bench_convergence.json").write_text(json.dumps(report, indent=2))
+    plot(results, args.out / "bench_convergence.png")
+    print_table(summary)
+
+
+def summarize(results: dict[str, dict[str, MethodResult]]) -> dict:
+    """Ratios against diloco and ddp in each scenario, and the straggler's time to diloco's loss."""
+    out = {}
+    for scenario, rs in results.items():
+        diloco, ddp = rs["diloco"], rs["ddp"]
+        rows = {}
+        for name, r in rs.items():
+            rows[name] = {
+                "loss_vs_diloco": r.final_eval_loss / diloco.final_eval_loss,
+                "worst_vs_diloco": r.worst_peer_eval_loss / diloco.final_eval_loss,
+                "loss_vs_ddp": r.final_eval_loss / ddp.final_eval_loss,
+                "bytes_vs_diloco": r.bytes_sent_per_peer / diloco.bytes_sent_per_peer,
+                "virtual_time_vs_diloco": r.virtual_seconds / diloco.virtual_seconds,
+                "consensus_distance": r.consensus_distance,
+            }
+            if scenario == "straggler":
+                reached = time_to_loss(r, diloco.final_eval_loss)
+                r_time = None if reached is None else reached / diloco.virtual_seconds
+                rows[name]["time_to_diloco_loss"] = reached
+                rows[name]["time_to_diloco_loss_vs_diloco"] = r_time
+        out[scenario] = rows
+    return out
+
+
+def print_table(summary: dict) -> None:
+    for scenario, rows in summary.items():
+        print(f"\n{scenario}: ratios against diloco (and ddp)")
+        print(f"{'method':13s} {'loss':>7s} {'worst':>7s} {'vs ddp':>7s} {'bytes':>8s} {'time':>7s} {'consensus':>9s}"
+              + ("  time to diloco loss" if scenario == "straggler" else ""))  # fmt: skip
+        for name, row in rows.items():
+            line = (
+                f"{name:13s} {row['loss_vs_diloco']:7.3f} {row['worst_vs_diloco']:7.3f} {row['loss_vs_ddp']:7.3f} "
+                f"{row['bytes_vs_diloco']:8.4f} {row['virtual_time_vs_diloco']:7.3f} {row['consensus_distance']:9.4f}"
+            )
+            if scenario == "straggler":
+                t = row["time_to_diloco_loss_vs_diloco"]
+                line += f"  {'not reached' if t is None else f'{t:.3f}'}"
+            print(line)
+
+
+def plot(results: dict[str, dict[str, MethodResult]], path: Path) -> None:
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    fig, (by_samples, by_time) = plt.subplots(1, 2, figsize=(13, 5))
+    for scenario, style in (("equal", "-"), ("straggler", "--")):
+        for name, r in results[scenario].items():
+            label = f"{name} ({scenario})"
+            by_samples.plot(r.curve.samples, r.curve.mean_loss, style, label=label)
+            by_time.plot(r.curve.seconds, r.curve.mean_loss, style, label=label)
+    by_samples.set(xlabel="samples (sequences, all peers)", ylabel="held-out loss (mean over peers)",
+                   title="loss against samples")  # fmt: skip
+    by_time.set(xlabel="virtual seconds", ylabel="held-out loss (mean over peers)", title="loss against virtual time")
+    by_samples.legend(fontsize=7)
+    fig.tight_layout()
+    fig.savefig(path, dpi=110)
+    plt.close(fig)
+
+
+if __name__ == "__main__":
+    main()
