@@ -219,6 +219,13 @@ class RunRecords:
     def _peers(self) -> _Request[dict[str, Announcement]]:
         return self._get(self.peers_key, lambda found: self._by_peer(found, Announcement))
 
+    def _peers_with_expiration(self) -> _Request[dict[str, tuple[Announcement, float]]]:
+        def finish(found: ValueWithExpiration | None) -> dict[str, tuple[Announcement, float]]:
+            peers = self._by_peer(found, Announcement)  # non-empty only if found.value is a dict of subkeys
+            return {peer_id: (a, found.value[peer_id].expiration_time) for peer_id, a in peers.items()}
+
+        return self._get(self.peers_key, finish)
+
     def _publish_config(self, record: RunRecord) -> _Request[bool]:
         if record.run_id != self.run_id:
             raise ValueError(f"config is for run {record.run_id!r}, not {self.run_id!r}")
@@ -250,6 +257,13 @@ class RunRecords:
 
     async def a_peers(self) -> dict[str, Announcement]:
         return await self._peers().wait_async()
+
+    def peers_with_expiration(self) -> dict[str, tuple[Announcement, float]]:
+        """``peers()`` with the DHT time each announcement expires (it was stored ``announce_ttl`` before)."""
+        return self._peers_with_expiration().wait()
+
+    async def a_peers_with_expiration(self) -> dict[str, tuple[Announcement, float]]:
+        return await self._peers_with_expiration().wait_async()
 
     def publish_config(self, record: RunRecord) -> bool:
         return self._publish_config(record).wait()

@@ -3,6 +3,8 @@
     murmur bootstrap --run RUN             start a bootstrap node and print the join line
     murmur join --initial-peers MADDR... --run RUN
     murmur simulate --peers N --duration SECONDS --report PATH
+    murmur status --initial-peers MADDR... --run RUN [--json]
+    murmur report RUN_DIR [--out PNG]
 
 Every expected failure (a bad flag, address or config, an unreachable run) is one line on stderr
 and a non-zero exit code, never a traceback.
@@ -17,16 +19,20 @@ import sys
 import threading
 from pathlib import Path
 
+from rich.console import Console
+
 from averaging.protocol import ExchangeConfig
 from dht.addresses import AddressError
 from dht.identity import IdentityError
 from dht.node import NodeConfig, NodeError, start_node, stop_node, visible_addresses
-from dht.records import RunRecord, RunRecords
+from dht.records import RunRecord, RunRecords, validate_run_id
 from peer.config import ConfigError, TrainConfig
+from peer.report import write_report  # its ReportError is a ValueError
 from peer.runner import PeerError, PeerOptions, run_peer
 from peer.simulate import SimulationConfig, simulate
+from peer.status import RunNotFound, read_status, render_status
 
-EXPECTED_ERRORS = (AddressError, ConfigError, IdentityError, NodeError, PeerError, ValueError, OSError)
+EXPECTED_ERRORS = (AddressError, ConfigError, IdentityError, NodeError, PeerError, RunNotFound, ValueError, OSError)
 
 
 class _Parser(argparse.ArgumentParser):
@@ -73,11 +79,15 @@ def build_parser() -> argparse.ArgumentParser:
     join.add_argument("--initial-peers", nargs="+", required=True, metavar="MADDR", help="bootstrap multiaddrs")
     join.add_argument("--run", required=True, help="run id")
     join.add_argument("--duration", type=float, help="seconds to train (default: until Ctrl-C)")
-    join.add_argument("--out-dir", type=Path, help="folder for metrics.jsonl, report.json and anchor.pt")
+    join.add_argument("--out-dir", type=Path, help="folder for metrics.jsonl, report.json, anchor.pt, checkpoints/")
     join.add_argument("--data-seed", type=int, default=0, help="seed of this peer's data stream")
     join.add_argument("--window", type=float, default=ExchangeConfig().window, help="seconds to look for a partner")
     join.add_argument("--exchange-timeout", type=float, default=ExchangeConfig().exchange_timeout)
     join.add_argument("--quiet", action="store_true", help="no per-round progress line")
+    join.add_argument("--resume", action="store_true", help="continue from the newest usable checkpoint")
+    join.add_argument("--checkpoint-every", type=int, default=PeerOptions.checkpoint_every, metavar="N",
+                      help="rounds between checkpoints (default: %(default)s)")  # fmt: skip
+    join.add_argument("--checkpoint-dir", type=Path, metavar="DIR", help="default: OUT_DIR/checkpoints")
     _node_flags(join)
 
     sim = sub.add_parser("simulate", help="run a bootstrap node and N peers on 127.0.0.1, then write a report")
@@ -87,6 +97,15 @@ def build_parser() -> argparse.ArgumentParser:
     sim.add_argument("--run", default="sim", help="run id")
     sim.add_argument("--out-dir", type=Path, help="folder for the peers' logs (default: runs/RUN)")
     _train_flags(sim)
+
+    status = sub.add_parser("status", help="show a run's config and live peers, read from the DHT")
+    status.add_argument("--initial-peers", nargs="+", required=True, metavar="MADDR", help="bootstrap multiaddrs")
+    status.add_argument("--run", required=True, help="run id")
+    status.add_argument("--json", action="store_true", help="print one JSON object instead of a table")
+
+    report = sub.add_parser("report", help="plot a peer's or a simulation's metrics logs to a PNG")
+    report.add_argument("run_dir", type=Path, metavar="RUN_DIR", help="a folder with metrics.jsonl or peer-*/")
+    report.add_argument("--out", type=Path, metavar="PNG", help="output file (default: RUN_DIR/report.png)")
     return parser
 
 
@@ -124,6 +143,7 @@ def _join(args: argparse.Namespace) -> int:
                         identity_path=args.identity),
         exchange=ExchangeConfig(window=args.window, exchange_timeout=args.exchange_timeout),
         data_seed=args.data_seed, duration=args.duration, out_dir=args.out_dir, verbose=not args.quiet,
+        checkpoint_dir=args.checkpoint_dir, checkpoint_every=args.checkpoint_every, resume=args.resume,
     )  # fmt: skip
     stop = threading.Event()
     _stop_on_signals(stop)
@@ -153,13 +173,33 @@ def _simulate(args: argparse.Namespace) -> int:
     return 0 if len(losses) == args.peers else 1
 
 
+def _status(args: argparse.Namespace) -> int:
+    validate_run_id(args.run)  # before starting a node
+    dht = start_node(NodeConfig(initial_peers=tuple(args.initial_peers), client_mode=True))
+    try:
+        status = read_status(RunRecords(dht, args.run))
+    finally:
+        stop_node(dht)
+    if args.json:
+        print(status.to_json())
+    else:
+        Console().print(render_status(status))
+    return 0
+
+
+def _report(args: argparse.Namespace) -> int:
+    print(f"report written to {write_report(args.run_dir, args.out)}")
+    return 0
+
+
 def main(argv: list[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
     logging.basicConfig(
         level=logging.DEBUG if args.verbose else logging.WARNING,
         format="%(asctime)s %(name)s %(levelname)s %(message)s",
     )
-    command = {"bootstrap": _bootstrap, "join": _join, "simulate": _simulate}[args.command]
+    commands = {"bootstrap": _bootstrap, "join": _join, "simulate": _simulate, "status": _status, "report": _report}
+    command = commands[args.command]
     try:
         return command(args)
     except EXPECTED_ERRORS as e:

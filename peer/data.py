@@ -117,10 +117,17 @@ def _windows(data: Tensor, block_size: int, what: str) -> Tensor:
     return data.unfold(0, block_size + 1, 1)
 
 
-def batches(data: Tensor, *, batch_size: int, block_size: int, seed: int) -> Iterator[tuple[Tensor, Tensor]]:
-    """Endless random (x, y) int64 (B, T) windows, y = x shifted by one byte; deterministic in `seed`."""
+def batches(
+    data: Tensor, *, batch_size: int, block_size: int, seed: int, skip: int = 0
+) -> Iterator[tuple[Tensor, Tensor]]:
+    """Endless random (x, y) int64 (B, T) windows, y = x shifted by one byte; deterministic in `seed`.
+
+    `skip` starts the stream after that many batches (a resumed peer continues where it stopped).
+    """
     windows = _windows(data, block_size, "batches")  # validated here, not at the first next()
     generator = torch.Generator().manual_seed(seed)
+    for _ in range(skip):  # the same draws as the skipped batches, without building them
+        torch.randint(windows.shape[0], (batch_size,), generator=generator)
 
     def stream() -> Iterator[tuple[Tensor, Tensor]]:
         while True:

@@ -6,6 +6,7 @@ and an error-feedback residual e. After H inner steps, the model is θ and the r
     delta/NAME     M = (φ − θ) + e   paired by its sum ("mean"): the averaged pseudo-gradient
     anchor/NAME    φ                  paired by its difference ("diff"): consensus on the anchor
     momentum/NAME  m                  paired by its difference: consensus on the outer momentum
+                                      (only with momentum > 0; otherwise m is just this round's d)
 
 With a partner's result, the averaged pseudo-gradient is d = mean(delta); the residual
 e ← M − own(delta) keeps what compression left out (no work lost); φ and m move halfway toward
@@ -19,13 +20,16 @@ lonely rounds in a row does the peer step alone (d = M, e ← 0), so a peer by i
 
 from __future__ import annotations
 
+from collections.abc import Mapping
 from dataclasses import dataclass
+from typing import Any
 
 import torch
 from torch import nn
 
 from averaging.compression import ErrorFeedback, Mode
 from averaging.protocol import ExchangeResult, Offer
+from peer.checkpoint import CheckpointError, check_count, check_tensors
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -49,7 +53,9 @@ def offer_layout(model: nn.Module, config: OuterConfig) -> tuple[dict[str, tuple
     modes: dict[str, Mode] = {}
     groups: list[tuple[str, Mode]] = [("delta", "mean")]
     if config.consensus:
-        groups += [("anchor", "diff"), ("momentum", "diff")]
+        groups.append(("anchor", "diff"))
+        if config.momentum > 0:  # with no momentum, m is just this round's d: nothing to agree on
+            groups.append(("momentum", "diff"))
     for name, p in model.named_parameters():
         for group, mode in groups:
             shapes[f"{group}/{name}"] = tuple(p.shape)
@@ -74,9 +80,9 @@ class OuterOptimizer:
         tensors = {}
         for name, p in self.params.items():
             tensors[f"delta/{name}"] = self.error_feedback.with_residual(name, self.anchor[name] - p.detach().float())
-            if self.config.consensus:
-                tensors[f"anchor/{name}"] = self.anchor[name]
-                tensors[f"momentum/{name}"] = self.momentum[name]
+            for group, state in (("anchor", self.anchor), ("momentum", self.momentum)):
+                if f"{group}/{name}" in self.modes:
+                    tensors[f"{group}/{name}"] = state[name]
         return Offer(step=self.step, tensors=tensors, modes=dict(self.modes))
 
     @torch.no_grad()
@@ -100,8 +106,8 @@ class OuterOptimizer:
                 proj = result.projections[f"delta/{name}"]
                 d = proj.mean
                 self.error_feedback.keep(name, delta - proj.own if self.config.error_feedback else None)
-                if self.config.consensus:
-                    for group, state in (("anchor", self.anchor), ("momentum", self.momentum)):
+                for group, state in (("anchor", self.anchor), ("momentum", self.momentum)):
+                    if f"{group}/{name}" in offer.tensors:
                         pr = result.projections[f"{group}/{name}"]
                         state[name] += pr.mean - pr.own
             m = self.momentum[name]
@@ -114,7 +120,29 @@ class OuterOptimizer:
     def state_dict(self) -> dict:
         return {
             "step": self.step,
+            "lonely_rounds": self.lonely_rounds,
             "anchor": {n: t.clone() for n, t in self.anchor.items()},
             "momentum": {n: t.clone() for n, t in self.momentum.items()},
             "error_feedback": self.error_feedback.state_dict(),
         }
+
+    def load_state_dict(self, state: Mapping[str, Any]) -> None:
+        """Restore `state_dict()`, checked first against the model's names and shapes, and for finiteness.
+
+        On a mismatch it raises CheckpointError and nothing has changed.
+        """
+        if not isinstance(state, Mapping):
+            raise CheckpointError("outer optimizer state is not a dict")
+        shapes = {n: tuple(p.shape) for n, p in self.params.items()}
+        step = check_count(state.get("step"), "outer step")
+        lonely = check_count(state.get("lonely_rounds"), "outer lonely_rounds")
+        anchor = check_tensors(state.get("anchor"), shapes, "outer anchor")
+        momentum = check_tensors(state.get("momentum"), shapes, "outer momentum")
+        residuals = check_tensors(state.get("error_feedback"), shapes, "error-feedback residual", partial=True)
+
+        def own(tensors: Mapping[str, torch.Tensor]) -> dict[str, torch.Tensor]:
+            return {n: t.to(device=self.params[n].device, dtype=torch.float32).clone() for n, t in tensors.items()}
+
+        self.anchor, self.momentum = own(anchor), own(momentum)
+        self.error_feedback.load_state_dict(own(residuals))
+        self.step, self.lonely_rounds = step, lonely

@@ -4,6 +4,10 @@
 down in `finally`: it withdraws its announcement, stops the averager and the event loop, and
 shuts down its DHT node and `p2pd`. What it writes goes into `out_dir`: `metrics.jsonl` (a line
 per round), `report.json` and `anchor.pt` (the final model, for the consensus distance).
+
+Every `checkpoint_every` rounds, and once more when it stops cleanly, a peer checkpoints its trainer
+and its compressor's warm starts (`peer.checkpoint`); with `resume` it starts from the newest usable
+checkpoint of its run, or from the run's initial model if there is none.
 """
 
 from __future__ import annotations
@@ -11,12 +15,14 @@ from __future__ import annotations
 import logging
 import threading
 import time
+from collections.abc import Mapping
 from dataclasses import dataclass, field
 from pathlib import Path
+from typing import Any
 
 import torch
 
-from averaging.compression import LowRankCompressor
+from averaging.compression import LowRankCompressor, plan
 from averaging.partners import DHTPartners
 from averaging.protocol import ExchangeConfig, GossipAverager
 from averaging.transport import P2PTransport
@@ -25,6 +31,7 @@ from dht.heartbeat import Heartbeat
 from dht.loop import LoopThread
 from dht.node import NodeConfig, start_node, stop_node, visible_addresses
 from dht.records import Announcement, Metrics, PeerState, RunRecords
+from peer.checkpoint import check_tensors, latest_checkpoint, save_checkpoint
 from peer.config import TrainConfig
 from peer.data import DataConfig, load_corpus
 from peer.metrics import MetricsLog, PeerReport
@@ -48,6 +55,22 @@ class PeerOptions:
     config_wait: float = 20.0  # how long to look for the run's config on the DHT
     eval_every: int = 5  # rounds between held-out evaluations in the metrics log
     verbose: bool = False  # print a progress line every eval_every rounds
+    checkpoint_dir: Path | None = None  # default: out_dir / "checkpoints"; neither: no checkpoints
+    checkpoint_every: int = 10  # rounds between checkpoints (and one more on a clean stop)
+    resume: bool = False  # start from the newest usable checkpoint in the checkpoint folder
+
+    def __post_init__(self) -> None:
+        if self.checkpoint_every < 1:
+            raise ValueError(f"checkpoint_every must be at least 1, got {self.checkpoint_every}")
+        if self.resume and self.checkpoints is None:
+            raise ValueError("resume needs a checkpoint folder: give --checkpoint-dir or --out-dir")
+
+    @property
+    def checkpoints(self) -> Path | None:
+        """The folder checkpoints go to, or None for none."""
+        if self.checkpoint_dir is not None:
+            return self.checkpoint_dir
+        return self.out_dir / "checkpoints" if self.out_dir is not None else None
 
 
 def fetch_train_config(records: RunRecords, wait: float) -> TrainConfig:
@@ -59,6 +82,26 @@ def fetch_train_config(records: RunRecords, wait: float) -> TrainConfig:
         if time.monotonic() >= deadline:
             raise PeerError(f"run '{records.run_id}' has no config on the DHT: check the run id and the address")
         time.sleep(0.5)
+
+
+def checkpoint_state(run_id: str, trainer: Trainer, compressor: LowRankCompressor) -> dict[str, Any]:
+    """What a peer checkpoints: its trainer and its compressor's warm starts, labelled for the file header."""
+    return {
+        "run_id": run_id,
+        "model": trainer.config.model,
+        "step": trainer.steps,
+        "trainer": trainer.state_dict(),
+        "warm_starts": compressor.state_dict(),
+    }
+
+
+def restore_state(state: Mapping[str, Any], trainer: Trainer, compressor: LowRankCompressor) -> None:
+    """Load a `checkpoint_state()`; everything is checked first, so on CheckpointError nothing has changed."""
+    slots = plan(trainer.outer.shapes, compressor.config.rank)  # the layout the averager exchanges
+    low_rank = {name: (slot.cols, slot.rank) for name, slot in slots.items() if not slot.dense}
+    warm_starts = check_tensors(state.get("warm_starts"), low_rank, "warm start", partial=True)
+    trainer.load_state_dict(state.get("trainer"))
+    compressor.load_state_dict(warm_starts)
 
 
 class VolunteerPeer:
@@ -89,6 +132,8 @@ class VolunteerPeer:
             corpus = load_corpus(DataConfig(heldout_fraction=config.heldout_fraction))
             peer = cls(options, dht, Trainer(config, corpus, data_seed=options.data_seed), records)
             peer.averager = peer.loop.run(peer._start_averager(), timeout=30)
+            if options.resume:
+                peer._resume()  # before the heartbeat: nobody knows this peer yet
             peer.heartbeat = Heartbeat(records, peer.announcement).start()
             return peer
         except BaseException:
@@ -112,6 +157,33 @@ class VolunteerPeer:
         )
         await averager.start()
         return averager
+
+    def _resume(self) -> None:
+        """Restore the newest usable checkpoint, or say why this peer starts from the run's initial model."""
+        directory, trainer, compressor = self.options.checkpoints, self.trainer, self.averager.compressor
+        found = latest_checkpoint(
+            directory, run_id=self.options.run_id, model=trainer.config.model,
+            accept=lambda state: restore_state(state, trainer, compressor),
+        )  # fmt: skip
+        if found is None:  # (a state download from a live peer will slot in here)
+            logger.warning("no usable checkpoint in %s: starting fresh from the run's initial model", directory)
+            return
+        line = f"resumed from {found[1]} at step {trainer.steps} (outer step {trainer.outer.step})"
+        logger.info(line)
+        if self.options.verbose:
+            print(line, flush=True)
+
+    def checkpoint(self) -> Path | None:
+        """Checkpoint now, if there is a checkpoint folder. A failure is a warning; training goes on."""
+        directory = self.options.checkpoints
+        if directory is None:
+            return None
+        try:
+            state = checkpoint_state(self.options.run_id, self.trainer, self.averager.compressor)
+            return save_checkpoint(directory, state)
+        except Exception as e:  # a checkpoint that cannot be written never stops training
+            logger.warning("checkpoint not saved in %s: %s", directory, e)
+            return None
 
     def announcement(self) -> Announcement:
         return Announcement(
@@ -152,6 +224,10 @@ class VolunteerPeer:
             if rounds % options.eval_every == 0:
                 eval_loss = trainer.evaluate()
             self._log_round(rounds, loss, eval_loss, result)
+            if rounds % options.checkpoint_every == 0:
+                self.checkpoint()
+        if rounds % options.checkpoint_every:  # a clean stop: keep the rounds since the last checkpoint
+            self.checkpoint()
         return self._report(started, rounds, initial_loss)
 
     def _log_round(self, rounds: int, loss: float, eval_loss: float, result) -> None:

@@ -97,6 +97,9 @@ def _progress_table(config: SimulationConfig, elapsed: float) -> Table:
 def simulate(config: SimulationConfig, console: Console | None = None) -> SwarmReport:
     console = console or Console(stderr=True)
     config.out_dir.mkdir(parents=True, exist_ok=True)
+    for i in range(config.peers):  # a previous simulation's files would pass for this one's
+        for name in ("metrics.jsonl", "report.json", "anchor.pt"):
+            (config.out_dir / f"peer-{i}" / name).unlink(missing_ok=True)
     started = time.monotonic()
     boot = start_node(NodeConfig())
     procs: list[subprocess.Popen] = []

@@ -3,17 +3,22 @@
 `Trainer` knows nothing of the network. A round is `inner_phase()` (H local steps), then
 `outer.offer()` goes to whatever averages it (a `GossipAverager` on real peers, or the in-process
 simulator), and `finish_round(offer, result)` takes the outer step. The trainer counts its own
-compute time, so a peer can report the share of wall time it spent training.
+compute time, so a peer can report the share of wall time it spent training. `state_dict()` holds
+everything a resumed trainer needs to continue bit for bit, data stream position included.
 """
 
 from __future__ import annotations
 
 import math
 import time
+from collections.abc import Iterator, Mapping
+from itertools import chain
+from typing import Any
 
 import torch
 
 from averaging.protocol import ExchangeResult, Offer
+from peer.checkpoint import CheckpointError, check_count, check_tensors
 from peer.config import TrainConfig
 from peer.data import Corpus, batches, eval_batches, evaluate
 from peer.model import build_model
@@ -33,7 +38,9 @@ class Trainer:
             self.model.parameters(), lr=config.inner_lr, weight_decay=config.weight_decay, betas=(0.9, 0.95)
         )
         self.outer = OuterOptimizer(self.model, config.outer())
-        self.batches = batches(corpus.train, batch_size=config.batch_size, block_size=block, seed=data_seed)
+        self._train_data, self.data_seed = corpus.train, data_seed
+        self.batches_drawn = 0  # how far into its data stream: a resumed trainer skips as many
+        self.batches = self._data_stream(skip=0)
         self.eval_set = eval_batches(
             corpus.heldout, batch_size=config.batch_size, block_size=block, n_batches=config.eval_batches
         )
@@ -58,6 +65,7 @@ class Trainer:
         try:
             for _ in range(self.config.inner_steps):
                 x, y = next(self.batches)
+                self.batches_drawn += 1
                 for group in self.inner.param_groups:
                     group["lr"] = self._lr()
                 _, loss = self.model(x, y)
@@ -90,3 +98,54 @@ class Trainer:
     def evaluate(self) -> float:
         """Held-out loss of the model this peer holds now (its anchor, right after an outer step)."""
         return evaluate(self.model, self.eval_set)
+
+    def state_dict(self) -> dict[str, Any]:
+        """Model, inner and outer optimizer state and counters (model tensors are the live ones: save first)."""
+        return {
+            "model": self.model.state_dict(),
+            "inner": self.inner.state_dict(),
+            "outer": self.outer.state_dict(),
+            "steps": self.steps,
+            "samples": self.samples,
+            "compute_seconds": self.compute_seconds,
+            "batches_drawn": self.batches_drawn,
+        }
+
+    def load_state_dict(self, state: Mapping[str, Any]) -> None:
+        """Restore `state_dict()`; everything is checked first, so on CheckpointError nothing has changed."""
+        if not isinstance(state, Mapping):
+            raise CheckpointError("trainer state is not a dict")
+        counters = {k: check_count(state.get(k), k) for k in ("steps", "samples", "batches_drawn")}
+        compute_seconds = state.get("compute_seconds")
+        if type(compute_seconds) is not float or not 0 <= compute_seconds < math.inf:
+            raise CheckpointError(f"compute_seconds must be a finite non-negative float, got {compute_seconds!r}")
+        model = check_tensors(state.get("model"), {n: t.shape for n, t in self.model.state_dict().items()}, "model")
+        self._check_inner(state.get("inner"))
+        self.outer.load_state_dict(state.get("outer"))  # checks, then applies: the last check
+        self.model.load_state_dict(model)  # copies in place: the optimizers keep their parameters
+        self.inner.load_state_dict(state["inner"])
+        self.steps, self.samples = counters["steps"], counters["samples"]
+        self.batches_drawn, self.compute_seconds = counters["batches_drawn"], compute_seconds
+        self.batches = self._data_stream(skip=self.batches_drawn)
+
+    def _data_stream(self, *, skip: int) -> Iterator[tuple[torch.Tensor, torch.Tensor]]:
+        size = {"batch_size": self.config.batch_size, "block_size": self.model.config.block_size}
+        return batches(self._train_data, **size, seed=self.data_seed, skip=skip)
+
+    def _check_inner(self, saved: Any) -> None:
+        """What `torch.optim.Optimizer.load_state_dict` does not check: shapes and finiteness."""
+        groups = saved.get("param_groups") if isinstance(saved, Mapping) else None
+        if not isinstance(groups, list) or not isinstance(saved.get("state"), Mapping):
+            raise CheckpointError("inner optimizer state is malformed")
+        saved_ids = [g.get("params") if isinstance(g, Mapping) else None for g in groups]
+        ours = [group["params"] for group in self.inner.param_groups]
+        if [len(i) if isinstance(i, list) else -1 for i in saved_ids] != [len(o) for o in ours]:
+            raise CheckpointError("inner optimizer state has a different parameter layout")
+        params = dict(zip(chain(*saved_ids), chain(*ours), strict=True))  # torch pairs them up in this order
+        for index, entry in saved["state"].items():
+            if index not in params or not isinstance(entry, Mapping):
+                raise CheckpointError(f"inner optimizer state has an unknown entry {index!r}")
+            shape = tuple(params[index].shape)
+            for key, t in entry.items():
+                expected = shape if isinstance(t, torch.Tensor) and t.dim() else ()  # AdamW's "step" is a scalar
+                check_tensors({key: t}, {key: expected}, f"inner optimizer state {index}")

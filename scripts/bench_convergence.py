@@ -7,11 +7,13 @@ against virtual time) into --out.
 
     .venv/bin/python scripts/bench_convergence.py --quick     # about 2-4 minutes
     .venv/bin/python scripts/bench_convergence.py             # the full run, about 30 minutes
+    .venv/bin/python scripts/bench_convergence.py --sweep     # the learning-rate sweep, about 6 minutes
 """
 
 from __future__ import annotations
 
 import argparse
+import itertools
 import json
 import time
 from pathlib import Path
@@ -56,7 +58,11 @@ def main() -> None:
     parser.add_argument("--outer-momentum", type=float, default=0.0)
     parser.add_argument("--ddp-lr", type=float, help="ddp's AdamW lr (default: --inner-lr)")
     parser.add_argument("--out", type=Path, default=Path("."))
+    parser.add_argument("--sweep", action="store_true", help="only the learning-rate sweep, at the --quick budget")
     args = parser.parse_args()
+    if args.sweep:
+        sweep(args.out)
+        return
 
     torch.set_num_threads(2)
     peers = args.peers or (4 if args.quick else 8)
@@ -104,6 +110,34 @@ def main() -> None:
     (args.out / "bench_convergence.json").write_text(json.dumps(report, indent=2))
     plot(results, args.out / "bench_convergence.png")
     print_table(summary)
+
+
+SWEEP_OUTER = [(0.7, 0.9), (0.7, 0.5), (1.0, 0.5), (1.0, 0.0)]  # (outer lr, outer momentum)
+SWEEP_INNER = [1e-3, 2e-3, 4e-3]
+
+
+def sweep(out: Path) -> None:
+    """Every method's learning rates at the quick budget: the baselines get the same care as murmur."""
+    torch.set_num_threads(2)
+    corpus = load_corpus()
+    scenario = Scenario(peers=4, sample_budget=4 * 16 * 10 * 8, eval_points=1)
+    rows = []
+    for lr in [*SWEEP_INNER, 8e-3]:
+        r = run_ddp(TrainConfig(inner_steps=10), corpus, scenario, lr=lr)
+        rows.append({"method": "ddp", "inner_lr": lr, "loss": r.final_eval_loss, "worst": r.worst_peer_eval_loss})
+        print(rows[-1], flush=True)
+    for method in ("diloco", "murmur"):
+        for (outer_lr, momentum), lr in itertools.product(SWEEP_OUTER, SWEEP_INNER):
+            config = TrainConfig(inner_steps=10, inner_lr=lr, outer_lr=outer_lr, outer_momentum=momentum)
+            r = run_method(method, config, corpus, scenario, None)
+            rows.append({"method": method, "inner_lr": lr, "outer_lr": outer_lr, "outer_momentum": momentum,
+                         "loss": r.final_eval_loss, "worst": r.worst_peer_eval_loss})  # fmt: skip
+            print(rows[-1], flush=True)
+    best = {m: min((r for r in rows if r["method"] == m), key=lambda r: r["loss"]) for m in ("ddp", "diloco", "murmur")}
+    out.mkdir(parents=True, exist_ok=True)
+    (out / "bench_convergence_sweep.json").write_text(json.dumps({"rows": rows, "best": best}, indent=2))
+    for method, row in best.items():
+        print(f"best {method}: {row}")
 
 
 def summarize(results: dict[str, dict[str, MethodResult]]) -> dict:

@@ -9,7 +9,7 @@ from peer.cli import main
 from peer.config import ConfigError, TrainConfig
 
 
-@pytest.mark.parametrize("command", [[], ["bootstrap"], ["join"], ["simulate"]])
+@pytest.mark.parametrize("command", [[], ["bootstrap"], ["join"], ["simulate"], ["status"], ["report"]])
 def test_help_screens(command, capsys):
     with pytest.raises(SystemExit) as exit_info:
         main([*command, "--help"])
@@ -20,6 +20,8 @@ def test_help_screens(command, capsys):
         "bootstrap": ["--run", "--port"],
         "join": ["--initial-peers", "--run"],
         "simulate": ["--peers", "--duration", "--report"],
+        "status": ["--initial-peers", "--run", "--json"],
+        "report": ["RUN_DIR", "--out"],
     }.get(command[0] if command else "", []):
         assert flag in out  # fmt: skip
 

@@ -1,0 +1,219 @@
+"""Checkpoint files: a peer's whole training state, written atomically and checked before use.
+
+A checkpoint `ckpt-<step:08d>.pt` is a small frame around a `torch.save` payload:
+
+    b"MURMURCK" | header length (4 bytes, little-endian) | header (JSON) | payload
+
+The JSON header holds the format version, run id, model name, step, and the payload's length and
+sha256, so an empty, truncated, corrupted, foreign or too-new file gets a one-line
+`CheckpointError`, and nothing is deserialized before the hash matches. Even then the payload is
+read only with `torch.load(weights_only=True)`: tensors, dicts, lists, tuples, strings and
+numbers, never arbitrary objects.
+
+`save_checkpoint` writes a hidden temp file in the same folder, fsyncs it, renames it into place
+and fsyncs the folder, so a crash leaves the previous checkpoint whole; it keeps the newest `keep`.
+`latest_checkpoint` returns the newest usable one for a run and model, skipping each other one
+with a warning. `load_state_dict` methods check saved state with `check_tensors` and `check_count`.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import hashlib
+import io
+import json
+import logging
+import os
+import re
+import struct
+import tempfile
+from collections.abc import Callable, Mapping
+from pathlib import Path
+from typing import Any
+
+import torch
+
+logger = logging.getLogger("murmur.checkpoint")
+
+FORMAT = 1
+MAGIC = b"MURMURCK"
+_LENGTH = struct.Struct("<I")
+MAX_HEADER_BYTES = 64 * 1024
+_NAME = re.compile(r"ckpt-(\d{8,})\.pt")
+_TEMP_PREFIX = ".ckpt-"  # hidden, and never matches ckpt-*.pt
+
+
+class CheckpointError(ValueError):
+    """A checkpoint or a state dict that cannot be used; str(e) is one line."""
+
+
+def save_checkpoint(directory: Path, state: dict[str, Any], *, keep: int = 2) -> Path:
+    """Write `state` atomically as `directory/ckpt-<step>.pt`; keep the newest `keep` checkpoints.
+
+    `state` carries "run_id" (str), "model" (str) and "step" (int) for the header and the name;
+    everything in it must be loadable with `torch.load(weights_only=True)`.
+    """
+    if keep < 1:
+        raise ValueError(f"keep must be at least 1, got {keep}")
+    run_id, model, step = state.get("run_id"), state.get("model"), state.get("step")
+    if not isinstance(run_id, str) or not isinstance(model, str) or type(step) is not int or step < 0:
+        raise ValueError("a checkpoint state needs 'run_id' and 'model' strings and a non-negative int 'step'")
+    buffer = io.BytesIO()
+    torch.save(state, buffer)
+    data = encode_frame(buffer.getvalue(), run_id=run_id, model=model, step=step)
+    directory.mkdir(parents=True, exist_ok=True)
+    path = directory / f"ckpt-{step:08d}.pt"
+    fd, temp = tempfile.mkstemp(dir=directory, prefix=_TEMP_PREFIX, suffix=".tmp")
+    placed = False
+    try:
+        with os.fdopen(fd, "wb") as f:
+            f.write(data)
+            f.flush()
+            os.fsync(f.fileno())
+        os.replace(temp, path)
+        placed = True
+    finally:
+        if not placed:
+            with contextlib.suppress(OSError):
+                os.unlink(temp)
+    _fsync_directory(directory)
+    for _, old in _checkpoints(directory)[keep:]:
+        old.unlink(missing_ok=True)
+    for stale in directory.glob(f"{_TEMP_PREFIX}*.tmp"):  # left by a crash mid-write
+        stale.unlink(missing_ok=True)
+    return path
+
+
+def encode_frame(payload: bytes, *, run_id: str, model: str, step: int, version: int = FORMAT) -> bytes:
+    """A checkpoint file's bytes: magic, header length, JSON header, payload."""
+    header = {"format": version, "run_id": run_id, "model": model, "step": step}
+    header |= {"payload_bytes": len(payload), "sha256": hashlib.sha256(payload).hexdigest()}
+    head = json.dumps(header).encode()
+    return MAGIC + _LENGTH.pack(len(head)) + head + payload
+
+
+def load_checkpoint(path: Path, *, run_id: str | None = None, model: str | None = None) -> dict[str, Any]:
+    """The state saved in `path`, after checking its frame, hash and (if given) run id and model."""
+    path = Path(path)
+
+    def fail(why: str) -> CheckpointError:
+        return CheckpointError(f"checkpoint {path} {why}")
+
+    try:
+        data = path.read_bytes()
+    except OSError as e:
+        raise fail(f"cannot be read: {e.strerror or e}") from None
+    start = len(MAGIC) + _LENGTH.size
+    if not data:
+        raise fail("is empty")
+    if not data.startswith(MAGIC[: len(data)]):
+        raise fail("is not a murmur checkpoint (no MURMURCK header)")
+    if len(data) < start:
+        raise fail("is truncated")
+    (head_len,) = _LENGTH.unpack_from(data, len(MAGIC))
+    if head_len > MAX_HEADER_BYTES:
+        raise fail(f"is corrupt: header length {head_len}")
+    if len(data) < start + head_len:
+        raise fail("is truncated")
+    try:
+        header = json.loads(data[start : start + head_len])
+    except (UnicodeDecodeError, json.JSONDecodeError):
+        raise fail("is corrupt: unreadable header") from None
+    fields = {"format": int, "run_id": str, "model": str, "step": int, "payload_bytes": int, "sha256": str}
+    if not isinstance(header, dict) or any(type(header.get(k)) is not t for k, t in fields.items()):
+        raise fail("is corrupt: malformed header")
+    if header["format"] > FORMAT:
+        raise fail(f"was written by a newer format {header['format']} (this peer reads format {FORMAT})")
+    payload = data[start + head_len :]
+    if len(payload) < header["payload_bytes"]:
+        raise fail(f"is truncated: {len(payload)} of {header['payload_bytes']} payload bytes")
+    if len(payload) > header["payload_bytes"]:
+        raise fail(f"is corrupt: {len(payload) - header['payload_bytes']} bytes after the payload")
+    if hashlib.sha256(payload).hexdigest() != header["sha256"]:
+        raise fail("is corrupt: sha256 mismatch")
+    try:
+        state = torch.load(io.BytesIO(payload), map_location="cpu", weights_only=True)
+    except Exception as e:  # the unpickler's errors span many lines and types: keep the first line
+        raise fail(f"is corrupt: its payload is not plain tensors and containers ({_first_line(e)})") from None
+    if not isinstance(state, dict) or any(state.get(k) != header[k] for k in ("run_id", "model", "step")):
+        raise fail("is corrupt: header and payload disagree")
+    for key, expected in (("run_id", run_id), ("model", model)):
+        if expected is not None and header[key] != expected:
+            raise fail(f"is for {key.replace('_', ' ')} {header[key]!r}, not {expected!r}")
+    return state
+
+
+def latest_checkpoint(
+    directory: Path, *, run_id: str, model: str, accept: Callable[[dict[str, Any]], None] | None = None
+) -> tuple[dict[str, Any], Path] | None:
+    """The newest usable checkpoint of this run and model in `directory`, or None.
+
+    Checkpoints are tried newest first; one that fails to load, or that `accept` (if given) rejects
+    by raising ValueError, is skipped with a one-line warning and the next older one is tried.
+    """
+    for _, path in _checkpoints(Path(directory)):
+        try:
+            state = load_checkpoint(path, run_id=run_id, model=model)
+        except CheckpointError as e:
+            logger.warning("%s; skipped", e)
+            continue
+        try:
+            if accept is not None:
+                accept(state)
+        except (ValueError, KeyError, TypeError) as e:
+            logger.warning("checkpoint %s does not fit this peer: %s; skipped", path, _first_line(e))
+            continue
+        return state, path
+    return None
+
+
+def check_tensors(
+    tensors: Any, shapes: Mapping[str, tuple[int, ...]], what: str, *, partial: bool = False
+) -> Mapping[str, torch.Tensor]:
+    """Check a saved {name: tensor} against the expected names and shapes, and that all are finite.
+
+    With `partial`, names may be missing (error-feedback residuals, warm starts), never unknown.
+    """
+    if not isinstance(tensors, Mapping):
+        raise CheckpointError(f"{what} is not a dict of tensors")
+    unknown = sorted(set(tensors) - set(shapes))
+    missing = [] if partial else sorted(set(shapes) - set(tensors))
+    if unknown or missing:
+        raise CheckpointError(f"{what} does not match this model: unknown {unknown[:3]}, missing {missing[:3]}")
+    for name, t in tensors.items():
+        if not isinstance(t, torch.Tensor) or not t.is_floating_point():
+            raise CheckpointError(f"{what} {name} is not a float tensor")
+        if tuple(t.shape) != tuple(shapes[name]):
+            raise CheckpointError(f"{what} {name} has shape {tuple(t.shape)}, expected {tuple(shapes[name])}")
+        if not bool(torch.isfinite(t).all()):
+            raise CheckpointError(f"{what} {name} is not finite")
+    return tensors
+
+
+def check_count(value: Any, what: str) -> int:
+    """A saved counter: a non-negative int."""
+    if type(value) is not int or value < 0:
+        raise CheckpointError(f"{what} must be a non-negative int, got {value!r}")
+    return value
+
+
+def _checkpoints(directory: Path) -> list[tuple[int, Path]]:
+    """(step, path) of every ckpt-*.pt in `directory`, newest first."""
+    if not directory.is_dir():
+        return []
+    found = [(int(m.group(1)), p) for p in directory.iterdir() if (m := _NAME.fullmatch(p.name))]
+    return sorted(found, reverse=True)
+
+
+def _fsync_directory(directory: Path) -> None:
+    """Make the rename itself durable."""
+    fd = os.open(directory, os.O_RDONLY)
+    try:
+        os.fsync(fd)
+    finally:
+        os.close(fd)
+
+
+def _first_line(error: Exception) -> str:
+    lines = str(error).strip().splitlines()
+    return (lines[0] if lines else type(error).__name__)[:200]

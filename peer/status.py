@@ -1,0 +1,117 @@
+"""`murmur status`: a run's config and live peers, as the DHT holds them right now.
+
+`read_status` turns one run's records into plain data (`RunStatus`, which `to_json` prints for
+scripts); `render_status` turns that into a rich table for people. Starting and stopping the DHT
+node that reads the records is the caller's job (the CLI joins as a client-mode node).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+from dataclasses import dataclass
+from typing import Any
+
+from hivemind.utils.timed_storage import get_dht_time
+from rich import box
+from rich.console import Group, RenderableType
+from rich.table import Table
+from rich.text import Text
+
+from dht.records import RunRecords
+
+
+class RunNotFound(LookupError):
+    """The run has neither a config record nor a live peer on the DHT; str(e) is one line."""
+
+
+@dataclass(frozen=True, kw_only=True)
+class PeerStatus:
+    """One live peer: its announcement, joined with its latest metrics record when there is one."""
+
+    peer_id: str
+    state: str  # "training" or "ready"
+    outer_step: int  # from the announcement
+    inner_steps: int | None  # from the metrics record (None: the peer has published none yet)
+    samples: int | None  # from the metrics record
+    loss: float | None  # last training loss, from the metrics record
+    samples_per_second: float
+    version: int  # protocol version the peer speaks
+    client_mode: bool
+    last_seen: float  # seconds since the announcement was stored
+
+
+@dataclass(frozen=True, kw_only=True)
+class RunStatus:
+    run: str
+    config: dict[str, Any] | None  # the run's training config record; None if it has expired or was never published
+    created_by: str | None  # peer id of the node that published the config
+    peers: list[PeerStatus]  # sorted by peer id
+
+    def to_json(self) -> str:
+        return json.dumps(dataclasses.asdict(self), allow_nan=False)
+
+
+def read_status(records: RunRecords) -> RunStatus:
+    """The run's config and live peers; RunNotFound if the DHT has neither.
+
+    An announcement was stored ``records.announce_ttl`` before it expires (peers announce with the
+    default ttl), which gives how long ago each peer was last seen.
+    """
+    record = records.fetch_config()
+    announced = records.peers_with_expiration()
+    if record is None and not announced:
+        raise RunNotFound(f"run '{records.run_id}' not found: no config and no live peers")
+    metrics = records.metrics() if announced else {}
+    now = get_dht_time()
+    peers = []
+    for peer_id, (a, expiration) in sorted(announced.items()):
+        m = metrics.get(peer_id)
+        peers.append(
+            PeerStatus(
+                peer_id=peer_id, state=a.state.value, outer_step=a.step,
+                inner_steps=m.step if m else None, samples=m.samples if m else None, loss=m.loss if m else None,
+                samples_per_second=a.samples_per_second, version=a.version, client_mode=a.client_mode,
+                last_seen=max(0.0, now - (expiration - records.announce_ttl)),
+            )
+        )  # fmt: skip
+    return RunStatus(
+        run=records.run_id,
+        config=dict(record.config) if record else None,
+        created_by=record.created_by if record else None,
+        peers=peers,
+    )
+
+
+def config_summary(status: RunStatus) -> str:
+    if status.config is None:
+        return f"run '{status.run}': no config record on the DHT"
+    c = status.config
+    return f"run '{status.run}': model {c.get('model')}, H={c.get('inner_steps')}, rank {c.get('rank')}"
+
+
+def render_status(status: RunStatus) -> RenderableType:
+    """The config summary line and a table with one row per live peer."""
+    if not status.peers:
+        return Group(Text(config_summary(status)), Text("no live peers"))
+    title = f"{len(status.peers)} live peer{'s' * (len(status.peers) != 1)}"
+    caption = "step: outer steps, inner: inner steps, seen: since last announced"
+    table = Table(
+        title=title, caption=caption, title_justify="left", caption_justify="left", box=box.SIMPLE_HEAD,
+        show_edge=False, collapse_padding=True,
+    )  # fmt: skip
+    table.add_column("peer", no_wrap=True, min_width=8)
+    table.add_column("state", no_wrap=True)
+    for column in ("step", "inner", "samples", "loss", "samples/s", "ver", "seen"):
+        table.add_column(column, justify="right")
+    for p in status.peers:
+        table.add_row(
+            p.peer_id[-8:], p.state, str(p.outer_step), _or_dash(p.inner_steps), _or_dash(p.samples),
+            "—" if p.loss is None else f"{p.loss:.3f}", f"{p.samples_per_second:.1f}", str(p.version),
+            f"{p.last_seen:.0f}s",
+        )  # fmt: skip
+    return Group(Text(config_summary(status)), table)
+
+
+def _or_dash(value: int | None) -> str:
+    return "—" if value is None else str(value)

@@ -1,0 +1,263 @@
+"""Checkpoints: a bit-exact resume, atomic writes, one-line errors, fallback, and no unpickling."""
+
+import dataclasses
+import io
+import logging
+import os
+import pickle
+import threading
+
+import pytest
+import torch
+
+from averaging.compression import LowRankCompressor, PairRound, plan
+from averaging.protocol import ExchangeConfig, ExchangeResult
+from dht.node import NodeConfig, start_node, stop_node, visible_addresses
+from dht.records import RunRecord, RunRecords
+from peer import checkpoint
+from peer.checkpoint import CheckpointError, encode_frame, latest_checkpoint, load_checkpoint, save_checkpoint
+from peer.cli import main
+from peer.config import TrainConfig
+from peer.data import DataConfig, load_corpus
+from peer.runner import PeerOptions, checkpoint_state, restore_state, run_peer
+from peer.trainer import Trainer
+
+RUN = "ckpt-test"
+BOOTSTRAP = "/ip4/127.0.0.1/tcp/4001/p2p/QmNnooDu7bfjPFoTZYxMNLWUQJyrVwtbZg5gBMjTezGAJN"
+CONFIG = TrainConfig(inner_steps=2, batch_size=4, eval_batches=1, warmup_steps=4, solo_after=2)
+
+
+@pytest.fixture(scope="module")
+def corpus():
+    return load_corpus(DataConfig(max_bytes=300_000))
+
+
+def small_state(step: int, run_id: str = RUN, model: str = "m") -> dict:
+    return {"run_id": run_id, "model": model, "step": step, "x": torch.arange(4.0) + step}
+
+
+def framed(state: dict, version: int = 1) -> bytes:
+    """A checkpoint file's bytes for any state: a well-formed frame with a matching hash."""
+    buffer = io.BytesIO()
+    torch.save(state, buffer)
+    return encode_frame(buffer.getvalue(), run_id=state["run_id"], model=state["model"], step=state["step"],
+                        version=version)  # fmt: skip
+
+
+def exchange(a: Trainer, b: Trainer, ca: LowRankCompressor, cb: LowRankCompressor) -> None:
+    """One in-process pair round between two trainers, then both take their outer steps."""
+    slots = plan(a.outer.shapes, ca.config.rank)
+    offers = a.outer.offer(), b.outer.offer()
+    q = PairRound.request_factors(ca, slots)
+    ra = PairRound(ca, slots, offers[0].tensors, offers[0].modes, q, initiator=True)
+    rb = PairRound(cb, slots, offers[1].tensors, offers[1].modes, q, initiator=False)
+    a1, b1 = ra.phase1(), rb.phase1()
+    a2, b2 = ra.phase2(b1), rb.phase2(a1)
+    projections = ra.finish(b2), rb.finish(a2)
+    for trainer, pair, offer, proj in zip((a, b), (ra, rb), offers, projections, strict=True):
+        pair.commit()
+        result = ExchangeResult(partner="p", session=0, initiator=pair.initiator, projections=proj,
+                                bytes_sent=0, bytes_received=0, seconds=0.0)  # fmt: skip
+        trainer.finish_round(offer, result)
+
+
+def alone(trainer: Trainer) -> float:
+    loss = trainer.inner_phase()
+    trainer.finish_round(trainer.outer.offer(), None)
+    return loss
+
+
+def assert_same(a: Trainer, b: Trainer, ca: LowRankCompressor, cb: LowRankCompressor) -> None:
+    for (name, p), (_, q) in zip(a.model.named_parameters(), b.model.named_parameters(), strict=True):
+        assert torch.equal(p, q), name
+    sa, sb = a.inner.state_dict(), b.inner.state_dict()
+    assert sa["param_groups"] == sb["param_groups"] and sa["state"].keys() == sb["state"].keys()
+    for index, entry in sa["state"].items():
+        assert all(torch.equal(t, sb["state"][index][key]) for key, t in entry.items()), index
+    oa, ob = a.outer.state_dict(), b.outer.state_dict()
+    assert (oa["step"], oa["lonely_rounds"]) == (ob["step"], ob["lonely_rounds"])
+    for group in ("anchor", "momentum", "error_feedback"):
+        assert oa[group].keys() == ob[group].keys()
+        assert all(torch.equal(t, ob[group][n]) for n, t in oa[group].items()), group
+    wa, wb = ca.state_dict(), cb.state_dict()
+    assert wa.keys() == wb.keys() and all(torch.equal(q, wb[n]) for n, q in wa.items())
+    assert (a.steps, a.samples, a.batches_drawn) == (b.steps, b.samples, b.batches_drawn)
+
+
+def test_resume_continues_bit_for_bit(corpus, tmp_path):
+    a, partner = Trainer(CONFIG, corpus, data_seed=1), Trainer(CONFIG, corpus, data_seed=2)
+    ca, cp = LowRankCompressor(CONFIG.compression()), LowRankCompressor(CONFIG.compression())
+    alone(a), alone(a)  # a lonely round, then an outer step alone (solo_after=2)
+    a.inner_phase(), partner.inner_phase()
+    exchange(a, partner, ca, cp)  # residuals, consensus and warm starts
+    alone(a)  # lonely: a model ahead of its anchor, lonely_rounds = 1
+    assert a.outer.error_feedback.residuals and ca.state_dict() and a.outer.lonely_rounds == 1
+    path = save_checkpoint(tmp_path, checkpoint_state(RUN, a, ca))
+    assert path.name == f"ckpt-{a.steps:08d}.pt"
+
+    b, cb = Trainer(CONFIG, corpus, data_seed=1), LowRankCompressor(CONFIG.compression())
+    found = latest_checkpoint(tmp_path, run_id=RUN, model=CONFIG.model, accept=lambda s: restore_state(s, b, cb))
+    assert found is not None and found[1] == path
+    assert b.compute_seconds == a.compute_seconds
+    assert_same(a, b, ca, cb)
+    assert alone(a) == alone(b)  # the same next batches: the data stream continued, not restarted
+    assert a.outer.step == 3  # alone, exchange, and this round stepped alone
+    assert_same(a, b, ca, cb)
+
+
+def test_an_unusable_state_is_rejected_and_changes_nothing(corpus, tmp_path):
+    a, ca = Trainer(CONFIG, corpus, data_seed=1), LowRankCompressor(CONFIG.compression())
+    alone(a)
+    good = checkpoint_state(RUN, a, ca)
+    save_checkpoint(tmp_path, good)
+    name = next(iter(a.outer.anchor))
+
+    def tamper(state: dict, where: str) -> None:
+        trainer = state["trainer"]
+        if where == "nan model":
+            trainer["model"][name] = torch.full_like(trainer["model"][name], float("nan"))
+        elif where == "anchor shape":
+            trainer["outer"]["anchor"][name] = torch.zeros(3)
+        elif where == "unknown residual":
+            trainer["outer"]["error_feedback"]["nope"] = torch.zeros(1)
+        elif where == "counter":
+            trainer["steps"] = -1
+        elif where == "adam moment":
+            trainer["inner"]["state"][0]["exp_avg"] = torch.zeros(1)
+        elif where == "warm start":
+            state["warm_starts"] = {"delta/" + name: torch.zeros(2, 2)}
+
+    fresh = Trainer(CONFIG, corpus, data_seed=1)
+    before = {n: p.clone() for n, p in fresh.model.named_parameters()}
+    damages = ["nan model", "anchor shape", "unknown residual", "counter", "adam moment", "warm start"]
+    for step, where in enumerate(damages, 100):
+        bad = checkpoint_state(RUN, a, ca) | {"step": step}
+        tamper(bad, where)
+        with pytest.raises(CheckpointError) as info:
+            restore_state(bad, fresh, LowRankCompressor(CONFIG.compression()))
+        assert "\n" not in str(info.value)
+        assert all(torch.equal(p, before[n]) for n, p in fresh.model.named_parameters()), where
+        assert fresh.steps == 0 and fresh.outer.step == 0
+        save_checkpoint(tmp_path, bad, keep=10)
+    # every tampered checkpoint is newer than the good one; the fallback skips them all
+    found = latest_checkpoint(tmp_path, run_id=RUN, model=CONFIG.model, accept=lambda s: restore_state(s, fresh, ca))
+    assert found is not None and found[0]["step"] == good["step"] and fresh.steps == a.steps
+
+
+def test_a_crash_mid_write_leaves_the_previous_checkpoint(tmp_path, monkeypatch):
+    save_checkpoint(tmp_path, small_state(1))
+    (tmp_path / ".ckpt-stale.tmp").write_bytes(b"left by a kill -9")
+
+    def crash(src, dst):
+        raise OSError("simulated crash before the rename")
+
+    monkeypatch.setattr(checkpoint.os, "replace", crash)
+    with pytest.raises(OSError, match="simulated crash"):
+        save_checkpoint(tmp_path, small_state(2))
+    assert sorted(p.name for p in tmp_path.iterdir()) == [".ckpt-stale.tmp", "ckpt-00000001.pt"]
+    assert torch.equal(load_checkpoint(tmp_path / "ckpt-00000001.pt")["x"], small_state(1)["x"])
+    monkeypatch.undo()
+    save_checkpoint(tmp_path, small_state(3))
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["ckpt-00000001.pt", "ckpt-00000003.pt"]
+
+
+def test_keeps_the_newest_two(tmp_path):
+    for step in (5, 1, 12, 7):
+        save_checkpoint(tmp_path, small_state(step))
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["ckpt-00000007.pt", "ckpt-00000012.pt"]
+
+
+DAMAGES = {
+    "empty": (lambda data: b"", "is empty"),
+    "truncated payload": (lambda data: data[: len(data) // 2], "is truncated: "),
+    "truncated header": (lambda data: data[:10], "is truncated"),
+    "flipped byte": (lambda data: data[:-100] + bytes([data[-100] ^ 0xFF]) + data[-99:], "is corrupt: sha256 mismatch"),
+    "trailing byte": (lambda data: data + b"\0", "is corrupt: 1 bytes after the payload"),
+    "not ours": (lambda data: b"PK\x03\x04" + data[4:], "is not a murmur checkpoint"),
+    "newer format": (lambda data: framed(small_state(2), version=3), "was written by a newer format 3"),
+    "wrong run": (lambda data: framed(small_state(2, run_id="other")), "is for run id 'other', not 'ckpt-test'"),
+    "wrong model": (lambda data: framed(small_state(2, model="gpt-huge")), "is for model 'gpt-huge', not 'm'"),
+}
+
+
+@pytest.mark.parametrize(("damage", "needle"), DAMAGES.values(), ids=DAMAGES.keys())
+def test_a_bad_file_is_a_one_line_error_and_the_previous_one_is_used(tmp_path, caplog, damage, needle):
+    save_checkpoint(tmp_path, small_state(1))
+    newest = save_checkpoint(tmp_path, small_state(2))
+    newest.write_bytes(damage(newest.read_bytes()))
+    with pytest.raises(CheckpointError) as info:
+        load_checkpoint(newest, run_id=RUN, model="m")
+    message = str(info.value)
+    assert message.startswith(f"checkpoint {newest} ") and needle in message and "\n" not in message, message
+    with caplog.at_level(logging.WARNING, logger="murmur.checkpoint"):
+        state, path = latest_checkpoint(tmp_path, run_id=RUN, model="m")
+    assert path.name == "ckpt-00000001.pt" and state["step"] == 1
+    assert [r.getMessage() for r in caplog.records] == [f"{message}; skipped"]
+    (tmp_path / "ckpt-00000001.pt").write_bytes(b"")
+    assert latest_checkpoint(tmp_path, run_id=RUN, model="m") is None
+
+
+def test_no_checkpoints_means_none(tmp_path):
+    assert latest_checkpoint(tmp_path / "missing", run_id=RUN, model="m") is None
+    assert latest_checkpoint(tmp_path, run_id=RUN, model="m") is None
+
+
+class Evil:
+    marker = None
+
+    def __reduce__(self):
+        return os.system, (f"touch {Evil.marker}",)
+
+
+def test_a_malicious_pickle_is_never_executed(tmp_path):
+    Evil.marker = tmp_path / "pwned"
+    raw = tmp_path / "ckpt-00000009.pt"
+    raw.write_bytes(pickle.dumps({"run_id": RUN, "model": "m", "step": 9, "x": Evil()}))
+    with pytest.raises(CheckpointError, match="is not a murmur checkpoint"):
+        load_checkpoint(raw)
+    # a well-framed file with a matching hash: the weights-only unpickler refuses the payload
+    forged = tmp_path / "ckpt-00000010.pt"
+    forged.write_bytes(framed({"run_id": RUN, "model": "m", "step": 10, "x": Evil()}))
+    with pytest.raises(CheckpointError) as info:
+        load_checkpoint(forged)
+    assert "payload is not plain tensors" in str(info.value) and "\n" not in str(info.value)
+    assert latest_checkpoint(tmp_path, run_id=RUN, model="m") is None
+    assert not Evil.marker.exists()
+
+
+def test_checkpoint_options(tmp_path, capsys):
+    node = NodeConfig()
+    assert PeerOptions(run_id=RUN, node=node).checkpoints is None
+    assert PeerOptions(run_id=RUN, node=node, out_dir=tmp_path).checkpoints == tmp_path / "checkpoints"
+    assert PeerOptions(run_id=RUN, node=node, out_dir=tmp_path, checkpoint_dir=tmp_path / "c").checkpoints == (
+        tmp_path / "c"
+    )
+    join = ["join", "--initial-peers", BOOTSTRAP, "--run", RUN]
+    for flags, needle in [(["--resume"], "resume needs a checkpoint folder"),
+                          (["--checkpoint-every", "0"], "checkpoint_every must be at least 1")]:  # fmt: skip
+        assert main([*join, *flags]) == 1  # refused before any node starts
+        err = capsys.readouterr().err
+        assert needle in err and len(err.strip().splitlines()) == 1, err
+
+
+@pytest.mark.slow
+def test_a_real_peer_checkpoints_and_resumes(tmp_path, caplog):
+    boot = start_node(NodeConfig())
+    try:
+        config = TrainConfig(inner_steps=2, batch_size=4, eval_batches=1)
+        record = RunRecord(run_id=RUN, config=config.to_record(), created_by=boot.peer_id.to_base58())
+        RunRecords(boot, RUN).publish_config(record)
+        node = NodeConfig(initial_peers=tuple(visible_addresses(boot)))
+        options = PeerOptions(
+            run_id=RUN, node=node, exchange=ExchangeConfig(window=0.3), duration=2.0, out_dir=tmp_path,
+            checkpoint_every=1000,
+        )  # fmt: skip
+        first = run_peer(options, threading.Event())
+        saved = sorted((tmp_path / "checkpoints").glob("ckpt-*.pt"))
+        assert [p.name for p in saved] == [f"ckpt-{first.steps:08d}.pt"]  # the final, clean-stop checkpoint
+        with caplog.at_level(logging.INFO, logger="murmur.peer"):
+            second = run_peer(dataclasses.replace(options, resume=True), threading.Event())
+        assert f"resumed from {saved[0]} at step {first.steps}" in caplog.text
+        assert second.steps > first.steps and second.samples > first.samples
+    finally:
+        stop_node(boot)

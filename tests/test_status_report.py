@@ -1,0 +1,169 @@
+"""`murmur report` on fake metrics logs; `murmur status` against a real DHT on loopback (slow)."""
+
+from __future__ import annotations
+
+import gc
+import json
+from collections.abc import Iterator
+from pathlib import Path
+from typing import Any
+
+import pytest
+
+from dht import (
+    Announcement,
+    Heartbeat,
+    Metrics,
+    NodeConfig,
+    PeerState,
+    RunRecord,
+    RunRecords,
+    start_node,
+    stop_node,
+    visible_addresses,
+)
+from peer.cli import main
+from peer.config import TrainConfig
+from peer.report import PANEL_TITLES, alive_over_time, build_figure, load_logs
+
+PNG_SIGNATURE = b"\x89PNG\r\n\x1a\n"
+
+# ---------------------------------------------------------------- murmur report
+
+
+def write_log(folder: Path, lines: int, start: float, seed: int) -> None:
+    """A metrics.jsonl as a peer writes it: one line per round, the real field names."""
+    folder.mkdir(parents=True)
+    records = [
+        dict(
+            t=start + 2.0 * i,
+            round=i + 1,
+            step=20 * (i + 1),
+            samples=320 * (i + 1),
+            loss=5.0 - 0.2 * i - 0.01 * seed,
+            eval_loss=5.1 - 0.2 * (i - i % 5),
+            exchanges_ok=i,
+            exchanges_failed=i // 6,
+            partner=None if i == 0 else f"peer{(seed + 1) % 3}",
+            bytes_sent=40_000 * i,
+            bytes_received=39_000 * i,
+        )
+        for i in range(lines)
+    ]
+    (folder / "metrics.jsonl").write_text("".join(json.dumps(r) + "\n" for r in records) + '{"t": 9')  # torn line
+
+
+def check_png(path: Path) -> None:
+    data = path.read_bytes()
+    assert len(data) > 1000 and data.startswith(PNG_SIGNATURE)
+
+
+def test_report_plots_a_simulation_folder(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    for i, start in enumerate([1000.0, 1003.0, 1010.0]):
+        write_log(tmp_path / f"peer-{i}", lines=12, start=start, seed=i)
+    (tmp_path / "peer-3").mkdir()  # a peer that never logged a round is left out
+    assert main(["report", str(tmp_path)]) == 0
+    assert str(tmp_path / "report.png") in capsys.readouterr().out
+    check_png(tmp_path / "report.png")
+
+    logs = load_logs(tmp_path)
+    assert list(logs) == ["peer-0", "peer-1", "peer-2"] and all(len(records) == 12 for records in logs.values())
+    figure = build_figure(logs)
+    assert tuple(axes.get_title() for axes in figure.axes) == PANEL_TITLES
+    by_time, by_samples, traffic, alive = figure.axes
+    assert len(by_time.lines) == len(by_samples.lines) == len(traffic.lines) == 6  # two lines per peer
+    assert min(by_time.lines[0].get_xdata()) == 0.0  # wall time counts from the first record of any peer
+    assert max(alive.lines[0].get_ydata()) == 3
+
+
+def test_report_plots_a_single_peer_folder(tmp_path: Path) -> None:
+    write_log(tmp_path / "me", lines=12, start=50.0, seed=0)
+    out = tmp_path / "plots" / "me.png"
+    assert main(["report", str(tmp_path / "me"), "--out", str(out)]) == 0
+    check_png(out)
+    assert list(load_logs(tmp_path / "me")) == ["me"]
+
+
+@pytest.mark.parametrize("make", [lambda d: None, lambda d: (d / "peer-0").mkdir(), lambda d: d.rmdir()])
+def test_report_without_metrics_is_a_one_line_error(tmp_path: Path, make: Any, capsys) -> None:
+    run_dir = tmp_path / "run"
+    run_dir.mkdir()
+    make(run_dir)
+    assert main(["report", str(run_dir)]) == 1
+    err = capsys.readouterr().err
+    assert len(err.strip().splitlines()) == 1 and str(run_dir) in err and "Traceback" not in err
+    assert not (run_dir / "report.png").exists()
+
+
+def test_peers_alive_counts_each_peer_from_first_to_last_record() -> None:
+    times, counts = alive_over_time([(0.0, 10.0), (3.0, 5.0), (5.0, 12.0)])
+    assert list(zip(times, counts, strict=True)) == [(0.0, 1), (3.0, 2), (5.0, 3), (5.0, 2), (10.0, 1), (12.0, 0)]
+
+
+# ---------------------------------------------------------------- murmur status (real DHT on loopback)
+
+RUN = "status-test"
+# Valid peer ids (the same constants tests/test_dht.py uses); status never dials their addresses.
+FAKE_PEERS = {
+    "QmNnooDu7bfjPFoTZYxMNLWUQJyrVwtbZg5gBMjTezGAJN": dict(outer=3, inner=60, samples=960, loss=3.25),
+    "12D3KooWD3eckifWpRn9wQpMG9R9hX3sD158z7EqHWmweQAJU5SA": dict(outer=5, inner=100, samples=1600, loss=2.75),
+}
+
+
+@pytest.fixture(scope="module")
+def boot() -> Iterator[Any]:
+    """A bootstrap node holding RUN's config, and two peers' metrics and announcements, kept alive by heartbeats."""
+    nodes, heartbeats = [], []
+    try:
+        nodes.append(start_node(NodeConfig()))
+        records = RunRecords(nodes[0], RUN)
+        config = TrainConfig(inner_steps=20, rank=4).to_record()
+        assert records.publish_config(RunRecord(run_id=RUN, config=config, created_by=nodes[0].peer_id.to_base58()))
+        for peer_id, p in FAKE_PEERS.items():
+            address = f"/ip4/127.0.0.1/tcp/4001/p2p/{peer_id}"
+            announcement = Announcement(
+                peer_id=peer_id, addresses=[address], step=p["outer"], samples_per_second=80.0, state=PeerState.READY
+            )
+            assert records.announce(announcement)  # stored now; the heartbeat keeps it alive past its 15 s ttl
+            heartbeats.append(Heartbeat(records, lambda a=announcement: a).start())
+            assert records.publish_metrics(
+                Metrics(peer_id=peer_id, step=p["inner"], samples=p["samples"], loss=p["loss"], exchanges_ok=2,
+                        exchanges_failed=0, bytes_sent=10, bytes_received=10)
+            )  # fmt: skip
+        yield nodes[0]
+    finally:
+        for heartbeat in heartbeats:
+            heartbeat.stop()
+        for node in nodes:
+            stop_node(node)
+        nodes.clear()
+        gc.collect()  # free the node's MPFutures before the conftest reaper kills torch_shm_manager
+
+
+@pytest.mark.slow
+def test_status_json_lists_live_peers_with_steps_and_losses(boot: Any, capsys) -> None:
+    assert main(["status", "--initial-peers", *visible_addresses(boot), "--run", RUN, "--json"]) == 0
+    status = json.loads(capsys.readouterr().out)
+    assert status["run"] == RUN and status["config"]["inner_steps"] == 20 and status["config"]["rank"] == 4
+    peers = {p["peer_id"]: p for p in status["peers"]}
+    assert set(peers) == set(FAKE_PEERS)
+    for peer_id, expected in FAKE_PEERS.items():
+        p = peers[peer_id]
+        assert (p["outer_step"], p["inner_steps"], p["samples"], p["loss"]) == (
+            expected["outer"], expected["inner"], expected["samples"], expected["loss"],
+        )  # fmt: skip
+        assert p["state"] == "ready" and p["version"] >= 1 and p["samples_per_second"] == 80.0
+        assert 0 <= p["last_seen"] < 15  # stored within the announcement's ttl
+
+
+@pytest.mark.slow
+def test_status_table_and_unknown_run(boot: Any, capsys) -> None:
+    initial_peers = visible_addresses(boot)
+    assert main(["status", "--initial-peers", *initial_peers, "--run", RUN]) == 0
+    out = capsys.readouterr().out
+    assert "H=20" in out and "rank 4" in out
+    assert all(peer_id[-8:] in out for peer_id in FAKE_PEERS)
+
+    assert main(["status", "--initial-peers", *initial_peers, "--run", "no-such-run"]) == 1
+    err = capsys.readouterr().err
+    assert err.strip() == "murmur status: error: run 'no-such-run' not found: no config and no live peers"
