@@ -25,6 +25,11 @@ from peer.model import build_model
 from peer.outer import OuterOptimizer
 
 
+def warmup_lr(base: float, step: int, warmup_steps: int) -> float:
+    """The inner learning rate at `step` (counted from 0): linear warmup, then constant."""
+    return base * min(1.0, (step + 1) / warmup_steps) if warmup_steps else base
+
+
 class NonFiniteLoss(RuntimeError):
     """The local loss became NaN or inf; the round's local steps are discarded."""
 
@@ -54,8 +59,7 @@ class Trainer:
         return sum(4 * p.numel() for p in self.model.parameters())
 
     def _lr(self) -> float:
-        warm = self.config.warmup_steps
-        return self.config.inner_lr * min(1.0, (self.steps + 1) / warm) if warm else self.config.inner_lr
+        return warmup_lr(self.config.inner_lr, self.steps, self.config.warmup_steps)
 
     def inner_phase(self) -> float:
         """H local AdamW steps; returns their mean training loss."""

@@ -21,7 +21,6 @@ from __future__ import annotations
 
 import asyncio
 import heapq
-import math
 import random
 from collections.abc import Callable
 from dataclasses import dataclass, field
@@ -36,7 +35,7 @@ from peer.config import TrainConfig
 from peer.data import Corpus, batches, eval_batches, evaluate
 from peer.metrics import consensus_distance
 from peer.model import build_model
-from peer.trainer import Trainer
+from peer.trainer import Trainer, warmup_lr
 
 EXCHANGE_MESSAGES = 6  # REQUEST, ACCEPT, PHASE1, PHASE2, COMMIT, ACK: strictly one after another
 
@@ -153,7 +152,7 @@ def run_ddp(config: TrainConfig, corpus: Corpus, scenario: Scenario, lr: float |
     while samples < scenario.sample_budget:
         x, y = (torch.cat(t) for t in zip(*(next(s) for s in streams), strict=True))  # (N·B, T)
         for group in opt.param_groups:
-            group["lr"] = lr * min(1.0, (step + 1) / config.warmup_steps) if config.warmup_steps else lr
+            group["lr"] = warmup_lr(lr, step, config.warmup_steps)
         model.train()
         _, loss = model(x, y)  # the mean over all peers' batches: the averaged gradient
         opt.zero_grad(set_to_none=True)
@@ -314,8 +313,3 @@ def _choose(waiting: dict[int, float], avoid: int | None) -> int | None:
     order = sorted(waiting, key=lambda j: waiting[j])
     fresh = [j for j in order if j != avoid]
     return (fresh or order or [None])[0]
-
-
-def time_to_loss(result: MethodResult, loss: float) -> float | None:
-    t = result.curve.time_to(loss)
-    return None if t is None or math.isnan(t) else t

@@ -22,7 +22,7 @@ import torch
 
 from peer.config import TrainConfig
 from peer.data import load_corpus
-from peer.virtual import Link, MethodResult, Scenario, run_ddp, run_diloco, run_murmur, time_to_loss
+from peer.virtual import Link, MethodResult, Scenario, run_ddp, run_diloco, run_murmur
 
 
 def variants(base: TrainConfig) -> dict[str, TrainConfig]:
@@ -156,7 +156,7 @@ def summarize(results: dict[str, dict[str, MethodResult]]) -> dict:
                 "consensus_distance": r.consensus_distance,
             }
             if scenario == "straggler":
-                reached = time_to_loss(r, diloco.final_eval_loss)
+                reached = r.curve.time_to(diloco.final_eval_loss)
                 r_time = None if reached is None else reached / diloco.virtual_seconds
                 rows[name]["time_to_diloco_loss"] = reached
                 rows[name]["time_to_diloco_loss_vs_diloco"] = r_time
