@@ -5,6 +5,12 @@ factors: P = M·Q of shape (n, r) and Q' = Mᵀ·P̂ of shape (m, r), where P̂ 
 columns and Q is warm-started from the previous round. Tensors too small to gain from a low rank
 (1-D biases and norms, tiny matrices) travel dense in a 16-bit float.
 
+With ``mean_codec="sign"`` the averaged pseudo-gradient ("mean" matrices) travels instead as 1-bit
+signs with one scale per row (1/32 of float32, about what rank 4 costs on a square matrix). AdamW's
+normalized steps make pseudo-gradients close to sign matrices whose spectrum is flat, so a low rank
+keeps little of each, whereas signs keep every coordinate's direction; both peers decode both sides,
+so the pair mean is exact and error feedback keeps the rest.
+
 Two ways to use it:
 
 - alone, as a strategy with ``compress`` / ``decompress`` / ``ratio`` (one power iteration on one
@@ -30,6 +36,16 @@ Mode = Literal["mean", "diff"]
 """How two peers' matrices choose their shared subspace: the top directions of the sum ("mean",
 for averaging updates) or of the difference ("diff", for pulling two states together)."""
 
+Codec = Literal["dense", "lowrank", "sign", "int8"]
+"""How one tensor travels: whole in a 16-bit float, as rank-r factors, as 1-bit signs with a scale
+per row (``sign``, for "mean" tensors when the config asks for it), or as int8 with a scale per row
+(``int8``, for "diff" tensors when the config asks for it)."""
+
+MeanCodec = Literal["lowrank", "sign"]
+DiffCodec = Literal["lowrank", "int8"]
+
+SCALE_SUFFIX = "#scale"  # a sign-coded tensor's per-row scales travel under NAME#scale
+
 WIRE_DTYPES = (torch.float16, torch.bfloat16, torch.float32)
 
 
@@ -39,10 +55,16 @@ class LowRankConfig:
     factor_dtype: torch.dtype = torch.float16  # P and Q factors on the wire
     dense_dtype: torch.dtype = torch.float16  # tensors sent whole (biases, norms, tiny matrices)
     seed: int = 0  # seeds the first Q of every tensor, identically on every peer
+    mean_codec: MeanCodec = "lowrank"  # how "mean" matrices (the pseudo-gradient) travel
+    diff_codec: DiffCodec = "lowrank"  # how "diff" matrices (anchor consensus) travel
 
     def __post_init__(self) -> None:
         if not 1 <= self.rank <= 1024:
             raise ValueError(f"rank must be between 1 and 1024, got {self.rank}")
+        if self.mean_codec not in ("lowrank", "sign"):
+            raise ValueError(f"mean_codec must be 'lowrank' or 'sign', got {self.mean_codec!r}")
+        if self.diff_codec not in ("lowrank", "int8"):
+            raise ValueError(f"diff_codec must be 'lowrank' or 'int8', got {self.diff_codec!r}")
         for label, dtype in (("factor_dtype", self.factor_dtype), ("dense_dtype", self.dense_dtype)):
             if dtype not in WIRE_DTYPES:
                 raise ValueError(f"{label} must be float16, bfloat16 or float32, got {dtype}")
@@ -50,24 +72,41 @@ class LowRankConfig:
 
 @dataclass(frozen=True)
 class Slot:
-    """How one named tensor travels: low-rank with `rank` > 0, else dense."""
+    """How one named tensor travels: low-rank with `rank` > 0, as signs, or dense."""
 
     name: str
     shape: tuple[int, ...]
     rows: int
     cols: int
     rank: int
+    codec: Codec = "lowrank"
 
     @property
     def dense(self) -> bool:
-        return self.rank == 0
+        return self.codec == "dense"
+
+    @property
+    def low_rank(self) -> bool:
+        return self.codec == "lowrank"
+
+    @property
+    def sign(self) -> bool:
+        return self.codec == "sign"
+
+    @property
+    def scaled(self) -> bool:
+        """Sent as one scale per row and a code per entry (sign or int8), exchanged in one phase."""
+        return self.codec in ("sign", "int8")
 
     def numel(self) -> int:
         return math.prod(self.shape)
 
 
-def plan(shapes: Mapping[str, tuple[int, ...]], rank: int) -> dict[str, Slot]:
-    """Choose low-rank or dense for each tensor: low-rank only where the factors are smaller."""
+def plan(
+    shapes: Mapping[str, tuple[int, ...]], rank: int, *, codecs: Mapping[str, Codec] | None = None
+) -> dict[str, Slot]:
+    """Choose a codec for each tensor: matrices where rank-r factors would be smaller than the matrix
+    travel low-rank, or in the codec `codecs` names for them; the rest (1-D tensors, tiny matrices) dense."""
     slots = {}
     for name, shape in shapes.items():
         shape = tuple(int(s) for s in shape)
@@ -75,11 +114,65 @@ def plan(shapes: Mapping[str, tuple[int, ...]], rank: int) -> dict[str, Slot]:
             rows, cols = shape[0], math.prod(shape[1:])
             r = min(rank, rows, cols)
             if (rows + cols) * r < rows * cols:
-                slots[name] = Slot(name, shape, rows, cols, r)
+                codec = (codecs or {}).get(name, "lowrank")
+                slots[name] = Slot(name, shape, rows, cols, r if codec == "lowrank" else 0, codec)
                 continue
         numel = math.prod(shape)
-        slots[name] = Slot(name, shape, numel, 1, 0)
+        slots[name] = Slot(name, shape, numel, 1, 0, "dense")
     return slots
+
+
+def code_spec(slot: Slot) -> tuple[tuple[int, ...], torch.dtype]:
+    """Shape and dtype of a scaled slot's codes (its scales are `slot.rows` more values)."""
+    if slot.sign:
+        return ((slot.numel() + 7) // 8,), torch.uint8  # packed bits
+    return (slot.rows, slot.cols), torch.int8
+
+
+def scaled_encode(slot: Slot, tensor: torch.Tensor, scale_dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
+    return (sign_encode if slot.sign else int8_encode)(slot, tensor, scale_dtype)
+
+
+def scaled_decode(slot: Slot, codes: torch.Tensor, scale: torch.Tensor) -> torch.Tensor:
+    return (sign_decode if slot.sign else int8_decode)(slot, codes, scale)
+
+
+def int8_encode(slot: Slot, tensor: torch.Tensor, scale_dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
+    """Each row rounded to int8 steps of max|row|/127; the scale is rounded to `scale_dtype` first, so
+    that encoder and decoder use the same step."""
+    m = tensor.detach().reshape(slot.rows, slot.cols).float()
+    scale = quantize(m.abs().amax(dim=1) / 127, scale_dtype)
+    step = scale.float().clamp_min(torch.finfo(torch.float32).tiny).reshape(-1, 1)
+    codes = torch.round(m / step).clamp_(-127, 127).to(torch.int8)
+    return codes, scale
+
+
+def int8_decode(slot: Slot, codes: torch.Tensor, scale: torch.Tensor) -> torch.Tensor:
+    return (codes.float() * scale.float().reshape(-1, 1)).reshape(slot.shape)
+
+
+_BIT_WEIGHTS = torch.tensor([128, 64, 32, 16, 8, 4, 2, 1], dtype=torch.uint8)
+
+
+def sign_encode(slot: Slot, tensor: torch.Tensor, scale_dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
+    """1-bit signs of `tensor` (packed, row-major, uint8) and each row's mean |value| in `scale_dtype`.
+
+    The decoded tensor sign·scale keeps each row's L1 mass: the scaled-sign compressor of
+    signSGD with error feedback (Karimireddy et al. 2019), one scale per row rather than per tensor.
+    """
+    m = tensor.detach().reshape(slot.rows, slot.cols).float()
+    scale = quantize(m.abs().mean(dim=1), scale_dtype)
+    bits = (m.reshape(-1) >= 0).to(torch.uint8).cpu()
+    bits = torch.nn.functional.pad(bits, (0, (-bits.numel()) % 8)).reshape(-1, 8)
+    packed = (bits * _BIT_WEIGHTS).sum(dim=1, dtype=torch.uint8)
+    return packed.to(m.device), scale
+
+
+def sign_decode(slot: Slot, packed: torch.Tensor, scale: torch.Tensor) -> torch.Tensor:
+    """The float32 tensor that `sign_encode` stands for, in the slot's shape."""
+    bits = (packed.cpu().reshape(-1, 1) & _BIT_WEIGHTS) > 0
+    signs = bits.reshape(-1)[: slot.numel()].to(torch.float32).mul_(2).sub_(1).to(scale.device)
+    return (signs.reshape(slot.rows, slot.cols) * scale.float().reshape(-1, 1)).reshape(slot.shape)
 
 
 def orthogonalize_(p: torch.Tensor, eps: float = 1e-12) -> torch.Tensor:
@@ -143,10 +236,19 @@ class LowRankCompressor:
         self._q = {name: q.detach().to(torch.float32).clone() for name, q in state.items()}
 
     # -- one peer alone: the compression strategy -------------------------------------------------
+    def plan(self, shapes: Mapping[str, tuple[int, ...]], modes: Mapping[str, Mode]) -> dict[str, Slot]:
+        """The codec of every tensor under this config (`plan` with the config's rank and mean codec)."""
+        chosen = {"mean": self.config.mean_codec, "diff": self.config.diff_codec}
+        return plan(shapes, self.config.rank, codecs={n: chosen[m] for n, m in modes.items()})
+
     def compress(self, slot: Slot, tensor: torch.Tensor) -> dict[str, torch.Tensor]:
-        """One warm-started power iteration: {"p": P̂ (n, r), "q": Q (m, r)}, or {"v": dense}."""
+        """One warm-started power iteration: {"p": P̂ (n, r), "q": Q (m, r)}; or {"v": dense};
+        or {"codes": signs or int8, "scale": per-row scales}."""
         if slot.dense:
             return {"v": quantize(tensor, self.config.dense_dtype)}
+        if slot.scaled:
+            codes, scale = scaled_encode(slot, tensor, self.config.dense_dtype)
+            return {"codes": codes, "scale": scale}
         m = tensor.detach().reshape(slot.rows, slot.cols).float()  # (n, m)
         p = m @ self.warm_q(slot, m.device)  # (n, r)
         orthogonalize_(p)
@@ -159,17 +261,31 @@ class LowRankCompressor:
         """The tensor `factors` stand for, float32, in the slot's shape."""
         if slot.dense:
             return factors["v"].float().reshape(slot.shape)
+        if slot.scaled:
+            return scaled_decode(slot, factors["codes"], factors["scale"])
         return (factors["p"].float() @ factors["q"].float().T).reshape(slot.shape)
 
     def nbytes(self, slots: Mapping[str, Slot]) -> int:
         """Exact payload bytes of one `compress` of every slot."""
         factor = torch.tensor([], dtype=self.config.factor_dtype).element_size()
         dense = torch.tensor([], dtype=self.config.dense_dtype).element_size()
-        return sum(s.numel() * dense if s.dense else (s.rows + s.cols) * s.rank * factor for s in slots.values())
+        return sum(
+            s.numel() * dense
+            if s.dense
+            else _scaled_nbytes(s, dense)
+            if s.scaled
+            else (s.rows + s.cols) * s.rank * factor
+            for s in slots.values()
+        )
 
     def ratio(self, slots: Mapping[str, Slot]) -> float:
         """Dense float32 bytes over compressed bytes (how many times smaller)."""
         return sum(4 * s.numel() for s in slots.values()) / max(1, self.nbytes(slots))
+
+
+def _scaled_nbytes(slot: Slot, scale_size: int) -> int:
+    shape, dtype = code_spec(slot)
+    return math.prod(shape) * dtype.itemsize + slot.rows * scale_size
 
 
 @dataclass(frozen=True)
@@ -220,18 +336,23 @@ class PairRound:
     def request_factors(compressor: LowRankCompressor, slots: Mapping[str, Slot]) -> dict[str, torch.Tensor]:
         """The initiator's warm-start Q for every low-rank slot, as sent in the request."""
         dtype = compressor.config.factor_dtype
-        return {n: quantize(compressor.warm_q(s), dtype) for n, s in slots.items() if not s.dense}
+        return {n: quantize(compressor.warm_q(s), dtype) for n, s in slots.items() if s.low_rank}
 
     def _matrix(self, name: str) -> torch.Tensor:
         slot = self.slots[name]
         return self.tensors[name].detach().reshape(slot.rows, slot.cols).float()  # (n, m)
 
     def phase1(self) -> dict[str, torch.Tensor]:
-        """This side's P = M·Q for low-rank slots, and dense tensors whole, in wire dtypes."""
+        """This side's P = M·Q for low-rank slots, codes and row scales for sign and int8 slots, and
+        dense tensors whole, in wire dtypes."""
         cfg = self.compressor.config
         for name, slot in self.slots.items():
             if slot.dense:
                 self._mine1[name] = quantize(self.tensors[name], cfg.dense_dtype)
+            elif slot.scaled:
+                self._mine1[name], self._mine1[name + SCALE_SUFFIX] = scaled_encode(
+                    slot, self.tensors[name], cfg.dense_dtype
+                )
             else:
                 m = self._matrix(name)
                 self._mine1[name] = quantize(m @ self.q_init[name].to(m.device), cfg.factor_dtype)  # (n, r)
@@ -241,7 +362,7 @@ class PairRound:
         """Combine both P's into the shared P̂, and return this side's Q = Mᵀ·P̂ in wire dtype."""
         self._other1 = dict(other)
         for name, slot in self.slots.items():
-            if slot.dense:
+            if not slot.low_rank:
                 continue
             first, second = self._ordered(self._mine1[name], other[name])
             sign = 1.0 if self.modes[name] == "mean" else -1.0
@@ -256,9 +377,8 @@ class PairRound:
         """Both sides' projections; also keeps the combined Q as the next warm start."""
         out = {}
         for name, slot in self.slots.items():
-            if slot.dense:
-                own = self._mine1[name].float().reshape(slot.shape)
-                theirs = self._other1[name].float().reshape(slot.shape)
+            if not slot.low_rank:  # both sides hold both tensors as sent: the mean is exact
+                own, theirs = (self._decoded(slot, sent) for sent in (self._mine1, self._other1))
                 first, second = self._ordered(own, theirs)
                 out[name] = Projection(own=own, mean=(first + second) / 2)
                 continue
@@ -277,6 +397,12 @@ class PairRound:
         for name, q in self._next_q.items():
             self.compressor.set_warm_q(name, q)
         self._next_q.clear()
+
+    @staticmethod
+    def _decoded(slot: Slot, sent: Mapping[str, torch.Tensor]) -> torch.Tensor:
+        if slot.scaled:
+            return scaled_decode(slot, sent[slot.name], sent[slot.name + SCALE_SUFFIX])
+        return sent[slot.name].float().reshape(slot.shape)
 
     def _ordered(self, mine: torch.Tensor, theirs: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         return (mine, theirs) if self.initiator else (theirs, mine)

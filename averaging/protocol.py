@@ -36,7 +36,7 @@ from dataclasses import dataclass, field
 import torch
 
 from averaging import wire
-from averaging.compression import LowRankCompressor, Mode, PairRound, Projection, Slot, plan
+from averaging.compression import SCALE_SUFFIX, LowRankCompressor, Mode, PairRound, Projection, Slot, code_spec
 from averaging.partners import PartnerSource
 from averaging.transport import Stream, Transport
 from averaging.wire import Kind, TensorSpec
@@ -90,6 +90,33 @@ class ExchangeStats:
     last_error: str | None = None
 
 
+def advanced_offer(offer: Offer, result: ExchangeResult) -> Offer:
+    """What a peer brings to the next stage of a group average (a butterfly of pair exchanges):
+    "mean" tensors are replaced by the pair's mean, "diff" states move to the pair's agreement."""
+    tensors = {}
+    for name, tensor in offer.tensors.items():
+        proj = result.projections[name]
+        tensors[name] = proj.mean if offer.modes[name] == "mean" else tensor + proj.mean - proj.own
+    return Offer(step=offer.step, tensors=tensors, modes=offer.modes)
+
+
+def chain_results(first: ExchangeResult | None, second: ExchangeResult | None) -> ExchangeResult | None:
+    """One result for two stages of a group average, as if one exchange: its mean is the second
+    stage's mean, and its own is what keeps both stages' compression residuals (own₁ − mean₁ + own₂),
+    so that error feedback loses nothing and x + mean − own is where both stages moved a state."""
+    if first is None or second is None:
+        return None  # a group whose second stage failed applies nothing; the first is lost, not half-applied
+    projections = {
+        name: Projection(own=p1.own - p1.mean + second.projections[name].own, mean=second.projections[name].mean)
+        for name, p1 in first.projections.items()
+    }
+    return ExchangeResult(
+        partner=second.partner, session=second.session, initiator=second.initiator, projections=projections,
+        bytes_sent=first.bytes_sent + second.bytes_sent, bytes_received=first.bytes_received + second.bytes_received,
+        seconds=first.seconds + second.seconds,
+    )  # fmt: skip
+
+
 class ExchangeFailed(Exception):
     """An exchange was aborted; str(e) is a one-line reason."""
 
@@ -99,10 +126,10 @@ class Declined(ExchangeFailed):
 
 
 def layout_signature(run_id: str, slots: Mapping[str, Slot], modes: Mapping[str, Mode], compressor) -> str:
-    """Two peers may pair only if they agree on every name, shape, rank, mode and wire dtype."""
+    """Two peers may pair only if they agree on every name, shape, codec, rank, mode and wire dtype."""
     cfg = compressor.config
     parts = [run_id, str(wire.PROTOCOL_VERSION), str(cfg.factor_dtype), str(cfg.dense_dtype)]
-    parts += [f"{n}:{s.shape}:{s.rank}:{modes[n]}" for n, s in sorted(slots.items())]
+    parts += [f"{n}:{s.shape}:{s.codec}:{s.rank}:{modes[n]}" for n, s in sorted(slots.items())]
     return hashlib.sha256("|".join(parts).encode()).hexdigest()[:32]
 
 
@@ -124,7 +151,7 @@ class GossipAverager:
         self.partners = partners
         self.config = config
         self.modes = dict(modes)
-        self.slots = plan(shapes, compressor.config.rank)
+        self.slots = compressor.plan(shapes, self.modes)
         self.signature = layout_signature(run_id, self.slots, self.modes, compressor)
         self.stats = ExchangeStats()
         self._rng = random.Random(seed)
@@ -134,12 +161,14 @@ class GossipAverager:
         self._closed = False
         self._recent: collections.deque[str] = collections.deque(maxlen=config.avoid_recent)
         fd, dd = compressor.config.factor_dtype, compressor.config.dense_dtype
-        low = {n: s for n, s in self.slots.items() if not s.dense}
-        self._spec_q = {n: TensorSpec((s.cols, s.rank), fd) for n, s in low.items()}
-        self._spec_p = {
-            n: TensorSpec((s.rows, s.rank), fd) if not s.dense else TensorSpec(s.shape, dd)
-            for n, s in self.slots.items()
-        }
+        self._spec_q = {n: TensorSpec((s.cols, s.rank), fd) for n, s in self.slots.items() if s.low_rank}
+        self._spec_p = {}  # what phase 1 carries: P factors, sign or int8 codes and their scales, dense tensors
+        for n, s in self.slots.items():
+            if s.scaled:
+                self._spec_p[n] = TensorSpec(*code_spec(s))
+                self._spec_p[n + SCALE_SUFFIX] = TensorSpec((s.rows,), dd)
+            else:
+                self._spec_p[n] = TensorSpec((s.rows, s.rank), fd) if s.low_rank else TensorSpec(s.shape, dd)
 
     @property
     def peer_id(self) -> str:
@@ -269,18 +298,21 @@ class GossipAverager:
     async def _handle(self, remote: str, stream: Stream) -> None:
         started = time.monotonic()
         try:
-            request = await self._recv(stream, Kind.REQUEST, None, self._spec_q)
+            request = await self._recv(stream, Kind.REQUEST, None, None)  # tensors checked once the layout matches
+            compatible = request.meta.get("sig") == self.signature
+            if compatible:
+                wire.check_tensors(request.tensors, self._spec_q)
         except (ExchangeFailed, ConnectionError, wire.WireError, TimeoutError) as e:
             logger.warning("bad request from %s: %s", remote[-8:], e)
             return
         offer, session = self._offer, request.session
         reason = None
-        if offer is None or self._closed:
+        if not compatible:
+            reason = "incompatible run, model or compression settings"
+        elif offer is None or self._closed:
             reason = "not ready"
         elif self._busy.locked() or self._result is None or self._result.done():
             reason = "busy"
-        elif request.meta.get("sig") != self.signature:
-            reason = "incompatible run, model or compression settings"
         if reason is not None:
             with contextlib.suppress(ConnectionError, TimeoutError):
                 await self._send(stream, Kind.DECLINE, session, 0, {}, {"reason": reason})
@@ -315,7 +347,7 @@ class GossipAverager:
         await asyncio.wait_for(stream.send(wire.encode(message)), self.config.message_timeout)
 
     async def _recv(
-        self, stream: Stream, want: Kind, session: int | None, expected: Mapping[str, TensorSpec]
+        self, stream: Stream, want: Kind, session: int | None, expected: Mapping[str, TensorSpec] | None
     ) -> wire.Message:
         limits = self.config.limits
         data = await asyncio.wait_for(stream.recv(limits.max_message_bytes), self.config.message_timeout)
@@ -326,5 +358,6 @@ class GossipAverager:
             raise ExchangeFailed(f"partner aborted: {message.meta.get('reason', 'no reason given')}")
         if session is not None and message.session != session:
             raise ExchangeFailed(f"message for session {message.session}, expected {session}")
-        wire.check_tensors(message.tensors, expected)
+        if expected is not None:
+            wire.check_tensors(message.tensors, expected)
         return message

@@ -29,6 +29,8 @@ _DTYPE_NAMES: dict[torch.dtype, str] = {
     torch.float16: "float16",
     torch.bfloat16: "bfloat16",
     torch.float32: "float32",
+    torch.uint8: "uint8",  # packed sign bits
+    torch.int8: "int8",  # quantized states
 }
 _DTYPES_BY_NAME = {name: dtype for dtype, name in _DTYPE_NAMES.items()}
 # Raw bytes are moved through a same-width integer view, so numpy (which lacks bfloat16) sets the byte order.
@@ -36,6 +38,8 @@ _INT_VIEWS: dict[torch.dtype, tuple[torch.dtype, str]] = {
     torch.float16: (torch.int16, "<i2"),
     torch.bfloat16: (torch.int16, "<i2"),
     torch.float32: (torch.int32, "<i4"),
+    torch.uint8: (torch.uint8, "|u1"),
+    torch.int8: (torch.int8, "|i1"),
 }
 
 
@@ -69,7 +73,7 @@ class Limits:
     max_tensor_bytes: int = 128 * 2**20
     max_name_length: int = 200
     max_meta_items: int = 32
-    dtypes: frozenset[torch.dtype] = frozenset({torch.float16, torch.bfloat16, torch.float32})
+    dtypes: frozenset[torch.dtype] = frozenset({torch.float16, torch.bfloat16, torch.float32, torch.uint8, torch.int8})
 
 
 @dataclass(frozen=True, kw_only=True)

@@ -34,6 +34,8 @@ class TrainConfig:
     outer_lr: float = 0.7
     outer_momentum: float = 0.9
     rank: int = 4
+    codec: str = "sign"  # how the pseudo-gradient travels: "sign" (1 bit + row scales) or "lowrank" (rank-r factors)
+    consensus_codec: str = "lowrank"  # how anchors are pulled together: "lowrank" (rank-r difference) or "int8"
     consensus: bool = True
     error_feedback: bool = True
     solo_after: int = 4  # rounds without a partner before a peer takes an outer step alone
@@ -68,7 +70,9 @@ class TrainConfig:
         )
 
     def compression(self) -> LowRankConfig:
-        return LowRankConfig(rank=self.rank, seed=self.seed)
+        return LowRankConfig(
+            rank=self.rank, seed=self.seed, mean_codec=self.codec, diff_codec=self.consensus_codec
+        )  # fmt: skip
 
     def to_record(self) -> dict[str, Any]:
         return dataclasses.asdict(self)

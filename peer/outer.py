@@ -4,7 +4,8 @@ Per parameter the peer keeps its anchor φ (the model at its last outer step), a
 and an error-feedback residual e. After H inner steps, the model is θ and the round offers:
 
     delta/NAME     M = (φ − θ) + e   paired by its sum ("mean"): the averaged pseudo-gradient
-    anchor/NAME    φ                  paired by its difference ("diff"): consensus on the anchor
+    anchor/NAME    φ − φ₀             paired by its difference ("diff"): consensus on the anchor
+                                      (φ₀: the run's initial model, identical on every peer)
     momentum/NAME  m                  paired by its difference: consensus on the outer momentum
                                       (only with momentum > 0; otherwise m is just this round's d)
 
@@ -69,6 +70,9 @@ class OuterOptimizer:
         self.config = config
         self.params = dict(model.named_parameters())
         self.anchor = {n: p.detach().clone().float() for n, p in self.params.items()}
+        # the run's initial model, the same on every peer: anchors are offered relative to it, which changes
+        # nothing for their difference but lets a quantized anchor spend its precision on what training moved
+        self.origin = {n: a.clone() for n, a in self.anchor.items()}
         self.momentum = {n: torch.zeros_like(a) for n, a in self.anchor.items()}
         self.error_feedback = ErrorFeedback()
         self.shapes, self.modes = offer_layout(model, config)
@@ -80,9 +84,10 @@ class OuterOptimizer:
         tensors = {}
         for name, p in self.params.items():
             tensors[f"delta/{name}"] = self.error_feedback.with_residual(name, self.anchor[name] - p.detach().float())
-            for group, state in (("anchor", self.anchor), ("momentum", self.momentum)):
-                if f"{group}/{name}" in self.modes:
-                    tensors[f"{group}/{name}"] = state[name]
+            if f"anchor/{name}" in self.modes:
+                tensors[f"anchor/{name}"] = self.anchor[name] - self.origin[name]
+            if f"momentum/{name}" in self.modes:
+                tensors[f"momentum/{name}"] = self.momentum[name]
         return Offer(step=self.step, tensors=tensors, modes=dict(self.modes))
 
     @torch.no_grad()

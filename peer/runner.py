@@ -22,7 +22,7 @@ from typing import Any
 
 import torch
 
-from averaging.compression import LowRankCompressor, plan
+from averaging.compression import LowRankCompressor
 from averaging.partners import DHTPartners
 from averaging.protocol import ExchangeConfig, GossipAverager
 from averaging.transport import P2PTransport
@@ -97,8 +97,8 @@ def checkpoint_state(run_id: str, trainer: Trainer, compressor: LowRankCompresso
 
 def restore_state(state: Mapping[str, Any], trainer: Trainer, compressor: LowRankCompressor) -> None:
     """Load a `checkpoint_state()`; everything is checked first, so on CheckpointError nothing has changed."""
-    slots = plan(trainer.outer.shapes, compressor.config.rank)  # the layout the averager exchanges
-    low_rank = {name: (slot.cols, slot.rank) for name, slot in slots.items() if not slot.dense}
+    slots = compressor.plan(trainer.outer.shapes, trainer.outer.modes)  # the layout the averager exchanges
+    low_rank = {name: (slot.cols, slot.rank) for name, slot in slots.items() if slot.low_rank}
     warm_starts = check_tensors(state.get("warm_starts"), low_rank, "warm start", partial=True)
     trainer.load_state_dict(state.get("trainer"))
     compressor.load_state_dict(warm_starts)

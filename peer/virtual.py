@@ -29,7 +29,7 @@ import torch
 
 from averaging.compression import LowRankCompressor, Projection
 from averaging.partners import StaticPartners
-from averaging.protocol import ExchangeConfig, ExchangeResult, GossipAverager
+from averaging.protocol import ExchangeConfig, ExchangeResult, GossipAverager, Offer, advanced_offer, chain_results
 from averaging.transport import InMemoryNetwork
 from peer.config import TrainConfig
 from peer.data import Corpus, batches, eval_batches, evaluate
@@ -112,6 +112,11 @@ class _Evaluator:
         self.eval_set = eval_set
         self.marks = [round(scenario.sample_budget * k / scenario.eval_points) for k in range(1, scenario.eval_points)]
         self.curve = Curve()
+
+    def extend(self, scenario: Scenario) -> None:
+        """Go on evaluating past the budget at the same spacing (for a run that trains on to a target)."""
+        budget, points = scenario.sample_budget, scenario.eval_points
+        self.marks = [round(budget * k / points) for k in range(points + 1, 3 * points + 1)]
 
     def maybe(self, samples: int, seconds: float, models: Callable[[], list[torch.nn.Module]]) -> None:
         if self.marks and samples >= self.marks[0]:
@@ -223,9 +228,21 @@ def run_murmur(
     *,
     window: float = 5.0,
     patience: float = 1.0,
+    group: int = 2,
+    target: tuple[float, float] | None = None,
     name: str = "murmur",
 ) -> MethodResult:
-    """Gossip DiLoCo with low-rank exchanges, no barrier, in virtual time."""
+    """Gossip DiLoCo with compressed exchanges, no barrier, in virtual time.
+
+    With `group=4` a peer waits (up to `window`) for three others, and the four average in a
+    butterfly of two pair exchanges ({a,b}, {c,d}, then {a,c}, {b,d}); a peer whose window runs out
+    falls back to a pair with whoever waits, or steps alone.
+
+    The result is taken when the sample budget is spent. With `target` = (loss, seconds) the peers
+    then train on, past the budget, until their mean held-out loss reaches `loss` or the virtual clock
+    `seconds` (at most 3 budgets), so that the curve shows when the target was first reached."""
+    if group not in (2, 4):
+        raise ValueError(f"group must be 2 or 4, got {group}")
     trainers = _trainers(config, corpus, scenario)
     evaluator = _Evaluator(scenario, trainers[0].eval_set)
     evaluator.curve.add(0, 0.0, [trainers[0].evaluate()] * len(trainers))
@@ -266,46 +283,94 @@ def run_murmur(
         start_phase(i, 0.0)
     now = 0.0
     try:
-        while samples < scenario.sample_budget:
+        at_budget = None
+        while True:
+            if at_budget is None and samples >= scenario.sample_budget:
+                sent = sum(a.transport.traffic.bytes_sent for a in averagers) / len(averagers)
+                at_budget = _finish(name, trainers, evaluator, samples, now, sent, exchanges=exchanges,
+                                    lonely_rounds=lonely)  # fmt: skip
+                evaluator.extend(scenario)
+            if at_budget is not None and (
+                target is None
+                or evaluator.curve.mean_loss[-1] <= target[0]
+                or now >= target[1]
+                or samples >= 3 * scenario.sample_budget
+            ):
+                break
             expiring = min(waiting, key=lambda j: waiting[j], default=None)
-            if expiring is not None and waiting[expiring] + window <= ready[0][0]:
-                now = waiting.pop(expiring) + window  # nobody came: the round's work stays pending
-                offer = trainers[expiring].outer.offer()
-                trainers[expiring].finish_round(offer, None)
-                lonely += 1
-                start_phase(expiring, now)
-                continue
-            t, i = heapq.heappop(ready)
-            now = t
-            partner = _choose(waiting, last_partner.get(i))
-            patient = ready and ready[0][0] <= t + patience  # someone else is about to be ready
-            if partner is None or (partner == last_partner.get(i) and patient):
-                waiting[i] = t  # as the real protocol does: wait a little for a fresh partner
-                continue
-            del waiting[partner]
-            offers = [trainers[i].outer.offer(), trainers[partner].outer.offer()]
-            targets[i] = [f"p{partner}"]
-            result_i, result_p = loop.run_until_complete(_pair(averagers[i], averagers[partner], *offers))
-            targets[i] = []
-            nbytes = (result_i.bytes_sent + result_i.bytes_received) if result_i else 0
-            done = t + scenario.link.seconds(nbytes, EXCHANGE_MESSAGES)
-            trainers[i].finish_round(offers[0], result_i)
-            trainers[partner].finish_round(offers[1], result_p)
-            exchanges += result_i is not None
-            last_partner[i], last_partner[partner] = partner, i
-            start_phase(i, done)
-            start_phase(partner, done)
+            if expiring is not None and (not ready or waiting[expiring] + window <= ready[0][0]):
+                now = waiting[expiring] + window
+                others = sorted(set(waiting) - {expiring}, key=waiting.get)
+                if not others:  # nobody came: the round's work stays pending
+                    del waiting[expiring]
+                    trainers[expiring].finish_round(trainers[expiring].outer.offer(), None)
+                    lonely += 1
+                    start_phase(expiring, now)
+                    continue
+                members = [expiring, others[0]]  # the group did not fill: settle for a pair
+            else:
+                t, i = heapq.heappop(ready)
+                now = t
+                if group > 2:
+                    if len(waiting) < group - 1:
+                        waiting[i] = t
+                        continue
+                    members = [i, *sorted(waiting, key=waiting.get)[: group - 1]]
+                else:
+                    partner = _choose(waiting, last_partner.get(i))
+                    patient = ready and ready[0][0] <= t + patience  # someone else is about to be ready
+                    if partner is None or (partner == last_partner.get(i) and patient):
+                        waiting[i] = t  # as the real protocol does: wait a little for a fresh partner
+                        continue
+                    members = [i, partner]
+            for j in members:
+                waiting.pop(j, None)
+            offers = {j: trainers[j].outer.offer() for j in members}
+            results, seconds = _group_exchange(loop, averagers, targets, offers, scenario.link)
+            for j in members:
+                trainers[j].finish_round(offers[j], results[j])
+                start_phase(j, now + seconds)
+            exchanges += sum(r is not None for r in results.values()) // 2
+            if len(members) == 2:
+                last_partner[members[0]], last_partner[members[1]] = members[1], members[0]
             evaluator.maybe(samples, now, lambda: [t.model for t in trainers])
     finally:
         for a in averagers:
             loop.run_until_complete(a.stop())
         loop.close()
-    sent = sum(a.transport.traffic.bytes_sent for a in averagers) / len(averagers)
-    return _finish(name, trainers, evaluator, samples, now, sent, exchanges=exchanges, lonely_rounds=lonely)
+    return at_budget
 
 
-async def _pair(a: GossipAverager, b: GossipAverager, offer_a, offer_b):
-    return await asyncio.gather(a.average(offer_a), b.average(offer_b))
+def _group_exchange(loop, averagers, targets, offers: dict[int, Offer], link: Link):
+    """Average `offers` (2 or 4 peers) with the real protocol: one pair exchange, or a butterfly of two
+    rounds of pair exchanges. Returns each member's combined result and the virtual seconds it took."""
+    members = list(offers)
+    stages = [[(members[0], members[1])]] if len(members) == 2 else [
+        [(members[0], members[1]), (members[2], members[3])],
+        [(members[0], members[2]), (members[1], members[3])],
+    ]  # fmt: skip
+    results: dict[int, ExchangeResult | None] = {}
+    current = dict(offers)
+    seconds = 0.0
+    for stage in stages:
+        for a, b in stage:
+            targets[a] = [f"p{b}"]
+        outcomes = loop.run_until_complete(_stage(averagers, current, stage))
+        stage_bytes = 0
+        for (a, b), (ra, rb) in zip(stage, outcomes, strict=True):
+            targets[a] = []
+            for j, r in ((a, ra), (b, rb)):
+                results[j] = r if j not in results else chain_results(results[j], r)
+                if r is not None:
+                    current[j] = advanced_offer(current[j], r)
+            stage_bytes = max(stage_bytes, (ra.bytes_sent + ra.bytes_received) if ra else 0)
+        seconds += link.seconds(stage_bytes, EXCHANGE_MESSAGES)
+    return results, seconds
+
+
+async def _stage(averagers, offers, pairs):
+    return await asyncio.gather(*(asyncio.gather(averagers[a].average(offers[a]), averagers[b].average(offers[b]))
+                                  for a, b in pairs))  # fmt: skip
 
 
 def _choose(waiting: dict[int, float], avoid: int | None) -> int | None:

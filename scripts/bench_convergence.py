@@ -25,22 +25,29 @@ from peer.data import load_corpus
 from peer.virtual import Link, MethodResult, Scenario, run_ddp, run_diloco, run_murmur
 
 
-def variants(base: TrainConfig) -> dict[str, TrainConfig]:
+def variants(base: TrainConfig) -> dict[str, tuple[TrainConfig, dict]]:
+    """Murmur's variants: (config, extra arguments of run_murmur). `base` is murmur's own setting."""
+    lowrank = base.with_overrides(codec="lowrank")
     return {
-        "murmur": base,
-        "murmur-r1": base.with_overrides(rank=1),
-        "murmur-r8": base.with_overrides(rank=8),
-        "murmur-r16": base.with_overrides(rank=16),
-        "murmur-no-ef": base.with_overrides(error_feedback=False),
+        "murmur": (base, {}),
+        "murmur-g4": (base, {"group": 4}),
+        "murmur-no-ef": (base.with_overrides(error_feedback=False), {}),
+        "murmur-int8-cons": (base.with_overrides(consensus_codec="int8"), {}),
+        "murmur-lowrank-r1": (lowrank.with_overrides(rank=1), {}),
+        "murmur-lowrank-r4": (lowrank.with_overrides(rank=4), {}),
+        "murmur-lowrank-r16": (lowrank.with_overrides(rank=16), {}),
     }
 
 
-def run_method(name: str, config: TrainConfig, corpus, scenario: Scenario, ddp_lr: float | None) -> MethodResult:
+def run_method(
+    name: str, base: TrainConfig, corpus, scenario: Scenario, ddp_lr: float | None, target=None
+) -> MethodResult:
     if name == "ddp":
-        return run_ddp(config, corpus, scenario, lr=ddp_lr)
+        return run_ddp(base, corpus, scenario, lr=ddp_lr)
     if name == "diloco":
-        return run_diloco(config, corpus, scenario)
-    return run_murmur(config, corpus, scenario, name=name)
+        return run_diloco(base, corpus, scenario)
+    config, extra = variants(base)[name]
+    return run_murmur(config, corpus, scenario, name=name, target=target, **extra)
 
 
 def main() -> None:
@@ -57,6 +64,8 @@ def main() -> None:
     parser.add_argument("--outer-lr", type=float, default=1.0)
     parser.add_argument("--outer-momentum", type=float, default=0.0)
     parser.add_argument("--ddp-lr", type=float, help="ddp's AdamW lr (default: --inner-lr)")
+    parser.add_argument("--codec", default="sign", help="murmur's pseudo-gradient codec: sign or lowrank")
+    parser.add_argument("--consensus-codec", default="lowrank", help="murmur's anchor consensus: lowrank or int8")
     parser.add_argument("--out", type=Path, default=Path("."))
     parser.add_argument("--sweep", action="store_true", help="only the learning-rate sweep, at the --quick budget")
     args = parser.parse_args()
@@ -72,6 +81,8 @@ def main() -> None:
         inner_lr=args.inner_lr,
         outer_lr=args.outer_lr,
         outer_momentum=args.outer_momentum,
+        codec=args.codec,
+        consensus_codec=args.consensus_codec,
     )
     budget = peers * base.batch_size * base.inner_steps * rounds
     link = Link(bandwidth_bps=args.bandwidth_mbps * 1e6, latency_s=args.latency_ms / 1e3)
@@ -81,7 +92,8 @@ def main() -> None:
             peers=peers, speeds=(1 / 3,) + (1.0,) * (peers - 1), sample_budget=budget, link=link, eval_points=rounds
         ),
     }
-    methods = {"equal": ["ddp", "diloco", *variants(base)], "straggler": ["ddp", "diloco", "murmur"]}
+    gossip = ["murmur", "murmur-g4", "murmur-lowrank-r4"] if args.quick else list(variants(base))
+    methods = {"equal": ["ddp", "diloco", *gossip], "straggler": ["ddp", "diloco", "murmur"]}
     corpus = load_corpus()
     results: dict[str, dict[str, MethodResult]] = {}
     started = time.monotonic()
@@ -89,11 +101,15 @@ def main() -> None:
         results[scenario_name] = {}
         for name in methods[scenario_name]:
             t0 = time.monotonic()
-            config = variants(base).get(name, base)
-            r = run_method(name, config, corpus, scenario, args.ddp_lr)
+            # with a straggler, gossip trains on past the budget until it reaches diloco's loss (or diloco's time)
+            diloco = results[scenario_name].get("diloco")
+            target = (
+                (diloco.final_eval_loss, diloco.virtual_seconds) if scenario_name == "straggler" and diloco else None
+            )
+            r = run_method(name, base, corpus, scenario, args.ddp_lr, target=target)
             results[scenario_name][name] = r
             print(
-                f"{scenario_name:9s} {name:13s} loss {r.final_eval_loss:.4f} worst {r.worst_peer_eval_loss:.4f} "
+                f"{scenario_name:9s} {name:18s} loss {r.final_eval_loss:.4f} worst {r.worst_peer_eval_loss:.4f} "
                 f"sent/peer {r.bytes_sent_per_peer / 1e6:8.2f} MB  virtual {r.virtual_seconds:8.1f} s  "
                 f"consensus {r.consensus_distance:.4f}  ({time.monotonic() - t0:.0f} s)",
                 flush=True,
@@ -167,11 +183,11 @@ def summarize(results: dict[str, dict[str, MethodResult]]) -> dict:
 def print_table(summary: dict) -> None:
     for scenario, rows in summary.items():
         print(f"\n{scenario}: ratios against diloco (and ddp)")
-        print(f"{'method':13s} {'loss':>7s} {'worst':>7s} {'vs ddp':>7s} {'bytes':>8s} {'time':>7s} {'consensus':>9s}"
+        print(f"{'method':18s} {'loss':>7s} {'worst':>7s} {'vs ddp':>7s} {'bytes':>8s} {'time':>7s} {'consensus':>9s}"
               + ("  time to diloco loss" if scenario == "straggler" else ""))  # fmt: skip
         for name, row in rows.items():
             line = (
-                f"{name:13s} {row['loss_vs_diloco']:7.3f} {row['worst_vs_diloco']:7.3f} {row['loss_vs_ddp']:7.3f} "
+                f"{name:18s} {row['loss_vs_diloco']:7.3f} {row['worst_vs_diloco']:7.3f} {row['loss_vs_ddp']:7.3f} "
                 f"{row['bytes_vs_diloco']:8.4f} {row['virtual_time_vs_diloco']:7.3f} {row['consensus_distance']:9.4f}"
             )
             if scenario == "straggler":

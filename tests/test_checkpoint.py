@@ -10,7 +10,7 @@ import threading
 import pytest
 import torch
 
-from averaging.compression import LowRankCompressor, PairRound, plan
+from averaging.compression import LowRankCompressor, PairRound
 from averaging.protocol import ExchangeConfig, ExchangeResult
 from dht.node import NodeConfig, start_node, stop_node, visible_addresses
 from dht.records import RunRecord, RunRecords
@@ -46,7 +46,7 @@ def framed(state: dict, version: int = 1) -> bytes:
 
 def exchange(a: Trainer, b: Trainer, ca: LowRankCompressor, cb: LowRankCompressor) -> None:
     """One in-process pair round between two trainers, then both take their outer steps."""
-    slots = plan(a.outer.shapes, ca.config.rank)
+    slots = ca.plan(a.outer.shapes, a.outer.modes)
     offers = a.outer.offer(), b.outer.offer()
     q = PairRound.request_factors(ca, slots)
     ra = PairRound(ca, slots, offers[0].tensors, offers[0].modes, q, initiator=True)

@@ -11,6 +11,8 @@ from averaging.compression import (
     PairRound,
     orthogonalize_,
     plan,
+    sign_decode,
+    sign_encode,
 )
 
 F32 = LowRankConfig(rank=4, factor_dtype=torch.float32, dense_dtype=torch.float32)
@@ -25,7 +27,7 @@ def run_pair(tensors_a, tensors_b, modes, config=F32, comp_a=None, comp_b=None):
     """Both sides of one pair round, in order, as the protocol runs them."""
     comp_a = comp_a or LowRankCompressor(config)
     comp_b = comp_b or LowRankCompressor(config)
-    slots = plan({n: tuple(t.shape) for n, t in tensors_a.items()}, config.rank)
+    slots = comp_a.plan({n: tuple(t.shape) for n, t in tensors_a.items()}, modes)
     q_init = PairRound.request_factors(comp_a, slots)
     a = PairRound(comp_a, slots, tensors_a, modes, q_init, initiator=True)
     b = PairRound(comp_b, slots, tensors_b, modes, q_init, initiator=False)
@@ -144,7 +146,82 @@ def test_warm_start_is_kept_only_after_commit_and_survives_zero_updates():
     assert not torch.equal(after, torch.zeros_like(after)) and before.shape == after.shape
 
 
+SIGN = LowRankConfig(rank=4, mean_codec="sign")
+
+
+def test_plan_puts_only_the_named_matrices_on_the_sign_codec():
+    slots = LowRankCompressor(SIGN).plan(
+        {"d": (64, 32), "b": (64,), "a": (64, 32)}, {"d": "mean", "b": "mean", "a": "diff"}
+    )
+    assert (slots["d"].codec, slots["b"].codec, slots["a"].codec) == ("sign", "dense", "lowrank")
+    assert slots["d"].rank == 0 and slots["a"].rank == 4
+
+
+@pytest.mark.parametrize("shape", [(16, 8), (33, 17), (5, 3, 3)], ids=str)
+def test_sign_codec_keeps_every_sign_and_each_rows_l1_mass(shape):
+    slot = plan({"w": shape}, 1, codecs={"w": "sign"})["w"]
+    m = torch.randn(shape, generator=torch.Generator().manual_seed(10))
+    bits, scale = sign_encode(slot, m, torch.float32)
+    assert bits.dtype == torch.uint8 and bits.numel() == (m.numel() + 7) // 8 and scale.shape == (shape[0],)
+    out = sign_decode(slot, bits, scale)
+    assert out.shape == m.shape and torch.equal(torch.sign(out), torch.sign(m))
+    rows = shape[0]
+    torch.testing.assert_close(out.reshape(rows, -1).abs().sum(1), m.reshape(rows, -1).abs().sum(1))
+
+
+def test_sign_pair_mean_is_the_exact_mean_of_both_decoded_sides():
+    g = torch.Generator().manual_seed(11)
+    a, b = torch.randn(40, 30, generator=g), torch.randn(40, 30, generator=g)
+    out_a, out_b, (q_init, p_a, _, q_a, _) = run_pair({"w": a}, {"w": b}, {"w": "mean"}, config=SIGN)
+    assert q_init == {} and q_a == {}  # one phase: signs and scales go in phase 1, nothing after
+    slot = plan({"w": (40, 30)}, 4, codecs={"w": "sign"})["w"]
+    dec_a = sign_decode(slot, *sign_encode(slot, a, torch.float16))
+    dec_b = sign_decode(slot, *sign_encode(slot, b, torch.float16))
+    assert torch.equal(out_a["w"].own, dec_a) and torch.equal(out_b["w"].own, dec_b)
+    assert torch.equal(out_a["w"].mean, out_b["w"].mean)
+    torch.testing.assert_close(out_a["w"].mean, (dec_a + dec_b) / 2)
+    comp = LowRankCompressor(SIGN)
+    assert wire.tensor_nbytes(p_a) == comp.nbytes({"w": slot}) == 150 + 40 * 2  # 1200 bits + fp16 row scales
+    torch.testing.assert_close(comp.decompress(slot, comp.compress(slot, a)), dec_a)
+
+
+def test_sign_codec_with_error_feedback_tracks_the_running_sum():
+    """What error feedback promises: the sum of what was sent stays within one residual of the sum of inputs."""
+    g = torch.Generator().manual_seed(12)
+    slot = plan({"w": (24, 24)}, 4, codecs={"w": "sign"})["w"]
+    ef, total_in, total_sent = ErrorFeedback(), torch.zeros(24, 24), torch.zeros(24, 24)
+    for _ in range(50):
+        m = torch.randn(24, 24, generator=g)
+        total_in += m
+        corrected = ef.with_residual("w", m)
+        sent = sign_decode(slot, *sign_encode(slot, corrected, torch.float32))
+        ef.keep("w", corrected - sent)
+        total_sent += sent
+    gap = (total_in - total_sent).norm()
+    assert torch.allclose(gap, ef.residuals["w"].norm())
+    assert gap < 0.2 * total_in.norm()
+
+
+def test_int8_diff_pulls_two_states_to_within_their_quantization_error():
+    g = torch.Generator().manual_seed(13)
+    a, b = torch.randn(40, 30, generator=g), torch.randn(40, 30, generator=g)
+    config = LowRankConfig(rank=4, diff_codec="int8")
+    out_a, out_b, (_, p_a, _, q_a, _) = run_pair({"w": a}, {"w": b}, {"w": "diff"}, config=config)
+    assert q_a == {} and p_a["w"].dtype == torch.int8 and p_a["w#scale"].shape == (40,)
+    new_a = a + out_a["w"].mean - out_a["w"].own
+    new_b = b + out_b["w"].mean - out_b["w"].own
+    step = max(a.abs().max(), b.abs().max()) / 127
+    assert (new_a - new_b).abs().max() <= step  # the pair now differs only by rounding
+    assert (new_a - (a + b) / 2).abs().max() <= step
+    slot = LowRankCompressor(config).plan({"w": (40, 30)}, {"w": "diff"})["w"]
+    assert LowRankCompressor(config).nbytes({"w": slot}) == wire.tensor_nbytes(p_a) == 40 * 30 + 40 * 2
+
+
 def test_config_rejects_bad_values():
+    with pytest.raises(ValueError, match="diff_codec"):
+        LowRankConfig(diff_codec="sign")
+    with pytest.raises(ValueError, match="mean_codec"):
+        LowRankConfig(mean_codec="topk")
     with pytest.raises(ValueError, match="rank"):
         LowRankConfig(rank=0)
     with pytest.raises(ValueError, match="factor_dtype"):

@@ -8,7 +8,7 @@ import torch
 from averaging import wire
 from averaging.compression import LowRankCompressor, LowRankConfig
 from averaging.partners import StaticPartners
-from averaging.protocol import ExchangeConfig, GossipAverager, Offer
+from averaging.protocol import ExchangeConfig, GossipAverager, Offer, advanced_offer, chain_results
 from averaging.transport import InMemoryNetwork
 
 SHAPES = {"delta/w": (24, 16), "delta/b": (16,), "anchor/w": (24, 16)}
@@ -21,10 +21,10 @@ def make_offer(seed: int, step: int = 0) -> Offer:
     return Offer(step=step, tensors={n: torch.randn(s, generator=g) for n, s in SHAPES.items()}, modes=dict(MODES))
 
 
-def make_averager(network, name, partners, config=FAST, run_id="r", rank=4):
+def make_averager(network, name, partners, config=FAST, run_id="r", rank=4, codec="lowrank"):
     return GossipAverager(
         network.transport(name),
-        LowRankCompressor(LowRankConfig(rank=rank)),
+        LowRankCompressor(LowRankConfig(rank=rank, mean_codec=codec)),
         StaticPartners(partners),
         shapes=SHAPES,
         modes=MODES,
@@ -59,6 +59,33 @@ def test_two_ready_peers_exchange_and_agree_on_the_mean():
     assert ra.bytes_sent == rb.bytes_received > 0
     assert a.transport.traffic.bytes_sent == ra.bytes_sent == b.transport.traffic.bytes_received
     assert a.transport.traffic.bytes_received == b.transport.traffic.bytes_sent > rb.bytes_sent  # + the ACK
+
+
+def test_sign_codec_exchange_agrees_on_the_mean_and_sends_fewer_bytes_than_dense():
+    async def main(codec):
+        net = InMemoryNetwork()
+        a, b = await started(make_averager(net, "A", ["B"], codec=codec), make_averager(net, "B", [], codec=codec))
+        return await asyncio.gather(a.average(make_offer(1)), b.average(make_offer(2)))
+
+    ra, rb = asyncio.run(main("sign"))
+    assert ra is not None and rb is not None
+    for name in SHAPES:
+        assert torch.equal(ra.projections[name].mean, rb.projections[name].mean)
+    own = ra.projections["delta/w"].own  # this side's signs, scaled per row
+    assert torch.equal(torch.sign(own), torch.sign(make_offer(1).tensors["delta/w"]))
+    dense_delta = 24 * 16 * 2  # the delta matrix in fp16 would be this many bytes; its signs are 1/16 of it
+    low, _ = asyncio.run(main("lowrank"))
+    assert ra.bytes_sent < low.bytes_sent + dense_delta // 2
+
+
+def test_peers_with_different_codecs_do_not_pair():
+    async def main():
+        net = InMemoryNetwork()
+        a, b = await started(make_averager(net, "A", ["B"]), make_averager(net, "B", [], codec="sign"))
+        return a, await asyncio.gather(a.average(make_offer(1)), b.average(make_offer(2)))
+
+    a, (ra, rb) = asyncio.run(main())
+    assert ra is None and rb is None and a.stats.declined >= 1
 
 
 def test_lone_peer_steps_alone_after_the_window():
@@ -176,3 +203,54 @@ def test_many_peers_pair_up_in_one_round():
     assert len(paired) >= 4
     partners = {n: r.partner for n, r in zip(names, results, strict=True) if r is not None}
     assert all(partners[p] == n for n, p in partners.items())  # pairs are mutual
+
+
+def test_a_butterfly_of_pair_exchanges_averages_four_peers():
+    """Groups of 4 as two stages of pairs: 1-D tensors travel dense, so the 4-way mean is exact up to fp16,
+    and the chained result keeps both stages' residuals (x + mean - own lands where both stages moved x)."""
+    shapes, modes = {"delta/b": (16,), "anchor/b": (16,)}, {"delta/b": "mean", "anchor/b": "diff"}
+
+    def offer(seed):
+        g = torch.Generator().manual_seed(seed)
+        return Offer(step=0, tensors={n: torch.randn(s, generator=g) for n, s in shapes.items()}, modes=modes)
+
+    async def main():
+        net = InMemoryNetwork()
+        peers = [
+            GossipAverager(
+                net.transport(n),
+                LowRankCompressor(LowRankConfig()),
+                StaticPartners(partners),
+                shapes=shapes,
+                modes=modes,
+                run_id="r",
+                config=FAST,
+                seed=i,
+            )  # fmt: skip
+            for i, (n, partners) in enumerate([("A", []), ("B", []), ("C", []), ("D", [])])
+        ]
+        await started(*peers)
+        offers = [offer(i) for i in range(4)]
+        results = [None] * 4
+        current = list(offers)
+        for stage in ([(0, 1), (2, 3)], [(0, 2), (1, 3)]):
+            for a, b in stage:
+                peers[a].partners = StaticPartners([peers[b].peer_id])
+            outcomes = await asyncio.gather(*(peers[j].average(current[j]) for pair in stage for j in pair))
+            for j, r in zip([j for pair in stage for j in pair], outcomes, strict=True):
+                assert r is not None
+                results[j] = r if results[j] is None else chain_results(results[j], r)
+                current[j] = advanced_offer(current[j], r)
+            for a, _ in stage:
+                peers[a].partners = StaticPartners([])
+        return offers, results
+
+    offers, results = asyncio.run(main())
+    exact = torch.stack([o.tensors["delta/b"] for o in offers]).mean(0)
+    anchors = torch.stack([o.tensors["anchor/b"] for o in offers]).mean(0)
+    for o, r in zip(offers, results, strict=True):
+        torch.testing.assert_close(r.projections["delta/b"].mean, exact, atol=3e-3, rtol=3e-3)
+        moved = o.tensors["anchor/b"] + r.projections["anchor/b"].mean - r.projections["anchor/b"].own
+        torch.testing.assert_close(moved, anchors, atol=3e-3, rtol=3e-3)
+        torch.testing.assert_close(r.projections["delta/b"].own, o.tensors["delta/b"], atol=3e-3, rtol=3e-3)
+    assert chain_results(results[0], None) is None

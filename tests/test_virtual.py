@@ -16,16 +16,18 @@ def corpus():
     return load_corpus(DataConfig(max_bytes=400_000))
 
 
-@pytest.mark.parametrize("method", ["ddp", "diloco", "murmur", "murmur-r1"])
+@pytest.mark.parametrize("method", ["ddp", "diloco", "murmur", "murmur-r1", "murmur-sign", "murmur-g4"])
 def test_every_method_lowers_the_loss(method, corpus):
-    scenario = Scenario(peers=3, sample_budget=3 * 8 * 4 * 5, eval_points=2, speeds=(1.0, 1.0, 1 / 3))
+    peers = 4 if method == "murmur-g4" else 3
+    speeds = (1.0,) * (peers - 1) + (1 / 3,)
+    scenario = Scenario(peers=peers, sample_budget=peers * 8 * 4 * 5, eval_points=2, speeds=speeds)
     if method == "ddp":
         result = run_ddp(TINY, corpus, scenario)
     elif method == "diloco":
         result = run_diloco(TINY, corpus, scenario)
     else:
-        config = TINY.with_overrides(rank=1 if method == "murmur-r1" else 4)
-        result = run_murmur(config, corpus, scenario, name=method)
+        config = TINY.with_overrides(rank=1 if method == "murmur-r1" else 4, codec="sign" if "sign" in method else None)
+        result = run_murmur(config, corpus, scenario, name=method, group=4 if method == "murmur-g4" else 2)
     first, last = result.curve.mean_loss[0], result.curve.mean_loss[-1]
     assert last < first - 0.5, f"{method}: {first:.3f} -> {last:.3f}"
     assert result.final_eval_loss == pytest.approx(last)

@@ -88,6 +88,15 @@ def test_round_trip_every_dtype_and_shape(dtype: torch.dtype, shape: tuple[int, 
     assert torch.equal(decoded.tensors["t"], tensor)
 
 
+@pytest.mark.parametrize("dtype", [torch.uint8, torch.int8])
+def test_round_trip_of_the_integer_codes(dtype: torch.dtype) -> None:
+    info = torch.iinfo(dtype)
+    tensor = torch.arange(info.min, info.max + 1, dtype=torch.int16).to(dtype).reshape(16, 16)
+    message = Message(kind=Kind.PHASE1, session=1, step=0, tensors={"c": tensor})
+    decoded = decode(encode(message), expected={"c": TensorSpec((16, 16), dtype)})
+    assert decoded.tensors["c"].dtype == dtype and torch.equal(decoded.tensors["c"], tensor)
+
+
 def test_bytes_are_little_endian() -> None:
     tensors = {
         "h": torch.tensor([1.0], dtype=torch.float16),  # 0x3C00
@@ -152,7 +161,7 @@ def test_expected_and_kinds_accept_matching_message() -> None:
 # ---------------------------------------------------------------- encode rejections
 
 
-@pytest.mark.parametrize("dtype", [torch.int64, torch.float64, torch.uint8, torch.bool])
+@pytest.mark.parametrize("dtype", [torch.int64, torch.float64, torch.int16, torch.bool])
 def test_encode_rejects_disallowed_dtype(dtype: torch.dtype) -> None:
     message = Message(kind=Kind.PHASE1, session=1, step=1, tensors={"w": torch.zeros(3, dtype=dtype)})
     with pytest.raises(WireError, match=rf"tensor 'w' has dtype {str(dtype)[6:]}, not allowed"):
