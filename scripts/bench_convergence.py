@@ -8,6 +8,7 @@ against virtual time) into --out.
     .venv/bin/python scripts/bench_convergence.py --quick     # about 2-4 minutes
     .venv/bin/python scripts/bench_convergence.py             # the full run, about 30 minutes
     .venv/bin/python scripts/bench_convergence.py --sweep     # the learning-rate sweep, about 6 minutes
+    .venv/bin/python scripts/bench_convergence.py --sweep --rounds 30   # the sweep on 30 rounds of H=20
 """
 
 from __future__ import annotations
@@ -67,15 +68,16 @@ def main() -> None:
     parser.add_argument("--codec", default="sign", help="murmur's pseudo-gradient codec: sign or lowrank")
     parser.add_argument("--consensus-codec", default="lowrank", help="murmur's anchor consensus: lowrank or int8")
     parser.add_argument("--out", type=Path, default=Path("."))
-    parser.add_argument("--sweep", action="store_true", help="only the learning-rate sweep, at the --quick budget")
+    sweep_help = "only the learning-rate sweep: 4 peers, 8 rounds unless --peers/--rounds say otherwise"
+    parser.add_argument("--sweep", action="store_true", help=sweep_help)
     args = parser.parse_args()
+    peers = args.peers or (4 if args.quick or args.sweep else 8)
+    rounds = args.rounds or (8 if args.quick or args.sweep else 30)
     if args.sweep:
-        sweep(args.out)
+        sweep(args.out, peers, rounds, args.inner_steps or (10 if rounds <= 8 else 20), args.codec)
         return
 
     torch.set_num_threads(2)
-    peers = args.peers or (4 if args.quick else 8)
-    rounds = args.rounds or (8 if args.quick else 30)
     base = TrainConfig(
         inner_steps=args.inner_steps or (10 if args.quick else 20),
         inner_lr=args.inner_lr,
@@ -129,29 +131,37 @@ def main() -> None:
 
 
 SWEEP_OUTER = [(0.7, 0.9), (0.7, 0.5), (1.0, 0.5), (1.0, 0.0)]  # (outer lr, outer momentum)
+SWEEP_OUTER_LONG = [(0.7, 0.9), (1.0, 0.0)]  # DiLoCo's setting and the quick sweep's winner
 SWEEP_INNER = [1e-3, 2e-3, 4e-3]
 
 
-def sweep(out: Path) -> None:
-    """Every method's learning rates at the quick budget: the baselines get the same care as murmur."""
+def sweep(out: Path, peers: int, rounds: int, inner_steps: int, codec: str) -> None:
+    """Every method's learning rates on one budget: the baselines get the same care as murmur.
+
+    At the quick budget (8 rounds) the whole outer grid; on a longer budget only DiLoCo's outer
+    setting and the quick sweep's winner, to fit the time."""
     torch.set_num_threads(2)
     corpus = load_corpus()
-    scenario = Scenario(peers=4, sample_budget=4 * 16 * 10 * 8, eval_points=1)
+    scenario = Scenario(peers=peers, sample_budget=peers * 16 * inner_steps * rounds, eval_points=1)
+    base = TrainConfig(inner_steps=inner_steps, codec=codec)
     rows = []
     for lr in [*SWEEP_INNER, 8e-3]:
-        r = run_ddp(TrainConfig(inner_steps=10), corpus, scenario, lr=lr)
+        r = run_ddp(base, corpus, scenario, lr=lr)
         rows.append({"method": "ddp", "inner_lr": lr, "loss": r.final_eval_loss, "worst": r.worst_peer_eval_loss})
         print(rows[-1], flush=True)
+    outer = SWEEP_OUTER if rounds <= 8 else SWEEP_OUTER_LONG
     for method in ("diloco", "murmur"):
-        for (outer_lr, momentum), lr in itertools.product(SWEEP_OUTER, SWEEP_INNER):
-            config = TrainConfig(inner_steps=10, inner_lr=lr, outer_lr=outer_lr, outer_momentum=momentum)
+        for (outer_lr, momentum), lr in itertools.product(outer, SWEEP_INNER):
+            config = base.with_overrides(inner_lr=lr, outer_lr=outer_lr, outer_momentum=momentum)
             r = run_method(method, config, corpus, scenario, None)
             rows.append({"method": method, "inner_lr": lr, "outer_lr": outer_lr, "outer_momentum": momentum,
                          "loss": r.final_eval_loss, "worst": r.worst_peer_eval_loss})  # fmt: skip
             print(rows[-1], flush=True)
     best = {m: min((r for r in rows if r["method"] == m), key=lambda r: r["loss"]) for m in ("ddp", "diloco", "murmur")}
     out.mkdir(parents=True, exist_ok=True)
-    (out / "bench_convergence_sweep.json").write_text(json.dumps({"rows": rows, "best": best}, indent=2))
+    budget = {"peers": peers, "rounds": rounds, "inner_steps": inner_steps, "codec": codec}
+    name = "bench_convergence_sweep.json" if rounds <= 8 else f"bench_convergence_sweep_{rounds}rounds.json"
+    (out / name).write_text(json.dumps({"budget": budget, "rows": rows, "best": best}, indent=2))
     for method, row in best.items():
         print(f"best {method}: {row}")
 
