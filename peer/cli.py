@@ -27,10 +27,12 @@ from dht.identity import IdentityError
 from dht.node import NodeConfig, NodeError, start_node, stop_node, visible_addresses
 from dht.records import RunRecord, RunRecords, validate_run_id
 from peer.config import ConfigError, TrainConfig
+from peer.device import add_device_flags, device_config
 from peer.report import write_report  # its ReportError is a ValueError
 from peer.runner import PeerError, PeerOptions, run_peer
 from peer.simulate import SimulationConfig, simulate
 from peer.status import RunNotFound, read_status, render_status
+from peer.workload import WorkloadSpec, add_workload_flags
 
 EXPECTED_ERRORS = (AddressError, ConfigError, IdentityError, NodeError, PeerError, RunNotFound, ValueError, OSError)
 
@@ -89,6 +91,13 @@ def build_parser() -> argparse.ArgumentParser:
                       help="rounds between checkpoints (default: %(default)s)")  # fmt: skip
     join.add_argument("--checkpoint-dir", type=Path, metavar="DIR", help="default: OUT_DIR/checkpoints")
     _node_flags(join)
+    join.add_argument("--client-mode", action="store_true",
+                      help="behind NAT, no inbound connections: start every exchange, never be dialled")  # fmt: skip
+    join.add_argument("--use-relay", action=argparse.BooleanOptionalAction, default=True,
+                      help="reach peers through libp2p circuit relays (default: on)")  # fmt: skip
+    join.add_argument("--use-auto-relay", action="store_true", help="find relays and be reachable through them")
+    add_device_flags(join, batching=True)
+    add_workload_flags(join)
 
     sim = sub.add_parser("simulate", help="run a bootstrap node and N peers on 127.0.0.1, then write a report")
     sim.add_argument("--peers", type=int, default=4)
@@ -97,6 +106,7 @@ def build_parser() -> argparse.ArgumentParser:
     sim.add_argument("--run", default="sim", help="run id")
     sim.add_argument("--out-dir", type=Path, help="folder for the peers' logs (default: runs/RUN)")
     _train_flags(sim)
+    add_device_flags(sim, batching=False)
 
     status = sub.add_parser("status", help="show a run's config and live peers, read from the DHT")
     status.add_argument("--initial-peers", nargs="+", required=True, metavar="MADDR", help="bootstrap multiaddrs")
@@ -140,7 +150,9 @@ def _join(args: argparse.Namespace) -> int:
     options = PeerOptions(
         run_id=args.run,
         node=NodeConfig(initial_peers=tuple(args.initial_peers), host=args.host, port=args.port,
-                        identity_path=args.identity),
+                        identity_path=args.identity, client_mode=args.client_mode, use_relay=args.use_relay,
+                        use_auto_relay=args.use_auto_relay),
+        device=device_config(args), workload=WorkloadSpec(model=args.model, data=args.data),
         exchange=ExchangeConfig(window=args.window, exchange_timeout=args.exchange_timeout),
         data_seed=args.data_seed, duration=args.duration, out_dir=args.out_dir, verbose=not args.quiet,
         checkpoint_dir=args.checkpoint_dir, checkpoint_every=args.checkpoint_every, resume=args.resume,
@@ -158,7 +170,7 @@ def _join(args: argparse.Namespace) -> int:
 def _simulate(args: argparse.Namespace) -> int:
     config = SimulationConfig(
         peers=args.peers, duration=args.duration, run_id=args.run, report=args.report,
-        out_dir=args.out_dir or Path("runs") / args.run, train=_train_config(args),
+        out_dir=args.out_dir or Path("runs") / args.run, train=_train_config(args), device=device_config(args),
     )  # fmt: skip
     report = simulate(config)
     losses = [(p.initial_eval_loss, p.final_eval_loss) for p in report.peers]
