@@ -55,6 +55,7 @@ class Trainer:
         self._workload, self.data_seed = workload, data_seed
         self.model = workload.model.to(runtime.device)
         self.inner = workload.optimizer(self.model.parameters())
+        self._base_lrs = [group["lr"] for group in self.inner.param_groups]  # the warmup scales each group's own
         self.outer = OuterOptimizer(self.model, config.outer())
         self.eval_set = workload.eval_set
         self.scaler = torch.amp.GradScaler(runtime.device.type) if runtime.precision.scaler else None
@@ -78,9 +79,6 @@ class Trainer:
     def dense_model_bytes(self) -> int:
         return sum(4 * p.numel() for p in self.model.parameters())
 
-    def _lr(self) -> float:
-        return warmup_lr(self.config.inner_lr, self.steps, self.config.warmup_steps)
-
     def inner_phase(self) -> float:
         """H local steps, each on the run's batch size (in `grad_accum` micro-batches); returns the mean loss."""
         started = time.perf_counter()
@@ -90,8 +88,8 @@ class Trainer:
             for _ in range(self.config.inner_steps):
                 batch = next(self.batches)
                 self.batches_drawn += 1
-                for group in self.inner.param_groups:
-                    group["lr"] = self._lr()
+                for group, base in zip(self.inner.param_groups, self._base_lrs, strict=True):
+                    group["lr"] = warmup_lr(base, self.steps, self.config.warmup_steps)
                 self.inner.zero_grad(set_to_none=True)
                 loss = self._accumulate(batch)
                 if not math.isfinite(loss):

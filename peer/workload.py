@@ -159,3 +159,17 @@ class WorkloadSpec:
         if build is None:  # a registry model on the researcher's data
             return custom(config, lambda: build_model(config.model, seed=config.seed), resolve(self.data, "data"))
         return custom(config, build, resolve(self.data, "data"))
+
+
+@dataclass(frozen=True)
+class Callables:
+    """A workload source from Python callables (what `--model`/`--data` resolve to on the command line)."""
+
+    build_model: Callable[[], nn.Module]
+    build_batches: Callable[..., Iterable[Batch]]
+    optimizer: OptimizerFactory | None = None
+
+    def build(self, config: TrainConfig) -> Workload:
+        if config.model != spec_of(self.build_model):
+            raise WorkloadError(f"run trains {config.model}, not {spec_of(self.build_model)}")
+        return custom(config, self.build_model, self.build_batches, self.optimizer)

@@ -1,0 +1,77 @@
+"""A researcher's own model: import specs, workload checks, and the README's Python API example on real peers."""
+
+from __future__ import annotations
+
+import uuid
+
+import pytest
+import torch
+
+from examples import tiny_mlp
+from peer.api import Callables
+from peer.config import ConfigError, TrainConfig
+from peer.trainer import Trainer
+from peer.workload import WorkloadError, WorkloadSpec, custom, resolve, spec_of
+
+MODEL, DATA = "examples.tiny_mlp:build_model", "examples.tiny_mlp:build_batches"
+CUSTOM = TrainConfig(model=MODEL, batch_size=8, inner_steps=5, warmup_steps=0, eval_batches=2)
+
+
+def test_specs_resolve_from_the_local_command_line() -> None:
+    assert resolve(MODEL, "model") is tiny_mlp.build_model
+    assert spec_of(tiny_mlp.build_model) == MODEL
+
+
+@pytest.mark.parametrize(
+    ("spec", "needle"),
+    [
+        ("examples.no_such_module:f", "cannot import examples.no_such_module: No module named"),
+        ("examples.tiny_mlp:no_such_function", "has no callable 'no_such_function'"),
+        ("examples.tiny_mlp:FEATURES", "has no callable 'FEATURES'"),
+        ("os.system", "is not of the form pkg.module:function"),
+    ],
+)
+def test_unresolvable_specs_are_one_line_errors(spec: str, needle: str) -> None:
+    with pytest.raises(WorkloadError, match=needle) as info:
+        resolve(spec, "model")
+    assert "\n" not in str(info.value)
+
+
+def test_the_run_names_the_model_and_the_peer_must_match() -> None:
+    """The run config's model path is only compared with what this peer's user typed, never imported."""
+    hostile = TrainConfig(model="os:system")  # a valid-looking path from the network: never imported
+    with pytest.raises(WorkloadError, match="run trains a custom model: pass --model os:system"):
+        WorkloadSpec().build(hostile)
+    with pytest.raises(WorkloadError, match="does not match the run's model os:system"):
+        WorkloadSpec(model=MODEL, data=DATA).build(hostile)
+    with pytest.raises(WorkloadError, match="pass --data"):
+        WorkloadSpec(model=MODEL).build(CUSTOM)
+    with pytest.raises(WorkloadError, match="run trains examples.tiny_mlp:build_model, not"):
+        Callables(tiny_mlp.Regressor, tiny_mlp.build_batches).build(CUSTOM)
+    with pytest.raises(ConfigError, match="unknown model"):
+        TrainConfig(model="rm -rf /")
+
+
+def test_a_custom_workload_trains_with_its_own_optimizer() -> None:
+    workload = WorkloadSpec(model=MODEL, data=DATA).build(CUSTOM)
+    again = custom(CUSTOM, tiny_mlp.build_model, tiny_mlp.build_batches)
+    for p, q in zip(workload.model.parameters(), again.model.parameters(), strict=True):
+        assert torch.equal(p, q)  # built under the run's seed: every peer starts equal
+    sgd = Callables(tiny_mlp.build_model, tiny_mlp.build_batches, lambda ps: torch.optim.SGD(ps, lr=0.05))
+    trainer = Trainer(CUSTOM, sgd.build(CUSTOM), data_seed=3)
+    assert isinstance(trainer.inner, torch.optim.SGD)
+    before = trainer.evaluate()
+    trainer.inner_phase()
+    assert trainer.inner.param_groups[0]["lr"] == 0.05  # its own learning rate, not the run's inner_lr
+    assert trainer.evaluate() < before
+
+
+@pytest.mark.slow
+def test_readme_example_trains_two_real_peers_one_in_client_mode() -> None:
+    reports = tiny_mlp.main(duration=6.0, run=f"api-{uuid.uuid4().hex[:8]}")
+    assert all(r is not None for r in reports)
+    for report in reports:
+        assert report.final_eval_loss < 0.5 * report.initial_eval_loss
+        assert report.exchanges_ok >= 1 and report.exchanges_failed == 0
+    # the client-mode peer is never dialled, so every exchange was one it started with the other peer
+    assert reports[0].exchanges_ok == reports[1].exchanges_ok
