@@ -56,7 +56,7 @@ def main(duration: float = 20.0, run: str = "tiny-mlp") -> list:
     with Swarm(run, config, model=build_model) as swarm:
         peers = [
             Peer(build_model, build_batches, run=run, initial_peers=swarm.initial_peers, optimizer=optimizer,
-                 duration=duration, data_seed=i, client_mode=i == 1, device="cpu").start()
+                 duration=duration, data_seed=i, client_mode=i == 1, device="cpu", verbose=i == 0).start()
             for i in range(2)
         ]  # fmt: skip
         try:
