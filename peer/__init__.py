@@ -15,5 +15,6 @@
 * ``simulate``  ``murmur simulate``: a bootstrap node and N peer processes on loopback, then a report
 * ``status``    ``murmur status``: a run's config and live peers (step, loss, last seen) read from the DHT
 * ``report``    ``murmur report``: a peer's or a simulation's metrics logs plotted to one PNG
+* ``doctor``    ``murmur doctor``: p2pd, the port, torch/CUDA and reachability, one verdict and fix per check
 * ``cli``       the ``murmur`` entry point: parse, build, run, close
 """

@@ -5,6 +5,7 @@
     murmur simulate --peers N --duration SECONDS --report PATH
     murmur status --initial-peers MADDR... --run RUN [--json]
     murmur report RUN_DIR [--out PNG]
+    murmur doctor [--host HOST] [--port PORT]
 
 Every expected failure (a bad flag, address or config, an unreachable run) is one line on stderr
 and a non-zero exit code, never a traceback.
@@ -28,6 +29,7 @@ from dht.node import NodeConfig, NodeError, start_node, stop_node, visible_addre
 from dht.records import RunRecord, RunRecords, validate_run_id
 from peer.config import ConfigError, TrainConfig
 from peer.device import add_device_flags, device_config
+from peer.doctor import Level, run_checks
 from peer.report import write_report  # its ReportError is a ValueError
 from peer.runner import PeerError, PeerOptions, run_peer
 from peer.simulate import SimulationConfig, simulate
@@ -116,6 +118,10 @@ def build_parser() -> argparse.ArgumentParser:
     report = sub.add_parser("report", help="plot a peer's or a simulation's metrics logs to a PNG")
     report.add_argument("run_dir", type=Path, metavar="RUN_DIR", help="a folder with metrics.jsonl or peer-*/")
     report.add_argument("--out", type=Path, metavar="PNG", help="output file (default: RUN_DIR/report.png)")
+
+    doctor = sub.add_parser("doctor", help="check that this machine can join a run, with a fix for each problem")
+    doctor.add_argument("--host", default="127.0.0.1", help="address join will listen on (default: %(default)s)")
+    doctor.add_argument("--port", type=int, default=0, help="port join will listen on (default: %(default)s)")
     return parser
 
 
@@ -204,13 +210,28 @@ def _report(args: argparse.Namespace) -> int:
     return 0
 
 
+def _doctor(args: argparse.Namespace) -> int:
+    config = NodeConfig(host=args.host, port=args.port)  # checks them: a bad one is a one-line error
+    verdicts = run_checks(config.host, config.port)
+    for verdict in verdicts:
+        print(verdict.render())
+    return 1 if any(v.level == Level.FAIL for v in verdicts) else 0
+
+
 def main(argv: list[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
     logging.basicConfig(
         level=logging.DEBUG if args.verbose else logging.WARNING,
         format="%(asctime)s %(name)s %(levelname)s %(message)s",
     )
-    commands = {"bootstrap": _bootstrap, "join": _join, "simulate": _simulate, "status": _status, "report": _report}
+    commands = {
+        "bootstrap": _bootstrap,
+        "join": _join,
+        "simulate": _simulate,
+        "status": _status,
+        "report": _report,
+        "doctor": _doctor,
+    }
     command = commands[args.command]
     try:
         return command(args)

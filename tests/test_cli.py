@@ -13,7 +13,7 @@ PEER = "/ip4/127.0.0.1/tcp/1/p2p/QmNnooDu7bfjPFoTZYxMNLWUQJyrVwtbZg5gBMjTezGAJN"
 JOIN = ["join", "--initial-peers", PEER, "--run", "r"]
 
 
-@pytest.mark.parametrize("command", [[], ["bootstrap"], ["join"], ["simulate"], ["status"], ["report"]])
+@pytest.mark.parametrize("command", [[], ["bootstrap"], ["join"], ["simulate"], ["status"], ["report"], ["doctor"]])
 def test_help_screens(command, capsys):
     with pytest.raises(SystemExit) as exit_info:
         main([*command, "--help"])
@@ -39,6 +39,7 @@ def test_help_screens(command, capsys):
         "simulate": ["--peers", "--duration", "--report", "--device", "--precision"],
         "status": ["--initial-peers", "--run", "--json"],
         "report": ["RUN_DIR", "--out"],
+        "doctor": ["--host", "--port"],
     }.get(command[0] if command else "", []):
         assert flag in out  # fmt: skip
 
@@ -53,6 +54,7 @@ def test_help_screens(command, capsys):
         (["join", "--initial-peers", PEER, "--run", "r", "--precision", "fp8"], "invalid choice: 'fp8'"),
         (["join", "--initial-peers", PEER, "--run", "r", "--grad-accum", "two"], "invalid int value"),
         (["simulate", "--device", "gpu"], "invalid choice: 'gpu'"),
+        (["doctor", "--port", "http"], "invalid int value"),
     ],
 )
 def test_bad_flags_exit_2_with_one_line(argv, needle, capsys):
@@ -79,6 +81,8 @@ def test_bad_flags_exit_2_with_one_line(argv, needle, capsys):
         ([*JOIN, "--model", "os.system"], "--model 'os.system' is not of the form pkg.module:function"),
         ([*JOIN, "--data", "data.py"], "--data 'data.py' is not of the form pkg.module:function"),
         (["simulate", "--model", "pkg.mod:build"], "simulate trains registry models"),
+        (["doctor", "--port", "70000"], "port must be an int in 0..65535"),
+        (["doctor", "--host", "localhost"], "localhost"),
         *(
             []
             if torch.cuda.is_available()
