@@ -5,7 +5,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from averaging.compression import LowRankCompressor, LowRankConfig, plan
+from averaging.compression import LowRankCompressor, LowRankConfig, PairRound, plan
 from peer.config import TrainConfig
 from peer.data import Corpus
 from peer.device import (
@@ -149,3 +149,26 @@ def test_cuda_trainer_fits_memory_and_compresses_on_the_card(corpus) -> None:
     name = next(n for n, s in slots.items() if not s.dense)
     factors = LowRankCompressor(LowRankConfig(rank=4)).compress(slots[name], offer.tensors[name])
     assert factors["p"].is_cuda and factors["q"].is_cuda
+
+
+def wire(factors: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
+    return {name: t.cpu() for name, t in factors.items()}  # as decoded off the wire
+
+
+@needs_cuda
+def test_a_pair_round_on_the_card_takes_the_partners_factors_off_the_wire() -> None:
+    """Factors arrive on the CPU; each side computes where its tensors live, and both agree."""
+    g = torch.Generator().manual_seed(0)
+    tensors = [{"w": torch.randn(32, 24, generator=g), "b": torch.randn(24, generator=g)} for _ in range(2)]
+    compressor = LowRankCompressor(LowRankConfig(rank=4))
+    slots, modes = plan({"w": (32, 24), "b": (24,)}, 4), {"w": "mean", "b": "mean"}
+    q_init = PairRound.request_factors(compressor, slots)
+    cuda = PairRound(compressor, slots, {n: t.cuda() for n, t in tensors[0].items()}, modes, q_init, initiator=True)
+    cpu = PairRound(LowRankCompressor(LowRankConfig(rank=4)), slots, tensors[1], modes, q_init, initiator=False)
+    one_a, one_b = cuda.phase1(), cpu.phase1()
+    assert one_a["w"].is_cuda
+    two_a, two_b = cuda.phase2(wire(one_b)), cpu.phase2(wire(one_a))
+    out_a, out_b = cuda.finish(wire(two_b)), cpu.finish(wire(two_a))
+    for name in ("w", "b"):
+        assert out_a[name].mean.is_cuda
+        assert torch.allclose(out_a[name].mean.cpu(), out_b[name].mean, atol=1e-5), name
