@@ -2,6 +2,10 @@
 
 from __future__ import annotations
 
+import subprocess
+import sys
+from pathlib import Path
+
 import pytest
 import torch
 
@@ -172,3 +176,14 @@ def test_a_pair_round_on_the_card_takes_the_partners_factors_off_the_wire() -> N
     for name in ("w", "b"):
         assert out_a[name].mean.is_cuda
         assert torch.allclose(out_a[name].mean.cpu(), out_b[name].mean, atol=1e-5), name
+
+
+@pytest.mark.skipif(torch.cuda.is_available(), reason="checks the message of a machine without CUDA")
+def test_gpu_check_says_in_one_line_that_there_is_no_cuda(tmp_path) -> None:
+    out = tmp_path / "gpu_check.json"
+    done = subprocess.run(
+        [sys.executable, "scripts/gpu_check.py", "--duration", "1", "--out", str(out)],
+        capture_output=True, text=True, timeout=120, cwd=Path(__file__).resolve().parent.parent,
+    )  # fmt: skip
+    assert done.returncode == 1 and not out.exists()
+    assert done.stderr.startswith("gpu_check: no CUDA device (torch ") and len(done.stderr.splitlines()) == 1
