@@ -86,12 +86,12 @@ def choose_precision(choice: str, device: torch.device, caps: Capabilities) -> P
 class StepMemory:
     """Peak bytes of one training step, as measured: a fixed part and a part per sample."""
 
-    fixed: int  # weights, gradients, optimizer state, workspace
+    fixed: int  # gradients, optimizer state, workspace (the weights are already allocated)
     per_sample: int  # activations per sequence of the micro-batch
 
 
 def step_memory(peak_one: int, peak_two: int, optimizer_bytes: int) -> StepMemory:
-    """From the peaks of steps on 1 and 2 samples (optimizer state not yet allocated in either)."""
+    """From the added peaks of steps on 1 and 2 samples (optimizer state not yet allocated in either)."""
     per_sample = max(1, peak_two - peak_one)
     return StepMemory(fixed=max(0, peak_one - per_sample) + optimizer_bytes, per_sample=per_sample)
 
@@ -191,12 +191,16 @@ class Runtime:
 
 
 def probe_step_memory(step, sample_batch) -> tuple[int, int]:
-    """Peak CUDA bytes of `step(batch)` on 1 and on 2 samples of `sample_batch` (CUDA only)."""
+    """Peak CUDA bytes that `step(batch)` adds on 1 and on 2 samples of `sample_batch` (CUDA only).
+
+    Relative to what is allocated before (the weights), which `mem_get_info` already counts as used.
+    """
+    torch.cuda.synchronize()
+    baseline = torch.cuda.memory_allocated()
     peaks = []
     for n in (1, 2):
-        torch.cuda.synchronize()
         torch.cuda.reset_peak_memory_stats()
         step(tuple(t[:n] for t in sample_batch))
         torch.cuda.synchronize()
-        peaks.append(torch.cuda.max_memory_allocated())
+        peaks.append(torch.cuda.max_memory_allocated() - baseline)
     return peaks[0], peaks[1]

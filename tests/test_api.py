@@ -3,6 +3,8 @@
 from __future__ import annotations
 
 import asyncio
+import json
+import signal
 import uuid
 
 import pytest
@@ -11,10 +13,11 @@ import torch
 from averaging.partners import DHTPartners
 from dht.records import PROTOCOL_VERSION, Announcement, PeerState
 from examples import tiny_mlp
-from peer.api import Callables
+from peer.api import Swarm
+from peer.cli import main
 from peer.config import ConfigError, TrainConfig
 from peer.trainer import Trainer
-from peer.workload import WorkloadError, WorkloadSpec, custom, resolve, spec_of
+from peer.workload import Callables, WorkloadError, WorkloadSpec, custom, resolve, spec_of
 
 MODEL, DATA = "examples.tiny_mlp:build_model", "examples.tiny_mlp:build_batches"
 CUSTOM = TrainConfig(model=MODEL, batch_size=8, inner_steps=5, warmup_steps=0, eval_batches=2)
@@ -99,3 +102,29 @@ def test_a_client_mode_peer_is_never_picked_as_a_partner() -> None:
 
     assert candidates(ids[0]) == []  # the other one is in client mode
     assert candidates(ids[1]) == [ids[0]]  # the client-mode peer asks the first
+
+
+@pytest.fixture(scope="module")
+def custom_run():
+    """A bootstrap node whose run trains the example's model."""
+    run = f"custom-{uuid.uuid4().hex[:8]}"
+    saved = {sig: signal.getsignal(sig) for sig in (signal.SIGINT, signal.SIGTERM)}  # main() installs its own
+    with Swarm(run, CUSTOM.with_overrides(inner_steps=10)) as swarm:
+        yield run, swarm.initial_peers
+    for sig, handler in saved.items():
+        signal.signal(sig, handler)
+
+
+@pytest.mark.slow
+def test_join_runs_a_custom_model_named_on_the_command_line(custom_run, tmp_path, capsys) -> None:
+    run, initial_peers = custom_run
+    join = ["join", "--initial-peers", *initial_peers, "--run", run, "--device", "cpu", "--quiet"]
+    assert main([*join, "--model", MODEL, "--data", DATA, "--duration", "3", "--out-dir", str(tmp_path)]) == 0
+    assert "eval loss" in capsys.readouterr().out
+    assert json.loads((tmp_path / "report.json").read_text())["steps"] >= 10
+
+    assert main(join) == 1
+    err = capsys.readouterr().err
+    assert err == f"murmur join: error: run trains a custom model: pass --model {MODEL} (and its --data) to join it\n"
+    assert main([*join, "--model", "examples.tiny_mlp:Regressor", "--data", DATA]) == 1
+    assert "does not match the run's model" in capsys.readouterr().err

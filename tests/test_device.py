@@ -136,7 +136,7 @@ def test_mixed_precision_trains_on_cpu(corpus, precision) -> None:
 def test_fit_memory_uses_the_measured_peaks(corpus) -> None:
     trainer = Trainer(CONFIG.with_overrides(batch_size=64), corpus, data_seed=1)
     dense = trainer.dense_model_bytes
-    free = int((3 * dense + 10 * 1_000) / 0.8)  # weights + moments, and room for 10 samples of 1000 bytes
+    free = int((3 * dense + 10 * 1_000) / 0.8)  # gradients + moments, and room for 10 samples of 1000 bytes
     assert trainer.fit_memory(free, measure=lambda: (dense + 1_000, dense + 2_000)) == 7  # ceil(64 / 10)
     told = Trainer(CONFIG, corpus, data_seed=1, runtime=Runtime(grad_accum=2))
     assert told.fit_memory(1, measure=lambda: pytest.fail("a user's choice is not measured")) == 2
