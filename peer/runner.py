@@ -278,7 +278,7 @@ class VolunteerPeer:
         )  # fmt: skip
         if self.options.out_dir is not None:
             self.options.out_dir.mkdir(parents=True, exist_ok=True)
-            torch.save(trainer.outer.anchor, self.options.out_dir / "anchor.pt")
+            torch.save({n: t.cpu() for n, t in trainer.outer.anchor.items()}, self.options.out_dir / "anchor.pt")
             (self.options.out_dir / "report.json").write_text(report.model_dump_json(indent=2))
         return report
 
