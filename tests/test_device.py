@@ -2,8 +2,7 @@
 
 from __future__ import annotations
 
-import subprocess
-import sys
+import importlib.util
 from pathlib import Path
 
 import pytest
@@ -179,11 +178,12 @@ def test_a_pair_round_on_the_card_takes_the_partners_factors_off_the_wire() -> N
 
 
 @pytest.mark.skipif(torch.cuda.is_available(), reason="checks the message of a machine without CUDA")
-def test_gpu_check_says_in_one_line_that_there_is_no_cuda(tmp_path) -> None:
+def test_gpu_check_says_in_one_line_that_there_is_no_cuda(tmp_path, capsys) -> None:
+    path = Path(__file__).resolve().parent.parent / "scripts" / "gpu_check.py"
+    spec = importlib.util.spec_from_file_location("gpu_check", path)
+    gpu_check = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(gpu_check)
     out = tmp_path / "gpu_check.json"
-    done = subprocess.run(
-        [sys.executable, "scripts/gpu_check.py", "--duration", "1", "--out", str(out)],
-        capture_output=True, text=True, timeout=120, cwd=Path(__file__).resolve().parent.parent,
-    )  # fmt: skip
-    assert done.returncode == 1 and not out.exists()
-    assert done.stderr.startswith("gpu_check: no CUDA device (torch ") and len(done.stderr.splitlines()) == 1
+    assert gpu_check.main(["--duration", "1", "--out", str(out)]) == 1 and not out.exists()
+    err = capsys.readouterr().err
+    assert err.startswith("gpu_check: no CUDA device (torch ") and len(err.splitlines()) == 1
