@@ -174,7 +174,7 @@ class Trainer:
             "samples": self.samples,
             "compute_seconds": self.compute_seconds,
             "batches_drawn": self.batches_drawn,
-        }
+        } | ({"scaler": self.scaler.state_dict()} if self.scaler is not None else {})
 
     def load_state_dict(self, state: Mapping[str, Any]) -> None:
         """Restore `state_dict()`; everything is checked first, so on CheckpointError nothing has changed."""
@@ -186,15 +186,33 @@ class Trainer:
             raise CheckpointError(f"compute_seconds must be a finite non-negative float, got {compute_seconds!r}")
         model = check_tensors(state.get("model"), {n: t.shape for n, t in self.model.state_dict().items()}, "model")
         self._check_inner(state.get("inner"))
+        scaler = self._check_scaler(state.get("scaler"))
         self.outer.load_state_dict(state.get("outer"))  # checks, then applies: the last check
         self.model.load_state_dict(model)  # copies in place: the optimizers keep their parameters
         self.inner.load_state_dict(state["inner"])
+        if scaler is not None:
+            self.scaler.load_state_dict(scaler)
         self.steps, self.samples = counters["steps"], counters["samples"]
         self.batches_drawn, self.compute_seconds = counters["batches_drawn"], compute_seconds
         self.batches = self._data_stream(skip=self.batches_drawn)
 
     def _data_stream(self, *, skip: int) -> Iterator[tuple[torch.Tensor, ...]]:
         return self._workload.stream(seed=self.data_seed, batch_size=self.config.batch_size, skip=skip)
+
+    def _check_scaler(self, saved: Any) -> dict[str, Any] | None:
+        """The fp16 grad scaler's state to restore, if this trainer has a scaler and the checkpoint one.
+
+        A checkpoint without it (written on a CPU or in bf16) leaves the fresh scaler, which recalibrates.
+        """
+        if self.scaler is None or saved is None:
+            return None
+        expected = self.scaler.state_dict()
+        if not isinstance(saved, Mapping) or set(saved) != set(expected):
+            raise CheckpointError("grad scaler state is malformed")
+        for key, value in saved.items():
+            if type(value) is not type(expected[key]) or not (math.isfinite(value) and value >= 0):
+                raise CheckpointError(f"grad scaler {key} must be a finite non-negative {type(expected[key]).__name__}")
+        return dict(saved)
 
     def _check_inner(self, saved: Any) -> None:
         """What `torch.optim.Optimizer.load_state_dict` does not check: shapes and finiteness."""

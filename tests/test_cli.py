@@ -55,6 +55,8 @@ def test_help_screens(command, capsys):
         (["join", "--initial-peers", PEER, "--run", "r", "--grad-accum", "two"], "invalid int value"),
         (["simulate", "--device", "gpu"], "invalid choice: 'gpu'"),
         (["doctor", "--port", "http"], "invalid int value"),
+        (["join", "--initial-peers", PEER, "--run", "r", "--use-auto-relay=yes"], "ignored explicit argument"),
+        (["join", "--initial-peers", PEER, "--run", "r", "--client-mode=1"], "ignored explicit argument"),
     ],
 )
 def test_bad_flags_exit_2_with_one_line(argv, needle, capsys):
