@@ -9,14 +9,13 @@ second in client mode), or give the two builders to `murmur join`:
 
 from __future__ import annotations
 
-import threading
 from collections.abc import Iterator
 
 import torch
 import torch.nn.functional as F
 from torch import Tensor, nn
 
-from peer.api import Peer, Swarm
+from peer.api import Peer, Swarm, train_together
 from peer.config import TrainConfig
 
 FEATURES = 16
@@ -60,13 +59,7 @@ def main(duration: float = 20.0, run: str = "tiny-mlp") -> list:
             for i in range(2)
         ]  # fmt: skip
         try:
-            reports: list = [None, None]
-            threads = [threading.Thread(target=lambda i=i: reports.__setitem__(i, peers[i].train())) for i in range(2)]
-            for thread in threads:
-                thread.start()
-            for thread in threads:
-                thread.join()
-            return reports
+            return train_together(peers)
         finally:
             for peer in peers:
                 peer.close()

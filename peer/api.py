@@ -9,8 +9,10 @@
                   optimizer=lambda params: torch.optim.AdamW(params, lr=1e-3), duration=60) as peer:
             report = peer.train()                  # a PeerReport; peer.model is the trained module
 
-`build_model()` returns a fresh module (every peer builds its own, under the run's seed, so all
-start equal); its `forward(*batch)` returns the loss or a tuple ending with it.
+`train_together(peers)` trains several started peers of one process at once. Without builders,
+a `Peer` trains the run's built-in GPT. `build_model()` returns a fresh module (every peer builds
+its own, under the run's seed, so all start equal); its `forward(*batch)` returns the loss or a
+tuple ending with it.
 `build_batches(split, *, seed, batch_size)` yields tuples of tensors: an endless "train" stream
 for each seed, and "eval" batches that are the same on every peer. The run config names the model
 by its import path (`module:function`), which each peer compares with its own and never imports.
@@ -37,7 +39,8 @@ from peer.config import TrainConfig
 from peer.device import DeviceConfig
 from peer.metrics import PeerReport
 from peer.runner import PeerOptions, VolunteerPeer
-from peer.workload import Batch, Callables, OptimizerFactory, spec_of
+from peer.trainer import Trainer
+from peer.workload import Batch, Callables, OptimizerFactory, WorkloadError, WorkloadSpec, spec_of
 
 
 class Swarm:
@@ -95,8 +98,8 @@ class Peer:
 
     def __init__(
         self,
-        build_model: Callable[[], nn.Module],
-        build_batches: Callable[..., Iterable[Batch]],
+        build_model: Callable[[], nn.Module] | None = None,
+        build_batches: Callable[..., Iterable[Batch]] | None = None,
         *,
         run: str,
         initial_peers: Sequence[str],
@@ -109,6 +112,9 @@ class Peer:
         exchange: ExchangeConfig | None = None,
         verbose: bool = False,
     ) -> None:
+        if (build_model is None) != (build_batches is None):
+            raise WorkloadError("give both build_model and build_batches, or neither for the built-in GPT")
+        workload = WorkloadSpec() if build_model is None else Callables(build_model, build_batches, optimizer)
         self.options = PeerOptions(
             run_id=run,
             node=NodeConfig(initial_peers=tuple(initial_peers), client_mode=client_mode),
@@ -118,7 +124,7 @@ class Peer:
             out_dir=out_dir,
             verbose=verbose,
             device=DeviceConfig(device=device),
-            workload=Callables(build_model, build_batches, optimizer),
+            workload=workload,
         )
         self._peer: VolunteerPeer | None = None
 
@@ -127,8 +133,13 @@ class Peer:
         return self
 
     @property
+    def trainer(self) -> Trainer:
+        """The inner loop: the model, its optimizers, the device and precision it runs with."""
+        return self._running.trainer
+
+    @property
     def model(self) -> nn.Module:
-        return self._running.trainer.model
+        return self.trainer.model
 
     @property
     def peer_id(self) -> str:
@@ -154,3 +165,27 @@ class Peer:
 
     def __exit__(self, exc_type: type[BaseException] | None, exc: BaseException | None, tb: TracebackType | None):
         self.close()
+
+
+def train_together(peers: Sequence[Peer]) -> list[PeerReport]:
+    """Train started peers at once, each on its own thread (as peers in one process do); their reports.
+
+    A peer that fails raises its error here, once every peer has finished.
+    """
+    results: list[PeerReport | BaseException | None] = [None] * len(peers)
+
+    def train(i: int) -> None:
+        try:
+            results[i] = peers[i].train()
+        except Exception as e:  # handed to the caller below
+            results[i] = e
+
+    threads = [threading.Thread(target=train, args=(i,), name=f"murmur-peer-{i}") for i in range(len(peers))]
+    for thread in threads:
+        thread.start()
+    for thread in threads:
+        thread.join()
+    for result in results:
+        if isinstance(result, BaseException):
+            raise result
+    return results  # type: ignore[return-value]

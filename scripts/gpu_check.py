@@ -26,12 +26,9 @@ from pathlib import Path
 import torch
 
 from averaging.compression import PairRound
-from dht.node import NodeConfig
-from peer.api import Swarm
+from peer.api import Peer, Swarm, train_together
 from peer.config import TrainConfig
-from peer.device import DeviceConfig
 from peer.model import MODELS
-from peer.runner import PeerOptions, VolunteerPeer
 
 RESULTS = Path(__file__).resolve().parent / "results" / "gpu_check.json"
 
@@ -87,22 +84,10 @@ def run(duration: float, model: str, batch_size: int) -> dict:
         peers = []
         try:
             for i in range(2):
-                options = PeerOptions(
-                    run_id=run_id, node=NodeConfig(initial_peers=tuple(swarm.initial_peers)), data_seed=i + 1,
-                    duration=duration, device=DeviceConfig(device="cuda"),
-                )  # fmt: skip
-                peers.append(VolunteerPeer.create(options))
-            reports: list = [None, None]
-            threads = [
-                threading.Thread(target=lambda i=i: reports.__setitem__(i, peers[i].run(threading.Event())))
-                for i in range(2)
-            ]
-            for thread in threads:
-                thread.start()
-            for thread in threads:
-                thread.join()
-            precision = peers[0].trainer.runtime.describe()
-            grad_accum = [p.trainer.grad_accum for p in peers]
+                peers.append(Peer(run=run_id, initial_peers=swarm.initial_peers, data_seed=i + 1, duration=duration,
+                                  device="cuda").start())  # fmt: skip
+            reports = train_together(peers)
+            trainers = [peer.trainer for peer in peers]
         finally:
             for peer in peers:
                 peer.close()
@@ -114,8 +99,8 @@ def run(duration: float, model: str, batch_size: int) -> dict:
         "cuda": torch.version.cuda,
         "model": model,
         "batch_size": batch_size,
-        "precision": precision,
-        "grad_accum": grad_accum,
+        "precision": trainers[0].runtime.describe(),
+        "grad_accum": [t.grad_accum for t in trainers],
         "duration_s": duration,
         "peers": [
             {
