@@ -13,7 +13,7 @@ import torch
 from averaging.partners import DHTPartners
 from dht.records import PROTOCOL_VERSION, Announcement, PeerState
 from examples import tiny_mlp
-from peer.api import Swarm
+from peer.api import Peer, Swarm
 from peer.cli import main
 from peer.config import ConfigError, TrainConfig
 from peer.trainer import Trainer
@@ -128,3 +128,8 @@ def test_join_runs_a_custom_model_named_on_the_command_line(custom_run, tmp_path
     assert err == f"murmur join: error: run trains a custom model: pass --model {MODEL} (and its --data) to join it\n"
     assert main([*join, "--model", "examples.tiny_mlp:Regressor", "--data", DATA]) == 1
     assert "does not match the run's model" in capsys.readouterr().err
+
+
+def test_a_peer_needs_both_builders_or_neither() -> None:
+    with pytest.raises(WorkloadError, match="give both build_model and build_batches"):
+        Peer(tiny_mlp.build_model, run="r", initial_peers=[])
