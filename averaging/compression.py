@@ -326,6 +326,7 @@ class PairRound:
         self.modes = dict(modes)
         self.q_init = {name: q.float() for name, q in q_init.items()}
         self.initiator = initiator
+        self.device = next(iter(self.tensors.values())).device if self.tensors else torch.device("cpu")
         self._mine1: dict[str, torch.Tensor] = {}
         self._p_hat: dict[str, torch.Tensor] = {}
         self._mine2: dict[str, torch.Tensor] = {}
@@ -364,7 +365,7 @@ class PairRound:
         for name, slot in self.slots.items():
             if not slot.low_rank:
                 continue
-            first, second = self._ordered(self._mine1[name], other[name])
+            first, second = self._ordered(self._mine1[name], self._local(other[name]))
             sign = 1.0 if self.modes[name] == "mean" else -1.0
             p = first.float() + sign * second.float()  # (n, r), bitwise the same on both sides
             self._p_hat[name] = orthogonalize_(p)
@@ -383,7 +384,7 @@ class PairRound:
                 out[name] = Projection(own=own, mean=(first + second) / 2)
                 continue
             p_hat = self._p_hat[name].float()
-            q_own, q_other = self._mine2[name].float(), other[name].float()
+            q_own, q_other = self._mine2[name].float(), self._local(other[name]).float()
             first, second = self._ordered(q_own, q_other)
             q_mean = (first + second) / 2  # (m, r), bitwise the same on both sides
             out[name] = Projection(
@@ -398,11 +399,16 @@ class PairRound:
             self.compressor.set_warm_q(name, q)
         self._next_q.clear()
 
-    @staticmethod
-    def _decoded(slot: Slot, sent: Mapping[str, torch.Tensor]) -> torch.Tensor:
+    def _decoded(self, slot: Slot, sent: Mapping[str, torch.Tensor]) -> torch.Tensor:
+        """A one-phase slot's tensor as sent (this side's or the partner's), on this side's device."""
         if slot.scaled:
-            return scaled_decode(slot, sent[slot.name], sent[slot.name + SCALE_SUFFIX])
-        return sent[slot.name].float().reshape(slot.shape)
+            codes, scale = self._local(sent[slot.name]), self._local(sent[slot.name + SCALE_SUFFIX])
+            return scaled_decode(slot, codes, scale)
+        return self._local(sent[slot.name]).float().reshape(slot.shape)
+
+    def _local(self, theirs: torch.Tensor) -> torch.Tensor:
+        """A factor off the wire (on the CPU) moved to where this side's tensors live (the model's device)."""
+        return theirs.to(self.device)
 
     def _ordered(self, mine: torch.Tensor, theirs: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         return (mine, theirs) if self.initiator else (theirs, mine)

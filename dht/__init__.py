@@ -2,8 +2,8 @@
 
 * ``addresses``  multiaddr and listen-host checks: ``parse_peer_multiaddr(s)``, ``parse_host``
 * ``identity``   the persistent key file that fixes a peer id: ``ensure_identity``, ``peer_id_of``
-* ``node``       start, join and stop a ``hivemind.DHT``: ``NodeConfig``, ``start_node``, ``stop_node``,
-  ``visible_addresses``
+* ``node``       start, join and stop a ``hivemind.DHT``: ``NodeConfig`` (client mode, relays), ``start_node``,
+  ``stop_node``, ``visible_addresses``
 * ``records``    typed, expiring, validated records under ``{run_id}:``: ``Announcement``, ``Metrics``,
   ``RunRecord`` and ``RunRecords`` (blocking methods, each with an ``a_`` async twin)
 * ``heartbeat``  ``Heartbeat`` re-announces a peer on a thread until stopped, then withdraws it

@@ -37,6 +37,8 @@ class NodeConfig:
     port: int = 0  # 0 lets the OS choose
     identity_path: str | None = None  # key file that fixes the peer id; created if missing
     client_mode: bool = False  # a client-mode node can read and write but stores nothing for others
+    use_relay: bool = True  # libp2p circuit relay: reach, and be reached through, a relay (hivemind's default)
+    use_auto_relay: bool = False  # look for relays and advertise addresses through them (a host behind NAT)
     startup_timeout: float = 30.0  # seconds until the node must be ready
 
     def __post_init__(self) -> None:
@@ -46,8 +48,9 @@ class NodeConfig:
             raise ValueError(f"port must be an int in 0..65535, got {self.port!r}")
         if self.identity_path is not None:
             object.__setattr__(self, "identity_path", os.fspath(self.identity_path))
-        if not isinstance(self.client_mode, bool):
-            raise ValueError(f"client_mode must be a bool, got {self.client_mode!r}")
+        for flag in ("client_mode", "use_relay", "use_auto_relay"):
+            if not isinstance(getattr(self, flag), bool):
+                raise ValueError(f"{flag} must be a bool, got {getattr(self, flag)!r}")
         timeout = self.startup_timeout
         if isinstance(timeout, bool) or not isinstance(timeout, int | float) or not 0 < timeout < math.inf:
             raise ValueError(f"startup_timeout must be a positive number of seconds, got {timeout!r}")
@@ -71,6 +74,8 @@ def start_node(config: NodeConfig) -> hivemind.DHT:
         # hivemind's own check starts a second p2pd with NAT port mapping on; see the check above.
         check_if_identity_free=False,
         client_mode=config.client_mode,
+        use_relay=config.use_relay,
+        use_auto_relay=config.use_auto_relay,
         startup_timeout=config.startup_timeout,
     )
     started = False

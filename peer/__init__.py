@@ -3,13 +3,18 @@
 * ``config``    ``TrainConfig``: what every peer of a run agrees on; published as the run record
 * ``model``     the model registry: a small byte-level GPT (``build_model``, ``MODELS``)
 * ``data``      the Python standard library's own source as text, split by file; batches and eval sets
-* ``trainer``   ``Trainer``: the inner AdamW loop, evaluation, and compute-time accounting
+* ``workload``  what a peer trains: the built-in GPT or a researcher's model/batches by import path
+* ``device``    ``--device``/``--precision``: CUDA or CPU, bf16/fp16 autocast, micro-batches that fit memory
+* ``trainer``   ``Trainer``: the inner loop (mixed precision, accumulation), evaluation, compute-time accounting
 * ``outer``     ``OuterOptimizer``: what a round offers, and the outer Nesterov step with consensus
 * ``checkpoint`` checkpoint files: atomic writes, a header with a sha256, weights-only loads, fallback
 * ``runner``    ``VolunteerPeer``: a peer on the real network (DHT node, P2P, heartbeat, rounds, report)
+* ``progress``  the live progress line of a joined peer (``render_progress`` is pure)
+* ``api``       the Python API: ``Swarm`` (a run's bootstrap node) and ``Peer`` (any ``nn.Module``)
 * ``metrics``   the per-round metrics log, ``PeerReport`` / ``SwarmReport``, the consensus distance
 * ``simulate``  ``murmur simulate``: a bootstrap node and N peer processes on loopback, then a report
 * ``status``    ``murmur status``: a run's config and live peers (step, loss, last seen) read from the DHT
 * ``report``    ``murmur report``: a peer's or a simulation's metrics logs plotted to one PNG
+* ``doctor``    ``murmur doctor``: p2pd, the port, torch/CUDA and reachability, one verdict and fix per check
 * ``cli``       the ``murmur`` entry point: parse, build, run, close
 """

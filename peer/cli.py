@@ -5,6 +5,7 @@
     murmur simulate --peers N --duration SECONDS --report PATH
     murmur status --initial-peers MADDR... --run RUN [--json]
     murmur report RUN_DIR [--out PNG]
+    murmur doctor [--host HOST] [--port PORT]
 
 Every expected failure (a bad flag, address or config, an unreachable run) is one line on stderr
 and a non-zero exit code, never a traceback.
@@ -27,10 +28,13 @@ from dht.identity import IdentityError
 from dht.node import NodeConfig, NodeError, start_node, stop_node, visible_addresses
 from dht.records import RunRecord, RunRecords, validate_run_id
 from peer.config import ConfigError, TrainConfig
+from peer.device import add_device_flags, device_config
+from peer.doctor import Level, run_checks
 from peer.report import write_report  # its ReportError is a ValueError
 from peer.runner import PeerError, PeerOptions, run_peer
 from peer.simulate import SimulationConfig, simulate
 from peer.status import RunNotFound, read_status, render_status
+from peer.workload import WorkloadSpec, add_workload_flags
 
 EXPECTED_ERRORS = (AddressError, ConfigError, IdentityError, NodeError, PeerError, RunNotFound, ValueError, OSError)
 
@@ -89,6 +93,13 @@ def build_parser() -> argparse.ArgumentParser:
                       help="rounds between checkpoints (default: %(default)s)")  # fmt: skip
     join.add_argument("--checkpoint-dir", type=Path, metavar="DIR", help="default: OUT_DIR/checkpoints")
     _node_flags(join)
+    join.add_argument("--client-mode", action="store_true",
+                      help="behind NAT, no inbound connections: start every exchange, never be dialled")  # fmt: skip
+    join.add_argument("--use-relay", action=argparse.BooleanOptionalAction, default=True,
+                      help="reach peers through libp2p circuit relays (default: on)")  # fmt: skip
+    join.add_argument("--use-auto-relay", action="store_true", help="find relays and be reachable through them")
+    add_device_flags(join, batching=True)
+    add_workload_flags(join)
 
     sim = sub.add_parser("simulate", help="run a bootstrap node and N peers on 127.0.0.1, then write a report")
     sim.add_argument("--peers", type=int, default=4)
@@ -97,6 +108,7 @@ def build_parser() -> argparse.ArgumentParser:
     sim.add_argument("--run", default="sim", help="run id")
     sim.add_argument("--out-dir", type=Path, help="folder for the peers' logs (default: runs/RUN)")
     _train_flags(sim)
+    add_device_flags(sim, batching=False)
 
     status = sub.add_parser("status", help="show a run's config and live peers, read from the DHT")
     status.add_argument("--initial-peers", nargs="+", required=True, metavar="MADDR", help="bootstrap multiaddrs")
@@ -106,6 +118,10 @@ def build_parser() -> argparse.ArgumentParser:
     report = sub.add_parser("report", help="plot a peer's or a simulation's metrics logs to a PNG")
     report.add_argument("run_dir", type=Path, metavar="RUN_DIR", help="a folder with metrics.jsonl or peer-*/")
     report.add_argument("--out", type=Path, metavar="PNG", help="output file (default: RUN_DIR/report.png)")
+
+    doctor = sub.add_parser("doctor", help="check that this machine can join a run, with a fix for each problem")
+    doctor.add_argument("--host", default="127.0.0.1", help="address join will listen on (default: %(default)s)")
+    doctor.add_argument("--port", type=int, default=0, help="port join will listen on (default: %(default)s)")
     return parser
 
 
@@ -140,7 +156,9 @@ def _join(args: argparse.Namespace) -> int:
     options = PeerOptions(
         run_id=args.run,
         node=NodeConfig(initial_peers=tuple(args.initial_peers), host=args.host, port=args.port,
-                        identity_path=args.identity),
+                        identity_path=args.identity, client_mode=args.client_mode, use_relay=args.use_relay,
+                        use_auto_relay=args.use_auto_relay),
+        device=device_config(args), workload=WorkloadSpec(model=args.model, data=args.data),
         exchange=ExchangeConfig(window=args.window, exchange_timeout=args.exchange_timeout),
         data_seed=args.data_seed, duration=args.duration, out_dir=args.out_dir, verbose=not args.quiet,
         checkpoint_dir=args.checkpoint_dir, checkpoint_every=args.checkpoint_every, resume=args.resume,
@@ -158,7 +176,7 @@ def _join(args: argparse.Namespace) -> int:
 def _simulate(args: argparse.Namespace) -> int:
     config = SimulationConfig(
         peers=args.peers, duration=args.duration, run_id=args.run, report=args.report,
-        out_dir=args.out_dir or Path("runs") / args.run, train=_train_config(args),
+        out_dir=args.out_dir or Path("runs") / args.run, train=_train_config(args), device=device_config(args),
     )  # fmt: skip
     report = simulate(config)
     losses = [(p.initial_eval_loss, p.final_eval_loss) for p in report.peers]
@@ -192,13 +210,28 @@ def _report(args: argparse.Namespace) -> int:
     return 0
 
 
+def _doctor(args: argparse.Namespace) -> int:
+    config = NodeConfig(host=args.host, port=args.port)  # checks them: a bad one is a one-line error
+    verdicts = run_checks(config.host, config.port)
+    for verdict in verdicts:
+        print(verdict.render())
+    return 1 if any(v.level == Level.FAIL for v in verdicts) else 0
+
+
 def main(argv: list[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
     logging.basicConfig(
         level=logging.DEBUG if args.verbose else logging.WARNING,
         format="%(asctime)s %(name)s %(levelname)s %(message)s",
     )
-    commands = {"bootstrap": _bootstrap, "join": _join, "simulate": _simulate, "status": _status, "report": _report}
+    commands = {
+        "bootstrap": _bootstrap,
+        "join": _join,
+        "simulate": _simulate,
+        "status": _status,
+        "report": _report,
+        "doctor": _doctor,
+    }
     command = commands[args.command]
     try:
         return command(args)

@@ -9,12 +9,20 @@ from __future__ import annotations
 
 import dataclasses
 import math
+import re
 from dataclasses import dataclass
 from typing import Any
 
 from averaging.compression import LowRankConfig
 from peer.model import DEFAULT_MODEL, MODELS
 from peer.outer import OuterConfig
+
+_SPEC = re.compile(r"[A-Za-z_][A-Za-z0-9_]*(\.[A-Za-z_][A-Za-z0-9_]*)*:[A-Za-z_][A-Za-z0-9_]*")
+
+
+def is_spec(text: str) -> bool:
+    """Whether `text` has the shape `pkg.module:function`; nothing is imported (see `peer.workload`)."""
+    return isinstance(text, str) and bool(_SPEC.fullmatch(text))
 
 
 class ConfigError(ValueError):
@@ -23,7 +31,7 @@ class ConfigError(ValueError):
 
 @dataclass(frozen=True, kw_only=True)
 class TrainConfig:
-    model: str = DEFAULT_MODEL
+    model: str = DEFAULT_MODEL  # a registry name, or the import path of a researcher's model builder
     seed: int = 0  # model init, identical on every peer
     batch_size: int = 16
     inner_steps: int = 20  # H: local AdamW steps between exchanges
@@ -43,8 +51,10 @@ class TrainConfig:
     heldout_fraction: float = 0.1
 
     def __post_init__(self) -> None:
-        if self.model not in MODELS:
-            raise ConfigError(f"unknown model '{self.model}'; choose one of: {', '.join(MODELS)}")
+        if self.model not in MODELS and not is_spec(self.model):
+            raise ConfigError(
+                f"unknown model '{self.model}'; choose one of: {', '.join(MODELS)}, or pkg.module:build_model"
+            )
         for name in ("batch_size", "inner_steps", "rank", "eval_batches", "solo_after"):
             if getattr(self, name) < 1:
                 raise ConfigError(f"{name} must be at least 1, got {getattr(self, name)}")

@@ -19,6 +19,8 @@ import torch
 import torch.nn as nn
 from torch import Tensor
 
+from peer.model import loss_of
+
 EXCLUDED_DIRS = frozenset({"test", "tests", "idle_test", "site-packages", "dist-packages", "__pycache__"})
 
 
@@ -147,7 +149,7 @@ def eval_batches(data: Tensor, *, batch_size: int, block_size: int, n_batches: i
 
 
 @torch.no_grad()
-def evaluate(model: nn.Module, eval_set: list[tuple[Tensor, Tensor]]) -> float:
+def evaluate(model: nn.Module, eval_set: list[tuple[Tensor, ...]]) -> float:
     """Mean loss over `eval_set`, computed in eval() mode; the model's previous mode is restored."""
     if not eval_set:
         raise ValueError("evaluate needs a non-empty eval_set")
@@ -155,7 +157,7 @@ def evaluate(model: nn.Module, eval_set: list[tuple[Tensor, Tensor]]) -> float:
     device = next(model.parameters()).device
     model.eval()
     try:
-        losses = [model(x.to(device), y.to(device))[1].item() for x, y in eval_set]
+        losses = [loss_of(model(*(t.to(device) for t in batch))).item() for batch in eval_set]
     finally:
         model.train(was_training)
     return sum(losses) / len(losses)

@@ -137,6 +137,14 @@ def build_model(name: str, *, seed: int) -> GPT:
         return GPT(MODELS[name])
 
 
+def loss_of(output: object) -> Tensor:
+    """The loss a model's forward returned: the tensor itself, or the last element of a tuple (as `GPT`)."""
+    loss = output[-1] if isinstance(output, tuple | list) and output else output
+    if not isinstance(loss, Tensor) or loss.dim() != 0:
+        raise ValueError("the model's forward must return a scalar loss, or a tuple ending with one")
+    return loss
+
+
 def count_parameters(model: nn.Module) -> int:
     """Number of distinct parameter elements (tied weights counted once)."""
     return sum(p.numel() for p in model.parameters())

@@ -33,9 +33,11 @@ from dht.node import NodeConfig, start_node, stop_node, visible_addresses
 from dht.records import Announcement, Metrics, PeerState, RunRecords
 from peer.checkpoint import check_tensors, latest_checkpoint, save_checkpoint
 from peer.config import TrainConfig
-from peer.data import DataConfig, load_corpus
+from peer.device import DeviceConfig, Runtime
 from peer.metrics import MetricsLog, PeerReport
+from peer.progress import Progress, ProgressLine
 from peer.trainer import NonFiniteLoss, Trainer
+from peer.workload import WorkloadSource, WorkloadSpec
 
 logger = logging.getLogger("murmur.peer")
 
@@ -58,6 +60,8 @@ class PeerOptions:
     checkpoint_dir: Path | None = None  # default: out_dir / "checkpoints"; neither: no checkpoints
     checkpoint_every: int = 10  # rounds between checkpoints (and one more on a clean stop)
     resume: bool = False  # start from the newest usable checkpoint in the checkpoint folder
+    device: DeviceConfig = field(default_factory=DeviceConfig)
+    workload: WorkloadSource = field(default_factory=WorkloadSpec)  # the built-in GPT unless told otherwise
 
     def __post_init__(self) -> None:
         if self.checkpoint_every < 1:
@@ -120,17 +124,20 @@ class VolunteerPeer:
         self.averager: GossipAverager | None = None
         self.heartbeat: Heartbeat | None = None
         self.metrics_log = MetricsLog(options.out_dir / "metrics.jsonl") if options.out_dir else None
+        self.progress = ProgressLine(every=options.eval_every) if options.verbose else None
 
     @classmethod
     def create(cls, options: PeerOptions) -> VolunteerPeer:
         torch.set_num_threads(1)
+        runtime = Runtime.resolve(options.device)  # before the node: a missing GPU fails fast
         dht = start_node(options.node)
         peer = None
         try:
             records = RunRecords(dht, options.run_id)
             config = fetch_train_config(records, options.config_wait)
-            corpus = load_corpus(DataConfig(heldout_fraction=config.heldout_fraction))
-            peer = cls(options, dht, Trainer(config, corpus, data_seed=options.data_seed), records)
+            workload = options.workload.build(config)
+            trainer = Trainer.fitted(config, workload, data_seed=options.data_seed, runtime=runtime)
+            peer = cls(options, dht, trainer, records)
             peer.averager = peer.loop.run(peer._start_averager(), timeout=30)
             if options.resume:
                 peer._resume()  # before the heartbeat: nobody knows this peer yet
@@ -193,6 +200,7 @@ class VolunteerPeer:
             version=PROTOCOL_VERSION,
             samples_per_second=self.samples_per_second,
             state=self.state,
+            client_mode=self.options.node.client_mode,  # never dialled: partners leave it out
         )
 
     def _set_state(self, state: PeerState) -> None:
@@ -246,12 +254,17 @@ class VolunteerPeer:
                 bytes_sent=traffic.bytes_sent, bytes_received=traffic.bytes_received,
             )
         )  # fmt: skip
-        if self.options.verbose and rounds % self.options.eval_every == 0:
-            print(
-                f"round {rounds} step {trainer.steps} loss {loss:.3f} eval {eval_loss:.3f} "
-                f"exchanges {stats.ok} ok / {stats.failed} failed, last partner {partner and partner[-8:]}",
-                flush=True,
-            )
+        if self.progress is not None:
+            self.progress.exchanged(partner)
+            last_partner, since = self.progress.last_exchange()
+            self.progress.show(
+                Progress(
+                    round=rounds, step=trainer.steps, loss=loss, eval_loss=eval_loss,
+                    samples_per_second=self.samples_per_second, peers_seen=len(self.records.peers()),
+                    exchanges_ok=stats.ok, exchanges_failed=stats.failed, partner=last_partner,
+                    seconds_since_exchange=since, bytes_sent=traffic.bytes_sent, bytes_received=traffic.bytes_received,
+                )
+            )  # fmt: skip
 
     def _report(self, started: float, rounds: int, initial_loss: float) -> PeerReport:
         stats, traffic, trainer = self.averager.stats, self.averager.transport.traffic, self.trainer
@@ -265,7 +278,7 @@ class VolunteerPeer:
         )  # fmt: skip
         if self.options.out_dir is not None:
             self.options.out_dir.mkdir(parents=True, exist_ok=True)
-            torch.save(trainer.outer.anchor, self.options.out_dir / "anchor.pt")
+            torch.save({n: t.cpu() for n, t in trainer.outer.anchor.items()}, self.options.out_dir / "anchor.pt")
             (self.options.out_dir / "report.json").write_text(report.model_dump_json(indent=2))
         return report
 
@@ -279,6 +292,8 @@ class VolunteerPeer:
             except Exception as e:  # teardown goes on whatever happened
                 logger.warning("averager did not stop cleanly: %s", e)
         self.loop.stop()
+        if self.progress is not None:
+            self.progress.close()
         if self.metrics_log is not None:
             self.metrics_log.close()
         stop_node(self.dht)

@@ -25,7 +25,8 @@ from rich.table import Table
 
 from dht.node import NodeConfig, start_node, stop_node, visible_addresses
 from dht.records import RunRecord, RunRecords
-from peer.config import TrainConfig
+from peer.config import TrainConfig, is_spec
+from peer.device import DeviceConfig, Runtime
 from peer.metrics import PeerReport, SwarmReport, consensus_distance, read_metrics
 from peer.model import build_model
 
@@ -38,6 +39,7 @@ class SimulationConfig:
     out_dir: Path = Path("runs/sim")
     report: Path = Path("report.json")
     train: TrainConfig = field(default_factory=TrainConfig)
+    device: DeviceConfig = field(default_factory=DeviceConfig)  # every peer's; each resolves it itself
     startup_grace: float = 90.0  # time for a peer process to import, join and load its data
     stop_grace: float = 15.0  # time between SIGTERM and SIGKILL
 
@@ -46,6 +48,8 @@ class SimulationConfig:
             raise ValueError(f"--peers must be between 1 and 64, got {self.peers}")
         if not self.duration > 0:
             raise ValueError(f"--duration must be positive, got {self.duration}")
+        if is_spec(self.train.model):
+            raise ValueError("simulate trains registry models; run a custom model with murmur join or peer.api")
 
 
 def _peer_command(config: SimulationConfig, index: int, maddrs: list[str]) -> list[str]:
@@ -57,6 +61,8 @@ def _peer_command(config: SimulationConfig, index: int, maddrs: list[str]) -> li
         "--out-dir", str(config.out_dir / f"peer-{index}"),
         "--data-seed", str(index + 1),
         "--quiet",
+        "--device", config.device.device,
+        "--precision", config.device.precision,
     ]  # fmt: skip
 
 
@@ -96,6 +102,7 @@ def _progress_table(config: SimulationConfig, elapsed: float) -> Table:
 
 def simulate(config: SimulationConfig, console: Console | None = None) -> SwarmReport:
     console = console or Console(stderr=True)
+    Runtime.resolve(config.device)  # a device this machine lacks fails here, not in every peer
     config.out_dir.mkdir(parents=True, exist_ok=True)
     for i in range(config.peers):  # a previous simulation's files would pass for this one's
         for name in ("metrics.jsonl", "report.json", "anchor.pt"):

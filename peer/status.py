@@ -95,7 +95,7 @@ def render_status(status: RunStatus) -> RenderableType:
     if not status.peers:
         return Group(Text(config_summary(status)), Text("no live peers"))
     title = f"{len(status.peers)} live peer{'s' * (len(status.peers) != 1)}"
-    caption = "step: outer steps, inner: inner steps, seen: since last announced"
+    caption = "step: outer steps, inner: inner steps, seen: since last announced, client: never dialled"
     table = Table(
         title=title, caption=caption, title_justify="left", caption_justify="left", box=box.SIMPLE_HEAD,
         show_edge=False, collapse_padding=True,
@@ -105,8 +105,9 @@ def render_status(status: RunStatus) -> RenderableType:
     for column in ("step", "inner", "samples", "loss", "samples/s", "ver", "seen"):
         table.add_column(column, justify="right")
     for p in status.peers:
+        state = p.state + (" (client)" if p.client_mode else "")
         table.add_row(
-            p.peer_id[-8:], p.state, str(p.outer_step), _or_dash(p.inner_steps), _or_dash(p.samples),
+            p.peer_id[-8:], state, str(p.outer_step), _or_dash(p.inner_steps), _or_dash(p.samples),
             "—" if p.loss is None else f"{p.loss:.3f}", f"{p.samples_per_second:.1f}", str(p.version),
             f"{p.last_seen:.0f}s",
         )  # fmt: skip

@@ -11,7 +11,7 @@ from __future__ import annotations
 
 import math
 import time
-from collections.abc import Iterator, Mapping
+from collections.abc import Callable, Iterator, Mapping
 from itertools import chain
 from typing import Any
 
@@ -20,9 +20,18 @@ import torch
 from averaging.protocol import ExchangeResult, Offer
 from peer.checkpoint import CheckpointError, check_count, check_tensors
 from peer.config import TrainConfig
-from peer.data import Corpus, batches, eval_batches, evaluate
-from peer.model import build_model
+from peer.data import Corpus, evaluate
+from peer.device import Runtime, capabilities, fit_grad_accum, probe_step_memory, split_batch, step_memory
+from peer.model import loss_of
 from peer.outer import OuterOptimizer
+from peer.workload import Workload, builtin
+
+
+def to_device(t: torch.Tensor, device: torch.device) -> torch.Tensor:
+    """A batch tensor on `device`; on CUDA through pinned host memory, so the copy does not block."""
+    if device.type != "cuda":
+        return t.to(device)
+    return t.pin_memory().to(device, non_blocking=True)
 
 
 def warmup_lr(base: float, step: int, warmup_steps: int) -> float:
@@ -35,58 +44,110 @@ class NonFiniteLoss(RuntimeError):
 
 
 class Trainer:
-    def __init__(self, config: TrainConfig, corpus: Corpus, *, data_seed: int) -> None:
+    """The inner loop of one peer. `source` is the built-in corpus or a researcher's `Workload`."""
+
+    def __init__(
+        self, config: TrainConfig, source: Corpus | Workload, *, data_seed: int, runtime: Runtime = Runtime()
+    ) -> None:
         self.config = config
-        self.model = build_model(config.model, seed=config.seed)
-        block = self.model.config.block_size
-        self.inner = torch.optim.AdamW(
-            self.model.parameters(), lr=config.inner_lr, weight_decay=config.weight_decay, betas=(0.9, 0.95)
-        )
+        self.runtime = runtime
+        workload = source if isinstance(source, Workload) else builtin(config, source)
+        self._workload, self.data_seed = workload, data_seed
+        self.model = workload.model.to(runtime.device)
+        self.inner = workload.optimizer(self.model.parameters())
+        self._base_lrs = [group["lr"] for group in self.inner.param_groups]  # the warmup scales each group's own
         self.outer = OuterOptimizer(self.model, config.outer())
-        self._train_data, self.data_seed = corpus.train, data_seed
+        self.eval_set = workload.eval_set
+        self.scaler = torch.amp.GradScaler(runtime.device.type) if runtime.precision.scaler else None
         self.batches_drawn = 0  # how far into its data stream: a resumed trainer skips as many
         self.batches = self._data_stream(skip=0)
-        self.eval_set = eval_batches(
-            corpus.heldout, batch_size=config.batch_size, block_size=block, n_batches=config.eval_batches
-        )
+        self.grad_accum = runtime.accumulation(config.batch_size) or 1  # `fit_memory()` may measure it on CUDA
         self.steps = 0
         self.samples = 0
         self.compute_seconds = 0.0
         self.last_loss: float | None = None
 
+    @classmethod
+    def fitted(cls, config: TrainConfig, source: Corpus | Workload, *, data_seed: int, runtime: Runtime) -> Trainer:
+        """A trainer whose micro-batches fit the card's free memory (on CUDA, unless `grad_accum` was given)."""
+        trainer = cls(config, source, data_seed=data_seed, runtime=runtime)
+        if runtime.device.type == "cuda":
+            trainer.fit_memory(capabilities().free_bytes)
+        return trainer
+
     @property
     def dense_model_bytes(self) -> int:
         return sum(4 * p.numel() for p in self.model.parameters())
 
-    def _lr(self) -> float:
-        return warmup_lr(self.config.inner_lr, self.steps, self.config.warmup_steps)
-
     def inner_phase(self) -> float:
-        """H local AdamW steps; returns their mean training loss."""
+        """H local steps, each on the run's batch size (in `grad_accum` micro-batches); returns the mean loss."""
         started = time.perf_counter()
         self.model.train()
         total = 0.0
         try:
             for _ in range(self.config.inner_steps):
-                x, y = next(self.batches)
+                batch = next(self.batches)
                 self.batches_drawn += 1
-                for group in self.inner.param_groups:
-                    group["lr"] = self._lr()
-                _, loss = self.model(x, y)
-                if not math.isfinite(loss.item()):
+                for group, base in zip(self.inner.param_groups, self._base_lrs, strict=True):
+                    group["lr"] = warmup_lr(base, self.steps, self.config.warmup_steps)
+                self.inner.zero_grad(set_to_none=True)
+                loss = self._accumulate(batch)
+                if not math.isfinite(loss):
                     self.discard_round()
                     raise NonFiniteLoss(f"non-finite training loss at step {self.steps}")
-                self.inner.zero_grad(set_to_none=True)
-                loss.backward()
-                torch.nn.utils.clip_grad_norm_(self.model.parameters(), self.config.grad_clip)
-                self.inner.step()
+                self._step()
                 self.steps += 1
-                self.samples += x.shape[0]
-                total += loss.item()
+                self.samples += batch[0].shape[0]
+                total += loss
         finally:
             self.compute_seconds += time.perf_counter() - started
         self.last_loss = total / self.config.inner_steps
         return self.last_loss
+
+    def _accumulate(self, batch: tuple[torch.Tensor, ...]) -> float:
+        """Gradients of the batch's mean loss, summed over its micro-batches; returns that loss."""
+        size = batch[0].shape[0]
+        sizes = split_batch(size, min(self.grad_accum, size))  # the stream's batch may differ from the run's
+        total = 0.0
+        for micro in zip(*(t.split(sizes) for t in batch), strict=True):
+            loss = self._loss(micro) * (micro[0].shape[0] / size)  # each micro-batch weighted by its share
+            value = loss.item()
+            if not math.isfinite(value):
+                return value
+            (self.scaler.scale(loss) if self.scaler else loss).backward()
+            total += value
+        return total
+
+    def _loss(self, batch: tuple[torch.Tensor, ...]) -> torch.Tensor:
+        device, precision = self.runtime.device, self.runtime.precision
+        batch = tuple(to_device(t, device) for t in batch)
+        with torch.autocast(device.type, dtype=precision.autocast, enabled=precision.autocast is not None):
+            return loss_of(self.model(*batch)).float()
+
+    def _step(self) -> None:
+        if self.scaler is None:
+            torch.nn.utils.clip_grad_norm_(self.model.parameters(), self.config.grad_clip)
+            self.inner.step()
+            return
+        self.scaler.unscale_(self.inner)  # clip the true gradients, not the scaled ones
+        torch.nn.utils.clip_grad_norm_(self.model.parameters(), self.config.grad_clip)
+        self.scaler.step(self.inner)  # skipped if fp16 overflowed; the scale then shrinks
+        self.scaler.update()
+
+    def fit_memory(self, free_bytes: int, measure: Callable[[], tuple[int, int]] | None = None) -> int:
+        """Choose `grad_accum` so a micro-batch fits in `free_bytes`, from one measured step's peak (CUDA)."""
+        if self.runtime.accumulation(self.config.batch_size) is not None:  # the user chose
+            return self.grad_accum
+        sample = next(self._workload.stream(seed=self.data_seed, batch_size=2, skip=0))
+
+        def probe(batch: tuple[torch.Tensor, ...]) -> None:
+            self._loss(batch).backward()
+            self.model.zero_grad(set_to_none=True)
+
+        peaks = measure() if measure is not None else probe_step_memory(probe, sample)
+        optimizer_bytes = 2 * self.dense_model_bytes  # AdamW's two moments, allocated at the first step
+        self.grad_accum = fit_grad_accum(self.config.batch_size, free_bytes, step_memory(*peaks, optimizer_bytes))
+        return self.grad_accum
 
     @torch.no_grad()
     def discard_round(self) -> None:
@@ -100,7 +161,7 @@ class Trainer:
         self.compute_seconds += time.perf_counter() - started
 
     def evaluate(self) -> float:
-        """Held-out loss of the model this peer holds now (its anchor, right after an outer step)."""
+        """Held-out loss of the model this peer holds now (its anchor, right after an outer step), in fp32."""
         return evaluate(self.model, self.eval_set)
 
     def state_dict(self) -> dict[str, Any]:
@@ -113,7 +174,7 @@ class Trainer:
             "samples": self.samples,
             "compute_seconds": self.compute_seconds,
             "batches_drawn": self.batches_drawn,
-        }
+        } | ({"scaler": self.scaler.state_dict()} if self.scaler is not None else {})
 
     def load_state_dict(self, state: Mapping[str, Any]) -> None:
         """Restore `state_dict()`; everything is checked first, so on CheckpointError nothing has changed."""
@@ -125,16 +186,33 @@ class Trainer:
             raise CheckpointError(f"compute_seconds must be a finite non-negative float, got {compute_seconds!r}")
         model = check_tensors(state.get("model"), {n: t.shape for n, t in self.model.state_dict().items()}, "model")
         self._check_inner(state.get("inner"))
+        scaler = self._check_scaler(state.get("scaler"))
         self.outer.load_state_dict(state.get("outer"))  # checks, then applies: the last check
         self.model.load_state_dict(model)  # copies in place: the optimizers keep their parameters
         self.inner.load_state_dict(state["inner"])
+        if scaler is not None:
+            self.scaler.load_state_dict(scaler)
         self.steps, self.samples = counters["steps"], counters["samples"]
         self.batches_drawn, self.compute_seconds = counters["batches_drawn"], compute_seconds
         self.batches = self._data_stream(skip=self.batches_drawn)
 
-    def _data_stream(self, *, skip: int) -> Iterator[tuple[torch.Tensor, torch.Tensor]]:
-        size = {"batch_size": self.config.batch_size, "block_size": self.model.config.block_size}
-        return batches(self._train_data, **size, seed=self.data_seed, skip=skip)
+    def _data_stream(self, *, skip: int) -> Iterator[tuple[torch.Tensor, ...]]:
+        return self._workload.stream(seed=self.data_seed, batch_size=self.config.batch_size, skip=skip)
+
+    def _check_scaler(self, saved: Any) -> dict[str, Any] | None:
+        """The fp16 grad scaler's state to restore, if this trainer has a scaler and the checkpoint one.
+
+        A checkpoint without it (written on a CPU or in bf16) leaves the fresh scaler, which recalibrates.
+        """
+        if self.scaler is None or saved is None:
+            return None
+        expected = self.scaler.state_dict()
+        if not isinstance(saved, Mapping) or set(saved) != set(expected):
+            raise CheckpointError("grad scaler state is malformed")
+        for key, value in saved.items():
+            if type(value) is not type(expected[key]) or not (math.isfinite(value) and value >= 0):
+                raise CheckpointError(f"grad scaler {key} must be a finite non-negative {type(expected[key]).__name__}")
+        return dict(saved)
 
     def _check_inner(self, saved: Any) -> None:
         """What `torch.optim.Optimizer.load_state_dict` does not check: shapes and finiteness."""

@@ -4,12 +4,16 @@ import subprocess
 import sys
 
 import pytest
+import torch
 
 from peer.cli import main
 from peer.config import ConfigError, TrainConfig
 
+PEER = "/ip4/127.0.0.1/tcp/1/p2p/QmNnooDu7bfjPFoTZYxMNLWUQJyrVwtbZg5gBMjTezGAJN"  # never dialled: errors come first
+JOIN = ["join", "--initial-peers", PEER, "--run", "r"]
 
-@pytest.mark.parametrize("command", [[], ["bootstrap"], ["join"], ["simulate"], ["status"], ["report"]])
+
+@pytest.mark.parametrize("command", [[], ["bootstrap"], ["join"], ["simulate"], ["status"], ["report"], ["doctor"]])
 def test_help_screens(command, capsys):
     with pytest.raises(SystemExit) as exit_info:
         main([*command, "--help"])
@@ -18,10 +22,24 @@ def test_help_screens(command, capsys):
     assert out.startswith("usage: murmur")
     for flag in {
         "bootstrap": ["--run", "--port"],
-        "join": ["--initial-peers", "--run"],
-        "simulate": ["--peers", "--duration", "--report"],
+        "join": [
+            "--initial-peers",
+            "--run",
+            "--device",
+            "--precision",
+            "--batch-size",
+            "--grad-accum",
+            "--model",
+            "--data",
+            "--client-mode",
+            "--use-relay",
+            "--no-use-relay",
+            "--use-auto-relay",
+        ],
+        "simulate": ["--peers", "--duration", "--report", "--device", "--precision"],
         "status": ["--initial-peers", "--run", "--json"],
         "report": ["RUN_DIR", "--out"],
+        "doctor": ["--host", "--port"],
     }.get(command[0] if command else "", []):
         assert flag in out  # fmt: skip
 
@@ -32,6 +50,13 @@ def test_help_screens(command, capsys):
         (["join", "--run", "r"], "--initial-peers"),
         (["simulate", "--peers", "many"], "invalid int value"),
         (["fly"], "invalid choice"),
+        (["join", "--initial-peers", PEER, "--run", "r", "--device", "tpu"], "invalid choice: 'tpu'"),
+        (["join", "--initial-peers", PEER, "--run", "r", "--precision", "fp8"], "invalid choice: 'fp8'"),
+        (["join", "--initial-peers", PEER, "--run", "r", "--grad-accum", "two"], "invalid int value"),
+        (["simulate", "--device", "gpu"], "invalid choice: 'gpu'"),
+        (["doctor", "--port", "http"], "invalid int value"),
+        (["join", "--initial-peers", PEER, "--run", "r", "--use-auto-relay=yes"], "ignored explicit argument"),
+        (["join", "--initial-peers", PEER, "--run", "r", "--client-mode=1"], "ignored explicit argument"),
     ],
 )
 def test_bad_flags_exit_2_with_one_line(argv, needle, capsys):
@@ -52,6 +77,22 @@ def test_bad_flags_exit_2_with_one_line(argv, needle, capsys):
         (["simulate", "--model", "gpt-huge"], "unknown model 'gpt-huge'"),
         (["simulate", "--peers", "0"], "--peers must be between 1 and 64"),
         (["simulate", "--inner-lr", "nan"], "inner_lr must be a positive finite number"),
+        ([*JOIN, "--grad-accum", "0"], "--grad-accum must be at least 1, got 0"),
+        ([*JOIN, "--batch-size", "-3"], "--batch-size must be at least 1, got -3"),
+        ([*JOIN, "--grad-accum", "2", "--batch-size", "4"], "give --grad-accum or --batch-size, not both"),
+        ([*JOIN, "--model", "os.system"], "--model 'os.system' is not of the form pkg.module:function"),
+        ([*JOIN, "--data", "data.py"], "--data 'data.py' is not of the form pkg.module:function"),
+        (["simulate", "--model", "pkg.mod:build"], "simulate trains registry models"),
+        (["doctor", "--port", "70000"], "port must be an int in 0..65535"),
+        (["doctor", "--host", "localhost"], "localhost"),
+        *(
+            []
+            if torch.cuda.is_available()
+            else [
+                ([*JOIN, "--device", "cuda"], "--device cuda: no CUDA device is available"),
+                (["simulate", "--device", "cuda"], "--device cuda: no CUDA device is available"),
+            ]
+        ),
     ],
 )
 def test_bad_values_are_one_line_errors(argv, needle, capsys):

@@ -202,6 +202,8 @@ def test_node_config_validates_and_normalizes() -> None:
         (dict(startup_timeout=0), ValueError),
         (dict(startup_timeout=math.inf), ValueError),
         (dict(client_mode="yes"), ValueError),
+        (dict(use_relay=1), ValueError),
+        (dict(use_auto_relay="no"), ValueError),
     ],
 )
 def test_node_config_rejects(changes: dict[str, Any], error: type[Exception]) -> None:

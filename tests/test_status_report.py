@@ -9,6 +9,7 @@ from pathlib import Path
 from typing import Any
 
 import pytest
+from rich.console import Console
 
 from dht import (
     Announcement,
@@ -25,6 +26,7 @@ from dht import (
 from peer.cli import main
 from peer.config import TrainConfig
 from peer.report import PANEL_TITLES, alive_over_time, build_figure, load_logs
+from peer.status import PeerStatus, RunStatus, render_status
 
 PNG_SIGNATURE = b"\x89PNG\r\n\x1a\n"
 
@@ -167,3 +169,17 @@ def test_status_table_and_unknown_run(boot: Any, capsys) -> None:
     assert main(["status", "--initial-peers", *initial_peers, "--run", "no-such-run"]) == 1
     err = capsys.readouterr().err
     assert err.strip() == "murmur status: error: run 'no-such-run' not found: no config and no live peers"
+
+
+def test_status_table_marks_client_mode_peers() -> None:
+    def peer(peer_id: str, client_mode: bool) -> PeerStatus:
+        return PeerStatus(
+            peer_id=peer_id, state="ready", outer_step=1, inner_steps=20, samples=320, loss=3.0,
+            samples_per_second=10.0, version=1, client_mode=client_mode, last_seen=2.0,
+        )  # fmt: skip
+
+    status = RunStatus(run="r", config=None, created_by=None, peers=[peer("a" * 12, False), peer("b" * 12, True)])
+    console = Console(record=True, width=160)
+    console.print(render_status(status))
+    rows = {line.split()[0]: line for line in console.export_text().splitlines() if line.strip()[:1] in "ab"}
+    assert "(client)" in rows["b" * 8] and "(client)" not in rows["a" * 8]

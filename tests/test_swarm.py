@@ -22,7 +22,9 @@ from averaging.wire import PROTOCOL_VERSION
 from dht.loop import LoopThread
 from dht.node import NodeConfig, start_node, stop_node, visible_addresses
 from dht.records import Announcement, PeerState, RunRecords
+from peer.cli import main
 from peer.metrics import consensus_distance, read_metrics
+from peer.report import PANEL_TITLES, build_figure, load_logs
 
 pytestmark = pytest.mark.slow
 
@@ -129,6 +131,18 @@ def test_simulate_command_trains_a_swarm_and_reaps_everything(tmp_path):
     assert report["consensus_distance"] < 0.05
     left = tagged_processes(tag)
     assert not left, f"the simulation left processes running: {left}"
+
+    # murmur report on this real run: a PNG with the four panels, a line pair per peer
+    assert main(["report", str(tmp_path / "runs"), "--out", str(tmp_path / "report.png")]) == 0
+    png = (tmp_path / "report.png").read_bytes()
+    assert len(png) > 10_000 and png.startswith(b"\x89PNG\r\n\x1a\n")
+    logs = load_logs(tmp_path / "runs")
+    assert list(logs) == ["peer-0", "peer-1"] and all(len(records) >= 2 for records in logs.values())
+    figure = build_figure(logs)
+    assert tuple(axes.get_title() for axes in figure.axes) == PANEL_TITLES
+    by_time, by_samples, traffic, alive = figure.axes
+    assert len(by_time.lines) == len(by_samples.lines) == len(traffic.lines) == 4
+    assert max(traffic.lines[0].get_ydata()) > 0 and max(alive.lines[0].get_ydata()) == 2
 
 
 def tagged_processes(tag: str, settle: float = 10.0) -> list[str]:

@@ -1,0 +1,191 @@
+"""The Python API: train your own `torch.nn.Module` with a swarm, from a script or a notebook.
+
+    from peer.api import Peer, Swarm
+    from peer.config import TrainConfig
+
+    with Swarm("my-run", TrainConfig(batch_size=32, inner_steps=20), model=build_model) as swarm:
+        print(swarm.initial_peers)                  # what other machines pass as initial_peers
+        with Peer(build_model, build_batches, run="my-run", initial_peers=swarm.initial_peers,
+                  optimizer=lambda params: torch.optim.AdamW(params, lr=1e-3), duration=60) as peer:
+            report = peer.train()                  # a PeerReport; peer.model is the trained module
+
+`train_together(peers)` trains several started peers of one process at once. Without builders,
+a `Peer` trains the run's built-in GPT. `build_model()` returns a fresh module (every peer builds
+its own, under the run's seed, so all start equal); its `forward(*batch)` returns the loss or a
+tuple ending with it.
+`build_batches(split, *, seed, batch_size)` yields tuples of tensors: an endless "train" stream
+for each seed, and "eval" batches that are the same on every peer. The run config names the model
+by its import path (`module:function`), which each peer compares with its own and never imports.
+
+`Swarm` is the operator's side (a bootstrap node holding the run's config, like `murmur
+bootstrap`); `Peer` is a volunteer (`murmur join`), and the two run in separate processes or,
+as in the tests, in one.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import threading
+from collections.abc import Callable, Iterable, Sequence
+from pathlib import Path
+from types import TracebackType
+
+from torch import nn
+
+from averaging.protocol import ExchangeConfig
+from dht.node import NodeConfig, start_node, stop_node, visible_addresses
+from dht.records import RunRecord, RunRecords
+from peer.config import TrainConfig
+from peer.device import DeviceConfig
+from peer.metrics import PeerReport
+from peer.runner import PeerOptions, VolunteerPeer
+from peer.trainer import Trainer
+from peer.workload import Batch, Callables, OptimizerFactory, WorkloadError, WorkloadSpec, spec_of
+
+
+class Swarm:
+    """A run's bootstrap node: publishes the run config (model named by `model`'s import path)."""
+
+    def __init__(
+        self, run: str, config: TrainConfig, *, model: Callable[[], nn.Module] | None = None, host: str = "127.0.0.1"
+    ) -> None:
+        self.run = run
+        self.config = config if model is None else dataclasses.replace(config, model=spec_of(model))
+        self._node_config = NodeConfig(host=host)
+        self._stop = threading.Event()
+        self._thread: threading.Thread | None = None
+        self.dht = None
+
+    def start(self) -> Swarm:
+        self.dht = start_node(self._node_config)
+        try:
+            records = RunRecords(self.dht, self.run)
+            record = RunRecord(run_id=self.run, config=self.config.to_record(), created_by=self.dht.peer_id.to_base58())
+            if not records.publish_config(record):
+                raise RuntimeError(f"run '{self.run}': config not stored")
+        except BaseException:
+            stop_node(self.dht)
+            raise
+
+        def keep_published() -> None:
+            while not self._stop.wait(records.config_ttl / 3):
+                records.publish_config(record)
+
+        self._thread = threading.Thread(target=keep_published, name="murmur-swarm", daemon=True)
+        self._thread.start()
+        return self
+
+    @property
+    def initial_peers(self) -> list[str]:
+        return visible_addresses(self.dht)
+
+    def close(self) -> None:
+        self._stop.set()
+        if self._thread is not None:
+            self._thread.join(timeout=10)
+        if self.dht is not None:
+            stop_node(self.dht)
+
+    def __enter__(self) -> Swarm:
+        return self.start()
+
+    def __exit__(self, exc_type: type[BaseException] | None, exc: BaseException | None, tb: TracebackType | None):
+        self.close()
+
+
+class Peer:
+    """A training peer around any `torch.nn.Module`: `start()` joins the run, `train()` trains, `close()` leaves."""
+
+    def __init__(
+        self,
+        build_model: Callable[[], nn.Module] | None = None,
+        build_batches: Callable[..., Iterable[Batch]] | None = None,
+        *,
+        run: str,
+        initial_peers: Sequence[str],
+        optimizer: OptimizerFactory | None = None,
+        duration: float | None = None,
+        device: str = "auto",
+        client_mode: bool = False,
+        data_seed: int = 0,
+        out_dir: Path | None = None,
+        exchange: ExchangeConfig | None = None,
+        verbose: bool = False,
+    ) -> None:
+        if (build_model is None) != (build_batches is None):
+            raise WorkloadError("give both build_model and build_batches, or neither for the built-in GPT")
+        workload = WorkloadSpec() if build_model is None else Callables(build_model, build_batches, optimizer)
+        self.options = PeerOptions(
+            run_id=run,
+            node=NodeConfig(initial_peers=tuple(initial_peers), client_mode=client_mode),
+            exchange=exchange or ExchangeConfig(),
+            data_seed=data_seed,
+            duration=duration,
+            out_dir=out_dir,
+            verbose=verbose,
+            device=DeviceConfig(device=device),
+            workload=workload,
+        )
+        self._peer: VolunteerPeer | None = None
+
+    def start(self) -> Peer:
+        self._peer = VolunteerPeer.create(self.options)
+        return self
+
+    @property
+    def trainer(self) -> Trainer:
+        """The inner loop: the model, its optimizers, the device and precision it runs with."""
+        return self._running.trainer
+
+    @property
+    def model(self) -> nn.Module:
+        return self.trainer.model
+
+    @property
+    def peer_id(self) -> str:
+        return self._running.peer_id
+
+    def train(self, stop: threading.Event | None = None) -> PeerReport:
+        """Train until `duration` has passed or `stop` is set; returns the peer's report."""
+        return self._running.run(stop or threading.Event())
+
+    def close(self) -> None:
+        if self._peer is not None:
+            self._peer.close()
+            self._peer = None
+
+    @property
+    def _running(self) -> VolunteerPeer:
+        if self._peer is None:
+            raise RuntimeError("start the peer first (or use it as a context manager)")
+        return self._peer
+
+    def __enter__(self) -> Peer:
+        return self.start()
+
+    def __exit__(self, exc_type: type[BaseException] | None, exc: BaseException | None, tb: TracebackType | None):
+        self.close()
+
+
+def train_together(peers: Sequence[Peer]) -> list[PeerReport]:
+    """Train started peers at once, each on its own thread (as peers in one process do); their reports.
+
+    A peer that fails raises its error here, once every peer has finished.
+    """
+    results: list[PeerReport | BaseException | None] = [None] * len(peers)
+
+    def train(i: int) -> None:
+        try:
+            results[i] = peers[i].train()
+        except Exception as e:  # handed to the caller below
+            results[i] = e
+
+    threads = [threading.Thread(target=train, args=(i,), name=f"murmur-peer-{i}") for i in range(len(peers))]
+    for thread in threads:
+        thread.start()
+    for thread in threads:
+        thread.join()
+    for result in results:
+        if isinstance(result, BaseException):
+            raise result
+    return results  # type: ignore[return-value]

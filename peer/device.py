@@ -1,0 +1,206 @@
+"""Where and how a peer computes: the device, mixed precision, and micro-batches that fit in memory.
+
+Every decision here is a pure function of what the machine offers (`Capabilities`), so the CUDA
+choices are tested on a CPU-only machine; only `capabilities()` and `probe_step_memory()` touch
+CUDA, each behind `torch.cuda.is_available()`.
+
+* `--device auto` picks CUDA when it is available.
+* Precision: bf16 autocast where the card supports it, else fp16 autocast with a `GradScaler`,
+  and none on the CPU unless asked (`--precision`).
+* The run's `batch_size` is what every peer agrees on; a peer may split it into `grad_accum`
+  micro-batches, so the effective batch per inner step is the run's, whatever the card. On CUDA
+  the split is chosen from one measured step's peak memory and `torch.cuda.mem_get_info`.
+"""
+
+from __future__ import annotations
+
+import argparse
+import math
+from dataclasses import dataclass
+from typing import Literal
+
+import torch
+
+DeviceChoice = Literal["auto", "cpu", "cuda"]
+PrecisionChoice = Literal["auto", "fp32", "bf16", "fp16"]
+DEVICES: tuple[str, ...] = ("auto", "cpu", "cuda")
+PRECISIONS: tuple[str, ...] = ("auto", "fp32", "bf16", "fp16")
+_DTYPES = {"bf16": torch.bfloat16, "fp16": torch.float16}
+
+
+class DeviceError(ValueError):
+    """A device or precision that this machine cannot provide; str(e) is one line."""
+
+
+@dataclass(frozen=True, kw_only=True)
+class Capabilities:
+    """What the machine offers, as far as the choices below care."""
+
+    cuda: bool = False
+    bf16: bool = False  # the CUDA device computes in bfloat16 (Ampere and later)
+    name: str = "cpu"
+    free_bytes: int | None = None  # free memory on the CUDA device
+
+
+def capabilities() -> Capabilities:
+    """This machine's capabilities (CUDA queried only when it is available)."""
+    if not torch.cuda.is_available():
+        return Capabilities()
+    free, _total = torch.cuda.mem_get_info()
+    name = torch.cuda.get_device_name()
+    return Capabilities(cuda=True, bf16=torch.cuda.is_bf16_supported(), name=name, free_bytes=free)
+
+
+def resolve_device(choice: str, caps: Capabilities) -> torch.device:
+    """`auto` is CUDA when available, else the CPU; asking for CUDA without it is a DeviceError."""
+    if choice not in DEVICES:
+        raise DeviceError(f"unknown device {choice!r}; choose one of: {', '.join(DEVICES)}")
+    if choice == "cuda" and not caps.cuda:
+        raise DeviceError("--device cuda: no CUDA device is available (is the CUDA build of torch installed?)")
+    return torch.device("cuda" if choice == "cuda" or (choice == "auto" and caps.cuda) else "cpu")
+
+
+@dataclass(frozen=True, kw_only=True)
+class Precision:
+    """Autocast dtype (None: full fp32) and whether a GradScaler guards fp16 gradients from underflow."""
+
+    name: str = "fp32"
+    autocast: torch.dtype | None = None
+    scaler: bool = False
+
+
+def choose_precision(choice: str, device: torch.device, caps: Capabilities) -> Precision:
+    """`auto`: bf16 on CUDA where supported, else fp16 with a scaler; fp32 on the CPU."""
+    if choice not in PRECISIONS:
+        raise DeviceError(f"unknown precision {choice!r}; choose one of: {', '.join(PRECISIONS)}")
+    if choice == "auto":
+        choice = "fp32" if device.type == "cpu" else ("bf16" if caps.bf16 else "fp16")
+    if choice == "bf16" and device.type == "cuda" and not caps.bf16:
+        raise DeviceError(f"--precision bf16: {caps.name} does not support bfloat16; use fp16 or auto")
+    if choice == "fp32":
+        return Precision()
+    return Precision(name=choice, autocast=_DTYPES[choice], scaler=choice == "fp16")
+
+
+@dataclass(frozen=True, kw_only=True)
+class StepMemory:
+    """Peak bytes of one training step, as measured: a fixed part and a part per sample."""
+
+    fixed: int  # gradients, optimizer state, workspace (the weights are already allocated)
+    per_sample: int  # activations per sequence of the micro-batch
+
+
+def step_memory(peak_one: int, peak_two: int, optimizer_bytes: int) -> StepMemory:
+    """From the added peaks of steps on 1 and 2 samples (optimizer state not yet allocated in either)."""
+    per_sample = max(1, peak_two - peak_one)
+    return StepMemory(fixed=max(0, peak_one - per_sample) + optimizer_bytes, per_sample=per_sample)
+
+
+def fit_grad_accum(batch_size: int, free_bytes: int, memory: StepMemory, headroom: float = 0.8) -> int:
+    """The fewest micro-batches the run's batch splits into so that one fits in `headroom` of free memory.
+
+    DeviceError if not even one sample per micro-batch fits.
+    """
+    budget = headroom * free_bytes - memory.fixed
+    fits = int(budget // memory.per_sample) if budget > 0 else 0
+    if fits < 1:
+        raise DeviceError(
+            f"one sample needs {(memory.fixed + memory.per_sample) / 2**30:.2f} GiB but only "
+            f"{free_bytes / 2**30:.2f} GiB is free: use a smaller model or free the card"
+        )
+    return math.ceil(batch_size / min(fits, batch_size))
+
+
+def split_batch(batch_size: int, grad_accum: int) -> list[int]:
+    """Micro-batch sizes (as even as possible, largest first) that add up to `batch_size`."""
+    if not 1 <= grad_accum <= batch_size:
+        raise DeviceError(f"--grad-accum must be between 1 and the run's batch size {batch_size}, got {grad_accum}")
+    base, extra = divmod(batch_size, grad_accum)
+    return [base + 1] * extra + [base] * (grad_accum - extra)
+
+
+@dataclass(frozen=True, kw_only=True)
+class DeviceConfig:
+    """What the user asked for on the command line. Without grad_accum or micro_batch the peer chooses."""
+
+    device: str = "cpu"
+    precision: str = "auto"
+    grad_accum: int | None = None  # micro-batches per inner step
+    micro_batch: int | None = None  # or: sequences per forward pass
+
+    def __post_init__(self) -> None:
+        if self.device not in DEVICES:
+            raise DeviceError(f"unknown device {self.device!r}; choose one of: {', '.join(DEVICES)}")
+        if self.precision not in PRECISIONS:
+            raise DeviceError(f"unknown precision {self.precision!r}; choose one of: {', '.join(PRECISIONS)}")
+        if self.grad_accum is not None and self.micro_batch is not None:
+            raise DeviceError("give --grad-accum or --batch-size, not both")
+        for flag, value in (("--grad-accum", self.grad_accum), ("--batch-size", self.micro_batch)):
+            if value is not None and value < 1:
+                raise DeviceError(f"{flag} must be at least 1, got {value}")
+
+
+def add_device_flags(parser: argparse.ArgumentParser, *, batching: bool) -> None:
+    group = parser.add_argument_group("device")
+    group.add_argument("--device", choices=DEVICES, default="auto", help="auto: CUDA if available (default: auto)")
+    group.add_argument("--precision", choices=PRECISIONS, default="auto",
+                       help="auto: bf16 on CUDA if supported, else fp16 with a grad scaler; fp32 on CPU")  # fmt: skip
+    if batching:
+        group.add_argument("--batch-size", type=int, metavar="B", dest="micro_batch",
+                           help="sequences per forward pass; the run's batch size is reached by accumulation "
+                           "(default: fit the card's free memory)")  # fmt: skip
+        group.add_argument("--grad-accum", type=int, metavar="N", help="micro-batches per inner step")
+
+
+def device_config(args: argparse.Namespace) -> DeviceConfig:
+    return DeviceConfig(
+        device=args.device, precision=args.precision,
+        grad_accum=getattr(args, "grad_accum", None), micro_batch=getattr(args, "micro_batch", None),
+    )  # fmt: skip
+
+
+@dataclass(frozen=True, kw_only=True)
+class Runtime:
+    """The resolved choice a trainer computes with."""
+
+    device: torch.device = torch.device("cpu")
+    precision: Precision = Precision()
+    grad_accum: int | None = None  # None (and no micro_batch): 1 on the CPU, measured on CUDA
+    micro_batch: int | None = None
+
+    @classmethod
+    def resolve(cls, config: DeviceConfig, caps: Capabilities | None = None) -> Runtime:
+        caps = caps if caps is not None else capabilities()
+        device = resolve_device(config.device, caps)
+        precision = choose_precision(config.precision, device, caps)
+        return cls(device=device, precision=precision, grad_accum=config.grad_accum, micro_batch=config.micro_batch)
+
+    def accumulation(self, batch_size: int) -> int | None:
+        """Micro-batches per inner step as the user asked, or None if the peer is to choose."""
+        if self.micro_batch is not None:
+            return math.ceil(batch_size / min(self.micro_batch, batch_size))
+        return None if self.grad_accum is None else min(self.grad_accum, batch_size)
+
+    @property
+    def pin_memory(self) -> bool:
+        """Pinned host memory makes host-to-card copies asynchronous; only CUDA has it."""
+        return self.device.type == "cuda"
+
+    def describe(self) -> str:
+        return f"{self.device.type}, {self.precision.name}" + (" with grad scaler" if self.precision.scaler else "")
+
+
+def probe_step_memory(step, sample_batch) -> tuple[int, int]:
+    """Peak CUDA bytes that `step(batch)` adds on 1 and on 2 samples of `sample_batch` (CUDA only).
+
+    Relative to what is allocated before (the weights), which `mem_get_info` already counts as used.
+    """
+    torch.cuda.synchronize()
+    baseline = torch.cuda.memory_allocated()
+    peaks = []
+    for n in (1, 2):
+        torch.cuda.reset_peak_memory_stats()
+        step(tuple(t[:n] for t in sample_batch))
+        torch.cuda.synchronize()
+        peaks.append(torch.cuda.max_memory_allocated() - baseline)
+    return peaks[0], peaks[1]

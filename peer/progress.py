@@ -1,0 +1,82 @@
+"""A joined peer's live progress: one line, rewritten in place on a terminal.
+
+`render_progress` is a pure function of a `Progress` snapshot, so what a volunteer sees is tested
+without a network; `ProgressLine` decides where and how often it goes to the screen.
+"""
+
+from __future__ import annotations
+
+import sys
+import time
+from dataclasses import dataclass
+from typing import TextIO
+
+
+@dataclass(frozen=True, kw_only=True)
+class Progress:
+    round: int
+    step: int
+    loss: float
+    eval_loss: float
+    samples_per_second: float
+    peers_seen: int  # live peers in the run's announcements, this one included
+    exchanges_ok: int
+    exchanges_failed: int
+    partner: str | None  # partner of the last successful exchange, None before the first
+    seconds_since_exchange: float | None
+    bytes_sent: int
+    bytes_received: int
+
+
+def _bytes(n: int) -> str:
+    for unit, size in (("GB", 1e9), ("MB", 1e6), ("kB", 1e3)):
+        if n >= size:
+            return f"{n / size:.1f} {unit}"
+    return f"{n} B"
+
+
+def render_progress(p: Progress) -> str:
+    """One line: step, losses, throughput, peers, the last exchange and its partner, traffic."""
+    if p.partner is None:
+        last = "no exchange yet"
+    else:
+        ago = f" {p.seconds_since_exchange:.0f}s ago" if p.seconds_since_exchange is not None else ""
+        last = f"last exchange with {p.partner[-8:]}{ago}"
+    return (
+        f"round {p.round} step {p.step} | loss {p.loss:.3f} eval {p.eval_loss:.3f} | "
+        f"{p.samples_per_second:.1f} samples/s | {p.peers_seen} peer{'s' * (p.peers_seen != 1)} seen | "
+        f"exchanges {p.exchanges_ok} ok / {p.exchanges_failed} failed, {last} | "
+        f"sent {_bytes(p.bytes_sent)} received {_bytes(p.bytes_received)}"
+    )
+
+
+class ProgressLine:
+    """On a terminal, one line rewritten every round; otherwise a line every `every` rounds (for logs)."""
+
+    def __init__(self, every: int, stream: TextIO | None = None) -> None:
+        self.stream = stream or sys.stdout
+        self.every = every
+        self.live = self.stream.isatty()
+        self._last_partner: tuple[str, float] | None = None
+
+    def exchanged(self, partner: str | None) -> None:
+        if partner is not None:
+            self._last_partner = (partner, time.monotonic())
+
+    def last_exchange(self) -> tuple[str | None, float | None]:
+        if self._last_partner is None:
+            return None, None
+        partner, at = self._last_partner
+        return partner, time.monotonic() - at
+
+    def show(self, progress: Progress) -> None:
+        if self.live:
+            self.stream.write("\r\033[K" + render_progress(progress))
+        elif progress.round % self.every == 0:
+            self.stream.write(render_progress(progress) + "\n")
+        self.stream.flush()
+
+    def close(self) -> None:
+        if self.live:
+            self.stream.write("\n")
+            self.stream.flush()

@@ -1,0 +1,175 @@
+"""What a peer trains: a model, its inner optimizer, and its batches, built-in or the researcher's own.
+
+A `Workload` is any `torch.nn.Module` whose `forward(*batch)` returns the loss (or a tuple whose
+last element is the loss), an optimizer factory, and two batch sources: an endless training stream
+per data seed and a fixed held-out set that is the same on every peer.
+
+A researcher's own code comes in as import paths (`pkg.module:function`) typed on the local
+command line or passed as callables to the Python API (`peer.api`). The run config names the
+model by the same path, so every peer of a run agrees on it, but that name is only ever compared,
+never imported: a peer imports only what its own user asked for.
+
+    build_model()                                   -> nn.Module (called under the run's seed)
+    build_batches(split, *, seed, batch_size)       -> iterator of batches (tuples of tensors);
+                                                       split is "train" (endless, per seed) or "eval"
+"""
+
+from __future__ import annotations
+
+import argparse
+import importlib
+import itertools
+from collections.abc import Callable, Iterable, Iterator
+from dataclasses import dataclass
+from typing import Any, Protocol
+
+import torch
+from torch import Tensor, nn
+
+from peer.config import TrainConfig, is_spec
+from peer.data import Corpus, DataConfig, batches, eval_batches, load_corpus
+from peer.model import MODELS, build_model
+
+Batch = tuple[Tensor, ...]
+OptimizerFactory = Callable[[Iterable[nn.Parameter]], torch.optim.Optimizer]
+
+
+class WorkloadError(ValueError):
+    """A model or data spec that cannot be used; str(e) is one line."""
+
+
+def resolve(spec: str, what: str) -> Callable[..., Any]:
+    """Import `pkg.module:function` from the local command line; WorkloadError (one line) if unusable."""
+    if not is_spec(spec):
+        raise WorkloadError(f"--{what} {spec!r} is not of the form pkg.module:function")
+    module_name, attribute = spec.split(":")
+    try:
+        module = importlib.import_module(module_name)
+    except Exception as e:  # an ImportError, or whatever the module raised while importing
+        raise WorkloadError(f"--{what} {spec}: cannot import {module_name}: {' '.join(str(e).split())}") from None
+    function = getattr(module, attribute, None)
+    if not callable(function):
+        raise WorkloadError(f"--{what} {spec}: {module_name} has no callable {attribute!r}")
+    return function
+
+
+def spec_of(function: Callable[..., Any]) -> str:
+    """The import path that names a callable, as the run config records it."""
+    return f"{function.__module__}:{function.__qualname__}"
+
+
+def default_optimizer(config: TrainConfig) -> OptimizerFactory:
+    """AdamW with the run's learning rate and weight decay (the DiLoCo inner optimizer)."""
+    return lambda params: torch.optim.AdamW(
+        params, lr=config.inner_lr, weight_decay=config.weight_decay, betas=(0.9, 0.95)
+    )
+
+
+@dataclass(kw_only=True)
+class Workload:
+    model: nn.Module
+    optimizer: OptimizerFactory
+    train: Callable[[int, int], Iterator[Batch]]  # (data seed, batch size) -> endless training batches
+    eval_set: list[Batch]
+
+    def stream(self, *, seed: int, batch_size: int, skip: int) -> Iterator[Batch]:
+        """The training stream of `seed`, after `skip` batches (a resumed peer continues where it was)."""
+        stream = self.train(seed, batch_size)
+        return itertools.islice(stream, skip, None) if skip else stream
+
+
+def builtin(config: TrainConfig, corpus: Corpus) -> Workload:
+    """The registry's byte-level GPT on the standard library's source."""
+    model = build_model(config.model, seed=config.seed)
+    block = model.config.block_size
+    return Workload(
+        model=model,
+        optimizer=default_optimizer(config),
+        train=lambda seed, batch_size: batches(corpus.train, batch_size=batch_size, block_size=block, seed=seed),
+        eval_set=eval_batches(corpus.heldout, batch_size=config.batch_size, block_size=block,
+                              n_batches=config.eval_batches),
+    )  # fmt: skip
+
+
+def custom(
+    config: TrainConfig,
+    build: Callable[[], nn.Module],
+    build_batches: Callable[..., Iterable[Batch]],
+    optimizer: OptimizerFactory | None = None,
+) -> Workload:
+    """A researcher's model and batches; the model is built under the run's seed, so every peer starts equal."""
+    if isinstance(build, nn.Module):
+        raise WorkloadError("pass a function that builds the model, not a model: every peer builds its own")
+    with torch.random.fork_rng(devices=[]):
+        torch.manual_seed(config.seed)
+        model = build()
+    if not isinstance(model, nn.Module):
+        raise WorkloadError(f"the model builder returned {type(model).__name__}, not a torch.nn.Module")
+    eval_set = list(itertools.islice(build_batches("eval", seed=0, batch_size=config.batch_size), config.eval_batches))
+    if not eval_set:
+        raise WorkloadError("the batch builder gave no 'eval' batches")
+    return Workload(
+        model=model,
+        optimizer=optimizer or default_optimizer(config),
+        train=lambda seed, batch_size: iter(build_batches("train", seed=seed, batch_size=batch_size)),
+        eval_set=eval_set,
+    )
+
+
+def add_workload_flags(parser: argparse.ArgumentParser) -> None:
+    group = parser.add_argument_group("a researcher's own model and data (imported from this machine only)")
+    group.add_argument("--model", metavar="PKG.MODULE:FUNCTION", help="builds the run's model: build_model() -> Module")
+    group.add_argument("--data", metavar="PKG.MODULE:FUNCTION",
+                       help="batches: build_batches(split, *, seed, batch_size) -> iterator of tuples")  # fmt: skip
+
+
+class WorkloadSource(Protocol):
+    def build(self, config: TrainConfig) -> Workload:
+        """The workload to train under the run's config; WorkloadError if it does not fit the run."""
+        ...
+
+
+@dataclass(frozen=True, kw_only=True)
+class WorkloadSpec:
+    """`--model` and `--data` as typed on this peer's command line (None: the built-in ones)."""
+
+    model: str | None = None
+    data: str | None = None
+
+    def __post_init__(self) -> None:
+        for what in ("model", "data"):
+            value = getattr(self, what)
+            if value is not None and not is_spec(value) and not (what == "model" and value in MODELS):
+                raise WorkloadError(f"--{what} {value!r} is not of the form pkg.module:function")
+
+    def check_run(self, config: TrainConfig) -> None:
+        """The run's model must be the one this peer was told to build (compared, never imported)."""
+        if is_spec(config.model) and self.model is None:
+            raise WorkloadError(f"run trains a custom model: pass --model {config.model} (and its --data) to join it")
+        if self.model is not None and self.model != config.model:
+            raise WorkloadError(f"--model {self.model} does not match the run's model {config.model}")
+        if is_spec(config.model) and self.data is None:
+            raise WorkloadError(f"run trains a custom model {config.model}: pass --data pkg.module:build_batches")
+
+    def build(self, config: TrainConfig) -> Workload:
+        self.check_run(config)
+        if self.data is None:
+            return builtin(config, load_corpus(DataConfig(heldout_fraction=config.heldout_fraction)))
+        build = resolve(self.model, "model") if is_spec(config.model) else None
+        if build is None:  # a registry model on the researcher's data
+            return custom(config, lambda: build_model(config.model, seed=config.seed), resolve(self.data, "data"))
+        return custom(config, build, resolve(self.data, "data"))
+
+
+@dataclass(frozen=True)
+class Callables:
+    """A workload source from Python callables (what `--model`/`--data` resolve to on the command line)."""
+
+    build_model: Callable[[], nn.Module]
+    build_batches: Callable[..., Iterable[Batch]]
+    optimizer: OptimizerFactory | None = None
+
+    def build(self, config: TrainConfig) -> Workload:
+        if config.model != spec_of(self.build_model):
+            raise WorkloadError(f"run trains {config.model}, not {spec_of(self.build_model)}")
+        return custom(config, self.build_model, self.build_batches, self.optimizer)

@@ -1,0 +1,135 @@
+"""A researcher's own model: import specs, workload checks, and the README's Python API example on real peers."""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import signal
+import uuid
+
+import pytest
+import torch
+
+from averaging.partners import DHTPartners
+from dht.records import PROTOCOL_VERSION, Announcement, PeerState
+from examples import tiny_mlp
+from peer.api import Peer, Swarm
+from peer.cli import main
+from peer.config import ConfigError, TrainConfig
+from peer.trainer import Trainer
+from peer.workload import Callables, WorkloadError, WorkloadSpec, custom, resolve, spec_of
+
+MODEL, DATA = "examples.tiny_mlp:build_model", "examples.tiny_mlp:build_batches"
+CUSTOM = TrainConfig(model=MODEL, batch_size=8, inner_steps=5, warmup_steps=0, eval_batches=2)
+
+
+def test_specs_resolve_from_the_local_command_line() -> None:
+    assert resolve(MODEL, "model") is tiny_mlp.build_model
+    assert spec_of(tiny_mlp.build_model) == MODEL
+
+
+@pytest.mark.parametrize(
+    ("spec", "needle"),
+    [
+        ("examples.no_such_module:f", "cannot import examples.no_such_module: No module named"),
+        ("examples.tiny_mlp:no_such_function", "has no callable 'no_such_function'"),
+        ("examples.tiny_mlp:FEATURES", "has no callable 'FEATURES'"),
+        ("os.system", "is not of the form pkg.module:function"),
+    ],
+)
+def test_unresolvable_specs_are_one_line_errors(spec: str, needle: str) -> None:
+    with pytest.raises(WorkloadError, match=needle) as info:
+        resolve(spec, "model")
+    assert "\n" not in str(info.value)
+
+
+def test_the_run_names_the_model_and_the_peer_must_match() -> None:
+    """The run config's model path is only compared with what this peer's user typed, never imported."""
+    hostile = TrainConfig(model="os:system")  # a valid-looking path from the network: never imported
+    with pytest.raises(WorkloadError, match="run trains a custom model: pass --model os:system"):
+        WorkloadSpec().build(hostile)
+    with pytest.raises(WorkloadError, match="does not match the run's model os:system"):
+        WorkloadSpec(model=MODEL, data=DATA).build(hostile)
+    with pytest.raises(WorkloadError, match="pass --data"):
+        WorkloadSpec(model=MODEL).build(CUSTOM)
+    with pytest.raises(WorkloadError, match="run trains examples.tiny_mlp:build_model, not"):
+        Callables(tiny_mlp.Regressor, tiny_mlp.build_batches).build(CUSTOM)
+    with pytest.raises(ConfigError, match="unknown model"):
+        TrainConfig(model="rm -rf /")
+
+
+def test_a_custom_workload_trains_with_its_own_optimizer() -> None:
+    workload = WorkloadSpec(model=MODEL, data=DATA).build(CUSTOM)
+    again = custom(CUSTOM, tiny_mlp.build_model, tiny_mlp.build_batches)
+    for p, q in zip(workload.model.parameters(), again.model.parameters(), strict=True):
+        assert torch.equal(p, q)  # built under the run's seed: every peer starts equal
+    sgd = Callables(tiny_mlp.build_model, tiny_mlp.build_batches, lambda ps: torch.optim.SGD(ps, lr=0.05))
+    trainer = Trainer(CUSTOM, sgd.build(CUSTOM), data_seed=3)
+    assert isinstance(trainer.inner, torch.optim.SGD)
+    before = trainer.evaluate()
+    trainer.inner_phase()
+    assert trainer.inner.param_groups[0]["lr"] == 0.05  # its own learning rate, not the run's inner_lr
+    assert trainer.evaluate() < before
+
+
+@pytest.mark.slow
+def test_readme_example_trains_two_real_peers_one_in_client_mode(capsys: pytest.CaptureFixture[str]) -> None:
+    reports = tiny_mlp.main(duration=6.0, run=f"api-{uuid.uuid4().hex[:8]}")
+    progress = capsys.readouterr().out.splitlines()
+    assert progress and all(" | 2 peers seen | " in line for line in progress), progress  # peer 0's live line
+    assert all(r is not None for r in reports)
+    for report in reports:
+        assert report.final_eval_loss < 0.5 * report.initial_eval_loss
+        assert report.exchanges_ok >= 1 and report.exchanges_failed == 0
+    # the client-mode peer is never dialled, so every exchange was one it started with the other peer
+    assert reports[0].exchanges_ok == reports[1].exchanges_ok
+
+
+def test_a_client_mode_peer_is_never_picked_as_a_partner() -> None:
+    """Its announcement says client mode, so others leave it out; it still asks them."""
+    ids = ["QmNnooDu7bfjPFoTZYxMNLWUQJyrVwtbZg5gBMjTezGAJN", "12D3KooWD3eckifWpRn9wQpMG9R9hX3sD158z7EqHWmweQAJU5SA"]
+
+    class Records:  # the one method DHTPartners reads
+        async def a_peers(self) -> dict[str, Announcement]:
+            return {
+                pid: Announcement(peer_id=pid, addresses=[f"/ip4/127.0.0.1/tcp/1/p2p/{pid}"], step=0,
+                                  samples_per_second=1.0, state=PeerState.READY, client_mode=i == 1)
+                for i, pid in enumerate(ids)
+            }  # fmt: skip
+
+    def candidates(me: str) -> list[str]:
+        return asyncio.run(DHTPartners(Records(), self_id=me, version=PROTOCOL_VERSION).candidates())
+
+    assert candidates(ids[0]) == []  # the other one is in client mode
+    assert candidates(ids[1]) == [ids[0]]  # the client-mode peer asks the first
+
+
+@pytest.fixture(scope="module")
+def custom_run():
+    """A bootstrap node whose run trains the example's model."""
+    run = f"custom-{uuid.uuid4().hex[:8]}"
+    saved = {sig: signal.getsignal(sig) for sig in (signal.SIGINT, signal.SIGTERM)}  # main() installs its own
+    with Swarm(run, CUSTOM.with_overrides(inner_steps=10)) as swarm:
+        yield run, swarm.initial_peers
+    for sig, handler in saved.items():
+        signal.signal(sig, handler)
+
+
+@pytest.mark.slow
+def test_join_runs_a_custom_model_named_on_the_command_line(custom_run, tmp_path, capsys) -> None:
+    run, initial_peers = custom_run
+    join = ["join", "--initial-peers", *initial_peers, "--run", run, "--device", "cpu", "--quiet"]
+    assert main([*join, "--model", MODEL, "--data", DATA, "--duration", "3", "--out-dir", str(tmp_path)]) == 0
+    assert "eval loss" in capsys.readouterr().out
+    assert json.loads((tmp_path / "report.json").read_text())["steps"] >= 10
+
+    assert main(join) == 1
+    err = capsys.readouterr().err
+    assert err == f"murmur join: error: run trains a custom model: pass --model {MODEL} (and its --data) to join it\n"
+    assert main([*join, "--model", "examples.tiny_mlp:Regressor", "--data", DATA]) == 1
+    assert "does not match the run's model" in capsys.readouterr().err
+
+
+def test_a_peer_needs_both_builders_or_neither() -> None:
+    with pytest.raises(WorkloadError, match="give both build_model and build_batches"):
+        Peer(tiny_mlp.build_model, run="r", initial_peers=[])

@@ -1,0 +1,219 @@
+"""Device, precision and memory fitting: pure choices checked on CPU, the CUDA paths where a GPU exists."""
+
+from __future__ import annotations
+
+import importlib.util
+from pathlib import Path
+
+import pytest
+import torch
+
+from averaging.compression import LowRankCompressor, LowRankConfig, PairRound, plan
+from peer.checkpoint import CheckpointError
+from peer.config import TrainConfig
+from peer.data import Corpus
+from peer.device import (
+    Capabilities,
+    DeviceConfig,
+    DeviceError,
+    Runtime,
+    StepMemory,
+    choose_precision,
+    fit_grad_accum,
+    resolve_device,
+    split_batch,
+    step_memory,
+)
+from peer.trainer import Trainer
+
+CPU, CUDA = torch.device("cpu"), torch.device("cuda")
+NO_GPU = Capabilities()
+AMPERE = Capabilities(cuda=True, bf16=True, name="A100", free_bytes=40 * 2**30)
+TURING = Capabilities(cuda=True, bf16=False, name="RTX 2080", free_bytes=8 * 2**30)
+CONFIG = TrainConfig(inner_steps=3, batch_size=8, warmup_steps=0, eval_batches=2)
+needs_cuda = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
+
+
+@pytest.fixture(scope="module")
+def corpus() -> Corpus:
+    g = torch.Generator().manual_seed(0)
+    return Corpus(
+        train=torch.randint(97, 123, (20_000,), generator=g, dtype=torch.uint8),
+        heldout=torch.randint(97, 123, (4_000,), generator=g, dtype=torch.uint8),
+        train_files=1,
+        heldout_files=1,
+    )
+
+
+@pytest.mark.parametrize(
+    ("choice", "caps", "expected"),
+    [("auto", NO_GPU, CPU), ("auto", AMPERE, CUDA), ("cpu", AMPERE, CPU), ("cuda", TURING, CUDA)],
+)
+def test_resolve_device(choice, caps, expected) -> None:
+    assert resolve_device(choice, caps) == expected
+
+
+def test_cuda_without_a_gpu_is_a_one_line_error() -> None:
+    with pytest.raises(DeviceError, match="no CUDA device") as info:
+        resolve_device("cuda", NO_GPU)
+    assert "\n" not in str(info.value)
+
+
+@pytest.mark.parametrize(
+    ("choice", "device", "caps", "expected"),
+    [
+        ("auto", CPU, NO_GPU, ("fp32", None, False)),
+        ("auto", CUDA, AMPERE, ("bf16", torch.bfloat16, False)),
+        ("auto", CUDA, TURING, ("fp16", torch.float16, True)),
+        ("fp32", CUDA, AMPERE, ("fp32", None, False)),
+        ("fp16", CUDA, AMPERE, ("fp16", torch.float16, True)),
+        ("bf16", CPU, NO_GPU, ("bf16", torch.bfloat16, False)),
+    ],
+)
+def test_choose_precision(choice, device, caps, expected) -> None:
+    p = choose_precision(choice, device, caps)
+    assert (p.name, p.autocast, p.scaler) == expected
+
+
+def test_bf16_on_a_card_without_it_is_refused() -> None:
+    with pytest.raises(DeviceError, match="RTX 2080 does not support bfloat16"):
+        choose_precision("bf16", CUDA, TURING)
+
+
+def test_memory_fitting_arithmetic() -> None:
+    memory = step_memory(peak_one=1_100, peak_two=1_200, optimizer_bytes=500)  # 100 per sample, 1000 fixed
+    assert memory == StepMemory(fixed=1_500, per_sample=100)
+    # 0.8 * 5000 - 1500 = 2500 bytes: 25 samples fit, so a batch of 16 needs no split, 64 needs 3
+    assert fit_grad_accum(16, 5_000, memory) == 1
+    assert fit_grad_accum(64, 5_000, memory) == 3
+    assert fit_grad_accum(64, 2_000, memory) == 64  # room for 1 sample
+    with pytest.raises(DeviceError, match="only 0.00 GiB is free"):
+        fit_grad_accum(64, 1_000, memory)
+
+
+def test_split_batch_covers_the_batch_evenly() -> None:
+    assert split_batch(16, 1) == [16]
+    assert split_batch(10, 3) == [4, 3, 3]
+    assert sum(split_batch(17, 5)) == 17
+    with pytest.raises(DeviceError):
+        split_batch(4, 5)
+
+
+def test_user_overrides_win() -> None:
+    assert Runtime.resolve(DeviceConfig(grad_accum=3), NO_GPU).accumulation(16) == 3
+    assert Runtime.resolve(DeviceConfig(micro_batch=5), NO_GPU).accumulation(16) == 4
+    assert Runtime.resolve(DeviceConfig(), NO_GPU).accumulation(16) is None
+    with pytest.raises(DeviceError, match="not both"):
+        DeviceConfig(grad_accum=2, micro_batch=4)
+    with pytest.raises(DeviceError, match="at least 1"):
+        DeviceConfig(grad_accum=0)
+
+
+def test_accumulation_keeps_the_run_batch_size(corpus) -> None:
+    """Four micro-batches give the gradient of the whole batch (up to float rounding), and count its samples."""
+    whole = Trainer(CONFIG, corpus, data_seed=1)
+    split = Trainer(CONFIG, corpus, data_seed=1, runtime=Runtime(grad_accum=4))
+    batch = next(whole.batches)
+    assert whole._accumulate(batch) == pytest.approx(split._accumulate(batch), rel=1e-6)
+    for (name, p), q in zip(whole.model.named_parameters(), split.model.parameters(), strict=True):
+        assert p.grad.abs().max() > 0 and torch.allclose(p.grad, q.grad, rtol=1e-4, atol=1e-7), name
+    split.config = CONFIG.with_overrides(inner_steps=1)
+    split.inner_phase()
+    assert split.samples == CONFIG.batch_size
+
+
+def test_bf16_autocast_trains_on_cpu(corpus) -> None:
+    runtime = Runtime.resolve(DeviceConfig(device="cpu", precision="bf16"), NO_GPU)
+    trainer = Trainer(CONFIG.with_overrides(inner_steps=6, inner_lr=1e-2), corpus, data_seed=1, runtime=runtime)
+    assert trainer.scaler is None
+    before = trainer.evaluate()
+    trainer.inner_phase()
+    assert all(p.dtype == torch.float32 for p in trainer.model.parameters())  # autocast, not a cast model
+    assert trainer.evaluate() < before - 0.3
+
+
+def test_fp16_steps_through_the_grad_scaler(corpus) -> None:
+    """fp16 on the CPU is slow, so one step: it goes through the scaler and is taken, not skipped as on overflow."""
+    runtime = Runtime.resolve(DeviceConfig(device="cpu", precision="fp16"), NO_GPU)
+    trainer = Trainer(CONFIG.with_overrides(inner_steps=1), corpus, data_seed=1, runtime=runtime)
+    assert trainer.scaler is not None
+    trainer.inner_phase()
+    moved = [(p - trainer.outer.anchor[n]).abs().max().item() for n, p in trainer.model.named_parameters()]
+    assert max(moved) == pytest.approx(CONFIG.inner_lr, rel=0.05)  # AdamW's first step: lr·sign(g)
+
+
+def test_fit_memory_uses_the_measured_peaks(corpus) -> None:
+    trainer = Trainer(CONFIG.with_overrides(batch_size=64), corpus, data_seed=1)
+    dense = trainer.dense_model_bytes
+    free = int((3 * dense + 10 * 1_000) / 0.8)  # gradients + moments, and room for 10 samples of 1000 bytes
+    assert trainer.fit_memory(free, measure=lambda: (dense + 1_000, dense + 2_000)) == 7  # ceil(64 / 10)
+    told = Trainer(CONFIG, corpus, data_seed=1, runtime=Runtime(grad_accum=2))
+    assert told.fit_memory(1, measure=lambda: pytest.fail("a user's choice is not measured")) == 2
+
+
+@needs_cuda
+def test_cuda_trainer_fits_memory_and_compresses_on_the_card(corpus) -> None:
+    runtime = Runtime.resolve(DeviceConfig(device="cuda"))
+    trainer = Trainer.fitted(CONFIG, corpus, data_seed=1, runtime=runtime)
+    assert trainer.grad_accum >= 1 and next(trainer.model.parameters()).is_cuda
+    trainer.inner_phase()
+    offer = trainer.outer.offer()
+    slots = plan(trainer.outer.shapes, 4)
+    name = next(n for n, s in slots.items() if not s.dense)
+    factors = LowRankCompressor(LowRankConfig(rank=4)).compress(slots[name], offer.tensors[name])
+    assert factors["p"].is_cuda and factors["q"].is_cuda
+
+
+def wire(factors: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
+    return {name: t.cpu() for name, t in factors.items()}  # as decoded off the wire
+
+
+@needs_cuda
+def test_a_pair_round_on_the_card_takes_the_partners_factors_off_the_wire() -> None:
+    """Factors arrive on the CPU; each side computes where its tensors live, and both agree."""
+    g = torch.Generator().manual_seed(0)
+    tensors = [{"w": torch.randn(32, 24, generator=g), "b": torch.randn(24, generator=g)} for _ in range(2)]
+    compressor = LowRankCompressor(LowRankConfig(rank=4))
+    slots, modes = plan({"w": (32, 24), "b": (24,)}, 4), {"w": "mean", "b": "mean"}
+    q_init = PairRound.request_factors(compressor, slots)
+    cuda = PairRound(compressor, slots, {n: t.cuda() for n, t in tensors[0].items()}, modes, q_init, initiator=True)
+    cpu = PairRound(LowRankCompressor(LowRankConfig(rank=4)), slots, tensors[1], modes, q_init, initiator=False)
+    one_a, one_b = cuda.phase1(), cpu.phase1()
+    assert one_a["w"].is_cuda
+    two_a, two_b = cuda.phase2(wire(one_b)), cpu.phase2(wire(one_a))
+    out_a, out_b = cuda.finish(wire(two_b)), cpu.finish(wire(two_a))
+    for name in ("w", "b"):
+        assert out_a[name].mean.is_cuda
+        assert torch.allclose(out_a[name].mean.cpu(), out_b[name].mean, atol=1e-5), name
+
+
+@pytest.mark.skipif(torch.cuda.is_available(), reason="checks the message of a machine without CUDA")
+def test_gpu_check_says_in_one_line_that_there_is_no_cuda(tmp_path, capsys) -> None:
+    path = Path(__file__).resolve().parent.parent / "scripts" / "gpu_check.py"
+    spec = importlib.util.spec_from_file_location("gpu_check", path)
+    gpu_check = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(gpu_check)
+    out = tmp_path / "gpu_check.json"
+    assert gpu_check.main(["--duration", "1", "--out", str(out)]) == 1 and not out.exists()
+    err = capsys.readouterr().err
+    assert err.startswith("gpu_check: no CUDA device (torch ") and len(err.splitlines()) == 1
+
+
+def test_the_fp16_grad_scaler_is_checkpointed_and_checked(corpus) -> None:
+    runtime = Runtime.resolve(DeviceConfig(device="cpu", precision="fp16"), NO_GPU)
+    config = CONFIG.with_overrides(inner_steps=1)
+    a = Trainer(config, corpus, data_seed=1, runtime=runtime)
+    a.inner_phase()
+    a.scaler.update(new_scale=1024.0)  # a scale a fresh scaler would not have
+    state = a.state_dict()
+    bad = state | {"scaler": state["scaler"] | {"scale": float("nan")}}
+    b = Trainer(config, corpus, data_seed=1, runtime=runtime)
+    with pytest.raises(CheckpointError, match="grad scaler scale"):
+        b.load_state_dict(bad)
+    assert b.steps == 0 and b.scaler.get_scale() == 65536.0  # nothing changed
+    b.load_state_dict(state)
+    assert b.scaler.state_dict() == a.scaler.state_dict() and b.scaler.get_scale() == 1024.0
+    fp32 = Trainer(config, corpus, data_seed=1)
+    assert "scaler" not in fp32.state_dict()
+    b.load_state_dict(fp32.state_dict())  # a checkpoint without a scaler keeps b's own
+    assert b.scaler.get_scale() == 1024.0

@@ -1,0 +1,35 @@
+"""The live progress line of a joined peer: a pure render function, and where it is written."""
+
+from __future__ import annotations
+
+import io
+
+from peer.progress import Progress, ProgressLine, render_progress
+
+SNAPSHOT = Progress(
+    round=12, step=240, loss=2.3456, eval_loss=2.5, samples_per_second=81.25, peers_seen=3, exchanges_ok=9,
+    exchanges_failed=1, partner="12D3KooWD3eckifWpRn9wQpMG9R9hX3sD158z7EqHWmweQAJU5SA", seconds_since_exchange=4.2,
+    bytes_sent=1_234_567, bytes_received=987,
+)  # fmt: skip
+
+
+def test_render_shows_every_field() -> None:
+    assert render_progress(SNAPSHOT) == (
+        "round 12 step 240 | loss 2.346 eval 2.500 | 81.2 samples/s | 3 peers seen | "
+        "exchanges 9 ok / 1 failed, last exchange with eQAJU5SA 4s ago | sent 1.2 MB received 987 B"
+    )
+
+
+def test_render_before_any_exchange() -> None:
+    line = render_progress(Progress(**{**SNAPSHOT.__dict__, "partner": None, "peers_seen": 1, "exchanges_ok": 0}))
+    assert "no exchange yet" in line and "1 peer seen" in line
+
+
+def test_a_log_gets_a_line_every_few_rounds() -> None:
+    out = io.StringIO()
+    progress = ProgressLine(every=5, stream=out)
+    for r in range(1, 11):
+        progress.show(Progress(**{**SNAPSHOT.__dict__, "round": r}))
+    progress.close()
+    lines = out.getvalue().splitlines()
+    assert [line.split()[1] for line in lines] == ["5", "10"]
