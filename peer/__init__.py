@@ -5,6 +5,7 @@
 * ``data``      the Python standard library's own source as text, split by file; batches and eval sets
 * ``trainer``   ``Trainer``: the inner AdamW loop, evaluation, and compute-time accounting
 * ``outer``     ``OuterOptimizer``: what a round offers, and the outer Nesterov step with consensus
+* ``state``     state download on join: what a joiner takes (anchor, momentum, step counters) and ``StateSharing``
 * ``checkpoint`` checkpoint files: atomic writes, a header with a sha256, weights-only loads, fallback
 * ``runner``    ``VolunteerPeer``: a peer on the real network (DHT node, P2P, heartbeat, rounds, report)
 * ``metrics``   the per-round metrics log, ``PeerReport`` / ``SwarmReport``, the consensus distance

@@ -7,7 +7,8 @@ per round), `report.json` and `anchor.pt` (the final model, for the consensus di
 
 Every `checkpoint_every` rounds, and once more when it stops cleanly, a peer checkpoints its trainer
 and its compressor's warm starts (`peer.checkpoint`); with `resume` it starts from the newest usable
-checkpoint of its run, or from the run's initial model if there is none.
+checkpoint of its run. Without one, before it announces itself, it downloads a live peer's state
+(`peer.state`), or starts from the run's initial model if no live peer has one or every donor fails.
 """
 
 from __future__ import annotations
@@ -25,6 +26,7 @@ import torch
 from averaging.compression import LowRankCompressor, plan
 from averaging.partners import DHTPartners
 from averaging.protocol import ExchangeConfig, GossipAverager
+from averaging.state_transfer import Authorize, TransferConfig
 from averaging.transport import P2PTransport
 from averaging.wire import PROTOCOL_VERSION
 from dht.heartbeat import Heartbeat
@@ -35,6 +37,7 @@ from peer.checkpoint import check_tensors, latest_checkpoint, save_checkpoint
 from peer.config import TrainConfig
 from peer.data import DataConfig, load_corpus
 from peer.metrics import MetricsLog, PeerReport
+from peer.state import StateSharing, catch_up
 from peer.trainer import NonFiniteLoss, Trainer
 
 logger = logging.getLogger("murmur.peer")
@@ -58,6 +61,9 @@ class PeerOptions:
     checkpoint_dir: Path | None = None  # default: out_dir / "checkpoints"; neither: no checkpoints
     checkpoint_every: int = 10  # rounds between checkpoints (and one more on a clean stop)
     resume: bool = False  # start from the newest usable checkpoint in the checkpoint folder
+    state_download: bool = True  # without a checkpoint, start from a live peer's state (peer.state)
+    transfer: TransferConfig = field(default_factory=TransferConfig)
+    authorize: Authorize | None = None  # who may download this peer's state; None: anyone in the run
 
     def __post_init__(self) -> None:
         if self.checkpoint_every < 1:
@@ -119,6 +125,7 @@ class VolunteerPeer:
         self.loop = LoopThread()
         self.averager: GossipAverager | None = None
         self.heartbeat: Heartbeat | None = None
+        self.sharing: StateSharing | None = None
         self.metrics_log = MetricsLog(options.out_dir / "metrics.jsonl") if options.out_dir else None
 
     @classmethod
@@ -132,8 +139,14 @@ class VolunteerPeer:
             corpus = load_corpus(DataConfig(heldout_fraction=config.heldout_fraction))
             peer = cls(options, dht, Trainer(config, corpus, data_seed=options.data_seed), records)
             peer.averager = peer.loop.run(peer._start_averager(), timeout=30)
-            if options.resume:
-                peer._resume()  # before the heartbeat: nobody knows this peer yet
+            peer.sharing = peer.loop.run(
+                StateSharing.create(dht, records, config=options.transfer, authorize=options.authorize,
+                                    seed=options.data_seed), timeout=30,
+            )  # fmt: skip
+            # before the heartbeat: nobody knows this peer yet
+            if not (options.resume and peer._resume()) and options.state_download:
+                peer._log(*catch_up(peer.loop.run, peer.sharing, peer.trainer))
+            peer.sharing.publish(peer.trainer)
             peer.heartbeat = Heartbeat(records, peer.announcement).start()
             return peer
         except BaseException:
@@ -158,18 +171,21 @@ class VolunteerPeer:
         await averager.start()
         return averager
 
-    def _resume(self) -> None:
-        """Restore the newest usable checkpoint, or say why this peer starts from the run's initial model."""
+    def _resume(self) -> bool:
+        """Restore the newest usable checkpoint; False (and a warning) if there is none."""
         directory, trainer, compressor = self.options.checkpoints, self.trainer, self.averager.compressor
         found = latest_checkpoint(
             directory, run_id=self.options.run_id, model=trainer.config.model,
             accept=lambda state: restore_state(state, trainer, compressor),
         )  # fmt: skip
-        if found is None:  # (a state download from a live peer will slot in here)
-            logger.warning("no usable checkpoint in %s: starting fresh from the run's initial model", directory)
-            return
-        line = f"resumed from {found[1]} at step {trainer.steps} (outer step {trainer.outer.step})"
-        logger.info(line)
+        if found is None:
+            logger.warning("no usable checkpoint in %s", directory)
+            return False
+        self._log(logging.INFO, f"resumed from {found[1]} at step {trainer.steps} (outer step {trainer.outer.step})")
+        return True
+
+    def _log(self, level: int, line: str) -> None:
+        logger.log(level, line)
         if self.options.verbose:
             print(line, flush=True)
 
@@ -218,6 +234,7 @@ class VolunteerPeer:
             result = self.loop.run(averager.average(offer))
             self._set_state(PeerState.TRAINING)
             trainer.finish_round(offer, result)
+            self.sharing.publish(trainer)
             elapsed = max(1e-9, time.monotonic() - round_start)
             self.samples_per_second = trainer.config.batch_size * trainer.config.inner_steps / elapsed
             rounds += 1
@@ -273,11 +290,12 @@ class VolunteerPeer:
         """Withdraw, stop the averager (an exchange in flight ends first), the loop and the DHT node."""
         if self.heartbeat is not None:
             self.heartbeat.stop()  # also withdraws the announcement
-        if self.averager is not None:
-            try:
-                self.loop.run(self.averager.stop(), timeout=15)
-            except Exception as e:  # teardown goes on whatever happened
-                logger.warning("averager did not stop cleanly: %s", e)
+        for part in (self.averager, self.sharing):
+            if part is not None:
+                try:
+                    self.loop.run(part.stop(), timeout=15)
+                except Exception as e:  # teardown goes on whatever happened
+                    logger.warning("%s did not stop cleanly: %s", type(part).__name__, e)
         self.loop.stop()
         if self.metrics_log is not None:
             self.metrics_log.close()
