@@ -16,7 +16,7 @@ from __future__ import annotations
 import logging
 import threading
 import time
-from collections.abc import Mapping
+from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -147,7 +147,7 @@ class VolunteerPeer:
             if not (options.resume and peer._resume()) and options.state_download:
                 peer._log(*catch_up(peer.loop.run, peer.sharing, peer.trainer))
             peer.sharing.publish(peer.trainer)
-            peer.heartbeat = Heartbeat(records, peer.announcement).start()
+            peer.heartbeat = Heartbeat(records, peer.announcement, keep_config=True).start()
             return peer
         except BaseException:
             if peer is not None:
@@ -210,6 +210,19 @@ class VolunteerPeer:
             samples_per_second=self.samples_per_second,
             state=self.state,
         )
+
+    def join_line(self, others: int = 3) -> str:
+        """A ready-to-paste command that joins this run through this peer or a few other live ones."""
+        addresses = self.addresses[:1]
+        try:
+            peers = self.records.peers()
+        except Exception as e:  # the line is a convenience: never fail a start over it
+            logger.warning("could not list live peers for the join line: %s", e)
+            peers = {}
+        live = [a for pid, a in peers.items() if pid != self.peer_id and a.addresses and not a.client_mode]
+        live.sort(key=lambda a: -a.step)  # the peers furthest along have been up longest
+        addresses += [a.addresses[0] for a in live[:others]]
+        return f"murmur join --initial-peers {' '.join(addresses)} --run {self.options.run_id}"
 
     def _set_state(self, state: PeerState) -> None:
         self.state = state
@@ -302,9 +315,16 @@ class VolunteerPeer:
         stop_node(self.dht)
 
 
-def run_peer(options: PeerOptions, stop: threading.Event | None = None) -> PeerReport:
+def run_peer(
+    options: PeerOptions,
+    stop: threading.Event | None = None,
+    on_start: Callable[[VolunteerPeer], None] | None = None,
+) -> PeerReport:
+    """Start a peer, call `on_start(peer)` once it has announced itself, train, and tear down."""
     peer = VolunteerPeer.create(options)
     try:
+        if on_start is not None:
+            on_start(peer)
         return peer.run(stop or threading.Event())
     finally:
         peer.close()
