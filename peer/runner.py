@@ -244,7 +244,9 @@ class VolunteerPeer:
                 continue
             offer = trainer.outer.offer()
             self._set_state(PeerState.READY)
+            waiting = time.monotonic()
             result = self.loop.run(averager.average(offer))
+            blocked = time.monotonic() - waiting  # no compute while looking for and exchanging with a partner
             self._set_state(PeerState.TRAINING)
             trainer.finish_round(offer, result)
             self.sharing.publish(trainer)
@@ -253,21 +255,22 @@ class VolunteerPeer:
             rounds += 1
             if rounds % options.eval_every == 0:
                 eval_loss = trainer.evaluate()
-            self._log_round(rounds, loss, eval_loss, result)
+            self._log_round(rounds, loss, eval_loss, result, blocked)
             if rounds % options.checkpoint_every == 0:
                 self.checkpoint()
         if rounds % options.checkpoint_every:  # a clean stop: keep the rounds since the last checkpoint
             self.checkpoint()
         return self._report(started, rounds, initial_loss)
 
-    def _log_round(self, rounds: int, loss: float, eval_loss: float, result) -> None:
+    def _log_round(self, rounds: int, loss: float, eval_loss: float, result, blocked: float) -> None:
         stats, traffic, trainer = self.averager.stats, self.averager.transport.traffic, self.trainer
         partner = result.partner if result else None
         if self.metrics_log is not None:
             self.metrics_log.write(
                 t=time.time(), round=rounds, step=trainer.steps, samples=trainer.samples, loss=loss,
                 eval_loss=eval_loss, exchanges_ok=stats.ok, exchanges_failed=stats.failed, partner=partner,
-                bytes_sent=traffic.bytes_sent, bytes_received=traffic.bytes_received,
+                exchanges_unreachable=stats.unreachable,
+                bytes_sent=traffic.bytes_sent, bytes_received=traffic.bytes_received, blocked=round(blocked, 3),
             )  # fmt: skip
         self.records.publish_metrics(
             Metrics(

@@ -176,3 +176,22 @@ def test_many_peers_pair_up_in_one_round():
     assert len(paired) >= 4
     partners = {n: r.partner for n, r in zip(names, results, strict=True) if r is not None}
     assert all(partners[p] == n for n, p in partners.items())  # pairs are mutual
+
+
+def test_an_unreachable_partner_is_not_counted_as_failed_and_is_skipped_for_a_while():
+    """A dead peer still announced (no handler: a SIGKILLed process) costs one failed dial, not one per poll."""
+    listed = ["GONE"]
+
+    async def main():
+        net = InMemoryNetwork()
+        a, b = await started(make_averager(net, "A", lambda: listed), make_averager(net, "B", []))
+        first = await asyncio.gather(a.average(make_offer(1)), b.average(make_offer(2)))
+        stats_after_first = (a.stats.unreachable, a.stats.failed, a.stats.alone)
+        listed.append("B")
+        second = await asyncio.gather(a.average(make_offer(1, 1)), b.average(make_offer(2, 1)))
+        return a, first, stats_after_first, second
+
+    a, first, stats_after_first, second = asyncio.run(main())
+    assert first == [None, None] and stats_after_first == (1, 0, 1)  # one dial in a whole window of polling
+    assert second[0] is not None and second[0].partner == "B"
+    assert (a.stats.unreachable, a.stats.failed, a.stats.ok) == (1, 0, 1)  # GONE was not dialled again
