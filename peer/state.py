@@ -80,7 +80,12 @@ class StateSharing:
     """Serves this peer's state to joiners and downloads a live peer's state on join."""
 
     def __init__(
-        self, transport: Transport, records: RunRecords, config: TransferConfig, authorize: Authorize | None, seed
+        self,
+        transport: Transport,
+        records: RunRecords,
+        config: TransferConfig,
+        authorize: Authorize | None,
+        seed: int | None,
     ) -> None:
         self.transport = transport
         self.records = records

@@ -1,6 +1,7 @@
 """State download for a late joiner, over the in-memory transport: the code real peers run over libp2p."""
 
 import asyncio
+import logging
 import random
 
 import msgpack
@@ -19,10 +20,11 @@ from averaging.state_transfer import (
 )
 from averaging.transport import InMemoryNetwork
 from averaging.wire import TensorSpec
+from dht.records import Announcement, PeerState
 from peer.checkpoint import CheckpointError
 from peer.config import TrainConfig
 from peer.data import DataConfig, load_corpus
-from peer.state import apply_training_state, expected_layout, training_state
+from peer.state import StateSharing, apply_training_state, catch_up, expected_layout, training_state
 from peer.trainer import Trainer
 
 CONFIG = TransferConfig(chunk_size=1024, message_timeout=0.3, deadline=5.0)
@@ -315,11 +317,44 @@ def test_a_joiner_trainer_takes_the_donors_anchor_momentum_and_counters(corpus):
     assert joiner.evaluate() == pytest.approx(donor.evaluate())
 
 
+class FakeRecords:
+    """The one read `StateSharing.donors` makes of the run's records, without a DHT."""
+
+    run_id = "r"
+
+    def __init__(self, steps: dict[str, int]) -> None:
+        self.steps = steps
+
+    async def a_peers(self):
+        return {
+            pid: Announcement(peer_id=pid, addresses=[], step=step, samples_per_second=0.0, state=PeerState.READY)
+            for pid, step in self.steps.items()
+        }
+
+
+def test_catch_up_starts_from_the_initial_model_when_no_donor_has_state_or_all_fail(corpus):
+    trainer = Trainer(TrainConfig(inner_steps=2, batch_size=4, eval_batches=1), corpus, data_seed=1)
+    initial = {n: p.detach().clone() for n, p in trainer.model.named_parameters()}
+    net = InMemoryNetwork()
+
+    def run(coro, timeout):
+        return asyncio.run(asyncio.wait_for(coro, timeout))
+
+    lines = []
+    for steps in ({}, {"J": 5, "fresh": 0}, {"dead1": 3, "dead2": 4}):  # nobody / only step 0 / unreachable
+        sharing = StateSharing(net.transport("J"), FakeRecords(steps), CONFIG, None, seed=0)
+        lines.append(catch_up(run, sharing, trainer))
+    assert [level for level, _ in lines] == [logging.INFO, logging.INFO, logging.WARNING]
+    assert all("starting from the run's initial model" in line and "\n" not in line for _, line in lines)
+    assert "dead1" in lines[2][1] and "dead2" in lines[2][1] and "unreachable" in lines[2][1]
+    assert trainer.outer.step == 0 and trainer.steps == 0
+    for name, p in trainer.model.named_parameters():
+        assert torch.equal(p, initial[name])
+
+
 @pytest.mark.slow
 def test_a_real_joiner_starts_from_a_live_peers_state(corpus, caplog):
     """Real DHT nodes and p2pd: a peer joining the run downloads the live donor's state before it announces."""
-    import logging
-
     from dht.loop import LoopThread
     from dht.node import NodeConfig, start_node, stop_node, visible_addresses
     from dht.records import Announcement, PeerState, RunRecord, RunRecords
