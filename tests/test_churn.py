@@ -25,6 +25,7 @@ from tests.test_swarm import tagged_processes
 pytestmark = pytest.mark.slow
 
 CONFIG = TrainConfig(inner_steps=2, batch_size=4, eval_batches=1, solo_after=2)
+BOOT_CONFIG_TTL = 8.0
 EXCHANGE = ExchangeConfig(window=1.5, exchange_timeout=4.0, message_timeout=2.0)
 
 
@@ -69,9 +70,11 @@ def test_peers_outlive_the_bootstrap_node_and_a_newcomer_joins_through_a_peer():
     boot = start_node(NodeConfig())
     peers: list[Running] = []
     try:
-        RunRecords(boot, run).publish_config(
+        # the bootstrap's own copy of the config expires soon: only the peers' copies can outlive it
+        RunRecords(boot, run, config_ttl=BOOT_CONFIG_TTL).publish_config(
             RunRecord(run_id=run, config=CONFIG.to_record(), created_by=boot.peer_id.to_base58())
         )
+        expired = time.monotonic() + BOOT_CONFIG_TTL + 1
         peers += [Running(run, visible_addresses(boot), seed) for seed in (1, 2)]
         wait_for(lambda: all(p.ok >= 1 for p in peers), 90, "a first exchange")
         line = peers[0].peer.join_line()
@@ -84,6 +87,7 @@ def test_peers_outlive_the_bootstrap_node_and_a_newcomer_joins_through_a_peer():
         listed = argv[3:-2]
         assert listed[0] == peers[0].peer.addresses[0] and peers[1].peer.addresses[0] in listed
         assert not any(boot.peer_id.to_base58() in address for address in listed)
+        wait_for(lambda: time.monotonic() > expired, BOOT_CONFIG_TTL + 5, "the bootstrap's config copy to expire")
         newcomer = Running(run, [listed[0]], seed=3)  # needs the run config, which only the peers still hold
         peers.append(newcomer)
         assert newcomer.peer.trainer.outer.step > 0  # it started from a live peer's state
