@@ -140,8 +140,10 @@ class Manifest:
         """Check a manifest from an untrusted donor: types, sizes, and that its numbers agree."""
         if not isinstance(obj, dict) or set(obj) != {"t", "c", "z", "n", "h", "ch"}:
             raise StateTransferError("manifest is not a map of t, c, z, n, h, ch")
+        if not isinstance(obj["t"], list):
+            raise StateTransferError("manifest tensors are not a list")
         entries = []
-        for entry in obj["t"] if isinstance(obj["t"], list) else [None]:
+        for entry in obj["t"]:
             if not (isinstance(entry, list) and len(entry) == 3 and isinstance(entry[0], str) and entry[0]):
                 raise StateTransferError("manifest tensor entry is not [name, dtype, shape]")
             name, dtype, shape = entry

@@ -20,10 +20,13 @@ from averaging.state_transfer import (
 )
 from averaging.transport import InMemoryNetwork
 from averaging.wire import TensorSpec
-from dht.records import Announcement, PeerState
+from dht.loop import LoopThread
+from dht.node import NodeConfig, start_node, stop_node, visible_addresses
+from dht.records import Announcement, PeerState, RunRecord, RunRecords
 from peer.checkpoint import CheckpointError
 from peer.config import TrainConfig
 from peer.data import DataConfig, load_corpus
+from peer.runner import PeerOptions, VolunteerPeer
 from peer.state import StateSharing, apply_training_state, catch_up, expected_layout, training_state
 from peer.trainer import Trainer
 
@@ -355,12 +358,6 @@ def test_catch_up_starts_from_the_initial_model_when_no_donor_has_state_or_all_f
 @pytest.mark.slow
 def test_a_real_joiner_starts_from_a_live_peers_state(corpus, caplog):
     """Real DHT nodes and p2pd: a peer joining the run downloads the live donor's state before it announces."""
-    from dht.loop import LoopThread
-    from dht.node import NodeConfig, start_node, stop_node, visible_addresses
-    from dht.records import Announcement, PeerState, RunRecord, RunRecords
-    from peer.runner import PeerOptions, VolunteerPeer
-    from peer.state import StateSharing
-
     run = "state-test"
     config = TrainConfig(inner_steps=2, batch_size=4, eval_batches=1, solo_after=1)
     donor_trainer = Trainer(config, corpus, data_seed=1)
