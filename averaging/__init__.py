@@ -8,6 +8,9 @@
   finds a ready partner within a window and returns an ``ExchangeResult`` or None
 * ``transport``    framed byte streams: ``P2PTransport`` over hivemind's libp2p daemon, and the
   ``InMemoryNetwork`` twin with fault hooks for tests
+* ``state_transfer``  a live peer's state for a late joiner: ``StateDonor`` serves a pinned ``StateSnapshot``
+  in hashed chunks (at most ``max_uploads`` at once), ``StateDownloader`` fetches and verifies it, moving on to
+  another donor when one dies, stalls or declines
 * ``partners``     who may be asked: ``DHTPartners`` (ready peers from the run's announcements) and
   ``StaticPartners``
 """

@@ -53,6 +53,7 @@ class ExchangeConfig:
     poll_interval: float = 0.2  # how often to re-read the partner list while nobody is ready
     avoid_recent: int = 1  # prefer peers other than the last few partners, so the swarm mixes...
     fresh_patience: float = 1.0  # ...waiting this long for one before settling for a recent partner
+    unreachable_for: float = 15.0  # a peer we could not reach is not asked again for this long (it likely died)
     limits: wire.Limits = field(default_factory=wire.Limits)
 
     def __post_init__(self) -> None:
@@ -85,6 +86,7 @@ class ExchangeStats:
     ok: int = 0  # exchanges completed (either role)
     failed: int = 0  # exchanges that began and were aborted
     declined: int = 0  # requests of ours that a partner declined
+    unreachable: int = 0  # partners we could not open a stream to (usually dead peers still announced)
     alone: int = 0  # rounds that found no partner in the window
     last_partner: str | None = None
     last_error: str | None = None
@@ -125,6 +127,10 @@ class Declined(ExchangeFailed):
     """The partner declined before anything was exchanged."""
 
 
+class Unreachable(ExchangeFailed):
+    """No stream could be opened to the partner: nothing was exchanged."""
+
+
 def layout_signature(run_id: str, slots: Mapping[str, Slot], modes: Mapping[str, Mode], compressor) -> str:
     """Two peers may pair only if they agree on every name, shape, codec, rank, mode and wire dtype."""
     cfg = compressor.config
@@ -160,6 +166,7 @@ class GossipAverager:
         self._result: asyncio.Future[ExchangeResult] | None = None
         self._closed = False
         self._recent: collections.deque[str] = collections.deque(maxlen=config.avoid_recent)
+        self._unreachable: dict[str, float] = {}  # peer -> loop time until which it is not asked
         fd, dd = compressor.config.factor_dtype, compressor.config.dense_dtype
         self._spec_q = {n: TensorSpec((s.cols, s.rank), fd) for n, s in self.slots.items() if s.low_rank}
         self._spec_p = {}  # what phase 1 carries: P factors, sign or int8 codes and their scales, dense tensors
@@ -220,6 +227,10 @@ class GossipAverager:
                     except Declined as e:
                         self.stats.declined += 1
                         logger.debug("partner %s declined: %s", partner[-8:], e)
+                    except Unreachable as e:
+                        self.stats.unreachable += 1
+                        self._unreachable[partner] = loop.time() + self.config.unreachable_for
+                        logger.info("partner %s %s", partner[-8:], e)
                     except ExchangeFailed as e:
                         self._note_failure(partner, e)
                 if not self._result.done():
@@ -234,8 +245,10 @@ class GossipAverager:
         return result
 
     async def _candidates(self) -> list[str]:
+        now = asyncio.get_running_loop().time()
+        self._unreachable = {p: until for p, until in self._unreachable.items() if until > now}
         try:
-            return [p for p in await self.partners.candidates() if p != self.peer_id]
+            return [p for p in await self.partners.candidates() if p != self.peer_id and p not in self._unreachable]
         except Exception as e:  # a DHT hiccup must not end the round
             logger.warning("could not list partners: %s", e)
             return []
@@ -271,7 +284,7 @@ class GossipAverager:
         try:
             stream = await asyncio.wait_for(self.transport.open(partner), self.config.message_timeout)
         except (ConnectionError, TimeoutError) as e:
-            raise ExchangeFailed(f"unreachable: {e}") from None
+            raise Unreachable(f"unreachable: {e}") from None
         try:
             async with asyncio.timeout(self.config.exchange_timeout):
                 q_init = PairRound.request_factors(self.compressor, self.slots)

@@ -104,12 +104,9 @@ def encode(message: Message) -> bytes:
             raise WireError(f"tensor {_show(name)} is a {type(tensor).__name__}, not a torch.Tensor")
         if tensor.dtype not in Limits().dtypes:
             raise WireError(f"tensor {_show(name)} has dtype {_dtype_str(tensor.dtype)}, not allowed")
-        cpu = tensor.detach().to("cpu").contiguous()
-        if not bool(torch.isfinite(cpu).all()):
+        if not bool(torch.isfinite(tensor).all()):
             raise WireError(f"tensor {_show(name)} holds non-finite values")
-        int_dtype, le_format = _INT_VIEWS[cpu.dtype]
-        raw = cpu.view(int_dtype).numpy().astype(le_format, copy=False).tobytes()
-        packed[name] = [_DTYPE_NAMES[cpu.dtype], list(cpu.shape), raw]
+        packed[name] = [_DTYPE_NAMES[tensor.dtype], list(tensor.shape), tensor_to_bytes(tensor)]
     body = {"v": PROTOCOL_VERSION, "k": int(kind), "s": message.session, "t": message.step}
     return msgpack.packb({**body, "m": dict(message.meta), "x": packed}, use_bin_type=True)
 
@@ -124,21 +121,13 @@ def decode(
     """Parse and check one message from an untrusted peer. Raises WireError on any problem."""
     if len(data) > limits.max_message_bytes:
         raise WireError(f"message of {len(data)} bytes exceeds the {limits.max_message_bytes}-byte cap")
-    try:
-        obj = msgpack.unpackb(
-            data,
-            raw=False,
-            strict_map_key=True,
-            ext_hook=_reject_ext,
-            max_bin_len=limits.max_tensor_bytes,
-            max_str_len=4 * max(_MAX_META_STR, limits.max_name_length),  # in UTF-8 bytes
-            max_array_len=_MAX_DIMS,
-            max_map_len=max(len(_KEYS), limits.max_meta_items, limits.max_tensors),
-            max_ext_len=0,
-        )
-    except Exception as e:  # msgpack raises many types (ValueError, ExtraData, StackError, ...)
-        detail = ": ".join(filter(None, [type(e).__name__, " ".join(str(e).split())[:200]]))
-        raise WireError(f"truncated or malformed msgpack ({detail})") from e
+    obj = unpack(
+        data,
+        max_bin_len=limits.max_tensor_bytes,
+        max_str_len=4 * max(_MAX_META_STR, limits.max_name_length),  # in UTF-8 bytes
+        max_array_len=_MAX_DIMS,
+        max_map_len=max(len(_KEYS), limits.max_meta_items, limits.max_tensors),
+    )
     if not isinstance(obj, dict):
         raise WireError(f"top level is a {type(obj).__name__}, not a map")
     version = obj.get("v")
@@ -154,6 +143,25 @@ def decode(
     _check_meta(obj["m"], limits)
     tensors = _decode_tensors(obj["x"], limits, expected)
     return Message(kind=kind, session=obj["s"], step=obj["t"], meta=obj["m"], tensors=tensors)
+
+
+def unpack(data: bytes, *, max_bin_len: int, max_str_len: int, max_array_len: int, max_map_len: int) -> object:
+    """msgpack-decode untrusted bytes with tight length limits and no ext types; WireError on anything wrong."""
+    try:
+        return msgpack.unpackb(
+            data,
+            raw=False,
+            strict_map_key=True,
+            ext_hook=_reject_ext,
+            max_bin_len=max_bin_len,
+            max_str_len=max_str_len,
+            max_array_len=max_array_len,
+            max_map_len=max_map_len,
+            max_ext_len=0,
+        )
+    except Exception as e:  # msgpack raises many types (ValueError, ExtraData, StackError, ...)
+        detail = ": ".join(filter(None, [type(e).__name__, " ".join(str(e).split())[:200]]))
+        raise WireError(f"truncated or malformed msgpack ({detail})") from e
 
 
 def _decode_tensors(
@@ -190,13 +198,40 @@ def _decode_tensors(
             raise WireError(f"{label}: shape {shape} needs {needed} bytes, got {len(raw)}")
         if expected is not None:
             _check_spec(label, tuple(shape), dtype, expected[name])
-        _, le_format = _INT_VIEWS[dtype]
-        ints = np.frombuffer(raw, dtype=le_format).astype(le_format[1:])  # native order; a writable copy
-        tensor = torch.from_numpy(ints).view(dtype).reshape(shape)
+        tensor = tensor_from_bytes(raw, dtype, shape)
         if not bool(torch.isfinite(tensor).all()):
             raise WireError(f"{label} holds non-finite values")
         tensors[name] = tensor
     return tensors
+
+
+def tensor_to_bytes(tensor: torch.Tensor) -> bytes:
+    """The raw little-endian bytes of a float16/bfloat16/float32 tensor on any device, in row-major order."""
+    cpu = tensor.detach().to("cpu").contiguous()
+    int_dtype, le_format = _INT_VIEWS[cpu.dtype]
+    return cpu.view(int_dtype).numpy().astype(le_format, copy=False).tobytes()
+
+
+def tensor_from_bytes(raw: bytes, dtype: torch.dtype, shape: tuple[int, ...] | list[int]) -> torch.Tensor:
+    """The inverse of `tensor_to_bytes`: a new, writable tensor. The byte count must already be checked."""
+    _, le_format = _INT_VIEWS[dtype]
+    ints = np.frombuffer(raw, dtype=le_format).astype(le_format[1:])  # native order; a writable copy
+    return torch.from_numpy(ints).view(dtype).reshape(list(shape))
+
+
+def dtype_name(dtype: torch.dtype) -> str:
+    """The wire name of an allowed dtype ("float32", ...); WireError for any other."""
+    if dtype not in _DTYPE_NAMES:
+        raise WireError(f"dtype {_dtype_str(dtype)} is not allowed on the wire")
+    return _DTYPE_NAMES[dtype]
+
+
+def dtype_from_name(name: object) -> torch.dtype:
+    """The dtype a wire name stands for; WireError for an unknown one."""
+    dtype = _DTYPES_BY_NAME.get(name) if isinstance(name, str) else None
+    if dtype is None:
+        raise WireError(f"dtype {_show(name)} is not allowed")
+    return dtype
 
 
 def check_tensors(tensors: Mapping[str, torch.Tensor], expected: Mapping[str, TensorSpec]) -> None:

@@ -1,9 +1,15 @@
-"""Keep a peer's announcement alive: re-announce on a daemon thread until stopped, then withdraw."""
+"""Keep a peer's announcement alive: re-announce on a daemon thread until stopped, then withdraw.
+
+With ``keep_config`` it also keeps the run's config record alive: on its first beat and then every
+third of ``config_ttl`` it stores again the identical record it reads, so the config outlives the
+node that created it, and a node that joins later finds a copy among the live peers.
+"""
 
 from __future__ import annotations
 
 import logging
 import threading
+import time
 from collections.abc import Callable
 from types import TracebackType
 
@@ -21,8 +27,17 @@ class Heartbeat:
     manager to do both. A failed announcement is logged and retried at the next beat.
     """
 
-    def __init__(self, records: RunRecords, current: Callable[[], Announcement], period: float | None = None) -> None:
+    def __init__(
+        self,
+        records: RunRecords,
+        current: Callable[[], Announcement],
+        period: float | None = None,
+        *,
+        keep_config: bool = False,
+    ) -> None:
         self.records = records
+        self.keep_config = keep_config
+        self._config_due = 0.0  # monotonic time of the next config republish
         self.current = current
         self.period = records.announce_ttl / 3 if period is None else period
         if not self.period > 0:
@@ -71,4 +86,14 @@ class Heartbeat:
                     logger.warning("announcement of peer %s was not stored", announcement.peer_id)
             except Exception as e:
                 logger.warning("heartbeat failed: %s", " ".join(str(e).split()))
+            if self.keep_config and time.monotonic() >= self._config_due:
+                self._republish_config()
             self._stopping.wait(self.period)
+
+    def _republish_config(self) -> None:
+        try:
+            record = self.records.fetch_config()
+            if record is not None and self.records.publish_config(record):
+                self._config_due = time.monotonic() + self.records.config_ttl / 3
+        except Exception as e:
+            logger.warning("could not republish the run config: %s", " ".join(str(e).split()))

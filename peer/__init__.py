@@ -7,6 +7,7 @@
 * ``device``    ``--device``/``--precision``: CUDA or CPU, bf16/fp16 autocast, micro-batches that fit memory
 * ``trainer``   ``Trainer``: the inner loop (mixed precision, accumulation), evaluation, compute-time accounting
 * ``outer``     ``OuterOptimizer``: what a round offers, and the outer Nesterov step with consensus
+* ``state``     state download on join: what a joiner takes (anchor, momentum, step counters) and ``StateSharing``
 * ``checkpoint`` checkpoint files: atomic writes, a header with a sha256, weights-only loads, fallback
 * ``runner``    ``VolunteerPeer``: a peer on the real network (DHT node, P2P, heartbeat, rounds, report)
 * ``progress``  the live progress line of a joined peer (``render_progress`` is pure)

@@ -165,7 +165,7 @@ def _join(args: argparse.Namespace) -> int:
     )  # fmt: skip
     stop = threading.Event()
     _stop_on_signals(stop)
-    report = run_peer(options, stop)
+    report = run_peer(options, stop, on_start=lambda peer: print(peer.join_line(), flush=True))
     print(
         f"peer {report.peer_id[-8:]}: {report.steps} steps, eval loss {report.initial_eval_loss:.3f} -> "
         f"{report.final_eval_loss:.3f}, exchanges {report.exchanges_ok} ok / {report.exchanges_failed} failed"

@@ -7,7 +7,8 @@ per round), `report.json` and `anchor.pt` (the final model, for the consensus di
 
 Every `checkpoint_every` rounds, and once more when it stops cleanly, a peer checkpoints its trainer
 and its compressor's warm starts (`peer.checkpoint`); with `resume` it starts from the newest usable
-checkpoint of its run, or from the run's initial model if there is none.
+checkpoint of its run. Without one, before it announces itself, it downloads a live peer's state
+(`peer.state`), or starts from the run's initial model if no live peer has one or every donor fails.
 """
 
 from __future__ import annotations
@@ -15,7 +16,7 @@ from __future__ import annotations
 import logging
 import threading
 import time
-from collections.abc import Mapping
+from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -25,6 +26,7 @@ import torch
 from averaging.compression import LowRankCompressor
 from averaging.partners import DHTPartners
 from averaging.protocol import ExchangeConfig, GossipAverager
+from averaging.state_transfer import Authorize, TransferConfig
 from averaging.transport import P2PTransport
 from averaging.wire import PROTOCOL_VERSION
 from dht.heartbeat import Heartbeat
@@ -36,6 +38,7 @@ from peer.config import TrainConfig
 from peer.device import DeviceConfig, Runtime
 from peer.metrics import MetricsLog, PeerReport
 from peer.progress import Progress, ProgressLine
+from peer.state import StateSharing, catch_up
 from peer.trainer import NonFiniteLoss, Trainer
 from peer.workload import WorkloadSource, WorkloadSpec
 
@@ -62,6 +65,9 @@ class PeerOptions:
     resume: bool = False  # start from the newest usable checkpoint in the checkpoint folder
     device: DeviceConfig = field(default_factory=DeviceConfig)
     workload: WorkloadSource = field(default_factory=WorkloadSpec)  # the built-in GPT unless told otherwise
+    state_download: bool = True  # without a checkpoint, start from a live peer's state (peer.state)
+    transfer: TransferConfig = field(default_factory=TransferConfig)
+    authorize: Authorize | None = None  # who may download this peer's state; None: anyone in the run
 
     def __post_init__(self) -> None:
         if self.checkpoint_every < 1:
@@ -123,6 +129,7 @@ class VolunteerPeer:
         self.loop = LoopThread()
         self.averager: GossipAverager | None = None
         self.heartbeat: Heartbeat | None = None
+        self.sharing: StateSharing | None = None
         self.metrics_log = MetricsLog(options.out_dir / "metrics.jsonl") if options.out_dir else None
         self.progress = ProgressLine(every=options.eval_every) if options.verbose else None
 
@@ -139,9 +146,15 @@ class VolunteerPeer:
             trainer = Trainer.fitted(config, workload, data_seed=options.data_seed, runtime=runtime)
             peer = cls(options, dht, trainer, records)
             peer.averager = peer.loop.run(peer._start_averager(), timeout=30)
-            if options.resume:
-                peer._resume()  # before the heartbeat: nobody knows this peer yet
-            peer.heartbeat = Heartbeat(records, peer.announcement).start()
+            peer.sharing = peer.loop.run(
+                StateSharing.create(dht, records, config=options.transfer, authorize=options.authorize,
+                                    seed=options.data_seed), timeout=30,
+            )  # fmt: skip
+            # before the heartbeat: nobody knows this peer yet
+            if not (options.resume and peer._resume()) and options.state_download:
+                peer._log(*catch_up(peer.loop.run, peer.sharing, peer.trainer))
+            peer.sharing.publish(peer.trainer)
+            peer.heartbeat = Heartbeat(records, peer.announcement, keep_config=True).start()
             return peer
         except BaseException:
             if peer is not None:
@@ -165,18 +178,21 @@ class VolunteerPeer:
         await averager.start()
         return averager
 
-    def _resume(self) -> None:
-        """Restore the newest usable checkpoint, or say why this peer starts from the run's initial model."""
+    def _resume(self) -> bool:
+        """Restore the newest usable checkpoint; False (and a warning) if there is none."""
         directory, trainer, compressor = self.options.checkpoints, self.trainer, self.averager.compressor
         found = latest_checkpoint(
             directory, run_id=self.options.run_id, model=trainer.config.model,
             accept=lambda state: restore_state(state, trainer, compressor),
         )  # fmt: skip
-        if found is None:  # (a state download from a live peer will slot in here)
-            logger.warning("no usable checkpoint in %s: starting fresh from the run's initial model", directory)
-            return
-        line = f"resumed from {found[1]} at step {trainer.steps} (outer step {trainer.outer.step})"
-        logger.info(line)
+        if found is None:
+            logger.warning("no usable checkpoint in %s", directory)
+            return False
+        self._log(logging.INFO, f"resumed from {found[1]} at step {trainer.steps} (outer step {trainer.outer.step})")
+        return True
+
+    def _log(self, level: int, line: str) -> None:
+        logger.log(level, line)
         if self.options.verbose:
             print(line, flush=True)
 
@@ -203,6 +219,19 @@ class VolunteerPeer:
             client_mode=self.options.node.client_mode,  # never dialled: partners leave it out
         )
 
+    def join_line(self, others: int = 3) -> str:
+        """A ready-to-paste command that joins this run through this peer or a few other live ones."""
+        addresses = self.addresses[:1]
+        try:
+            peers = self.records.peers()
+        except Exception as e:  # the line is a convenience: never fail a start over it
+            logger.warning("could not list live peers for the join line: %s", e)
+            peers = {}
+        live = [a for pid, a in peers.items() if pid != self.peer_id and a.addresses and not a.client_mode]
+        live.sort(key=lambda a: -a.step)  # the peers furthest along have been up longest
+        addresses += [a.addresses[0] for a in live[:others]]
+        return f"murmur join --initial-peers {' '.join(addresses)} --run {self.options.run_id}"
+
     def _set_state(self, state: PeerState) -> None:
         self.state = state
         self.records.announce(self.announcement())
@@ -223,29 +252,33 @@ class VolunteerPeer:
                 continue
             offer = trainer.outer.offer()
             self._set_state(PeerState.READY)
+            waiting = time.monotonic()
             result = self.loop.run(averager.average(offer))
+            blocked = time.monotonic() - waiting  # no compute while looking for and exchanging with a partner
             self._set_state(PeerState.TRAINING)
             trainer.finish_round(offer, result)
+            self.sharing.publish(trainer)
             elapsed = max(1e-9, time.monotonic() - round_start)
             self.samples_per_second = trainer.config.batch_size * trainer.config.inner_steps / elapsed
             rounds += 1
             if rounds % options.eval_every == 0:
                 eval_loss = trainer.evaluate()
-            self._log_round(rounds, loss, eval_loss, result)
+            self._log_round(rounds, loss, eval_loss, result, blocked)
             if rounds % options.checkpoint_every == 0:
                 self.checkpoint()
         if rounds % options.checkpoint_every:  # a clean stop: keep the rounds since the last checkpoint
             self.checkpoint()
         return self._report(started, rounds, initial_loss)
 
-    def _log_round(self, rounds: int, loss: float, eval_loss: float, result) -> None:
+    def _log_round(self, rounds: int, loss: float, eval_loss: float, result, blocked: float) -> None:
         stats, traffic, trainer = self.averager.stats, self.averager.transport.traffic, self.trainer
         partner = result.partner if result else None
         if self.metrics_log is not None:
             self.metrics_log.write(
                 t=time.time(), round=rounds, step=trainer.steps, samples=trainer.samples, loss=loss,
                 eval_loss=eval_loss, exchanges_ok=stats.ok, exchanges_failed=stats.failed, partner=partner,
-                bytes_sent=traffic.bytes_sent, bytes_received=traffic.bytes_received,
+                exchanges_unreachable=stats.unreachable,
+                bytes_sent=traffic.bytes_sent, bytes_received=traffic.bytes_received, blocked=round(blocked, 3),
             )  # fmt: skip
         self.records.publish_metrics(
             Metrics(
@@ -286,11 +319,12 @@ class VolunteerPeer:
         """Withdraw, stop the averager (an exchange in flight ends first), the loop and the DHT node."""
         if self.heartbeat is not None:
             self.heartbeat.stop()  # also withdraws the announcement
-        if self.averager is not None:
-            try:
-                self.loop.run(self.averager.stop(), timeout=15)
-            except Exception as e:  # teardown goes on whatever happened
-                logger.warning("averager did not stop cleanly: %s", e)
+        for part in (self.averager, self.sharing):
+            if part is not None:
+                try:
+                    self.loop.run(part.stop(), timeout=15)
+                except Exception as e:  # teardown goes on whatever happened
+                    logger.warning("%s did not stop cleanly: %s", type(part).__name__, e)
         self.loop.stop()
         if self.progress is not None:
             self.progress.close()
@@ -299,9 +333,16 @@ class VolunteerPeer:
         stop_node(self.dht)
 
 
-def run_peer(options: PeerOptions, stop: threading.Event | None = None) -> PeerReport:
+def run_peer(
+    options: PeerOptions,
+    stop: threading.Event | None = None,
+    on_start: Callable[[VolunteerPeer], None] | None = None,
+) -> PeerReport:
+    """Start a peer, call `on_start(peer)` once it has announced itself, train, and tear down."""
     peer = VolunteerPeer.create(options)
     try:
+        if on_start is not None:
+            on_start(peer)
         return peer.run(stop or threading.Event())
     finally:
         peer.close()

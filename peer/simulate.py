@@ -1,9 +1,9 @@
 """`murmur simulate`: a bootstrap node and N real peer processes on 127.0.0.1, then one report.
 
 Each peer is `python -m peer.cli join ...` in its own process group (its DHT worker and `p2pd`
-inherit the group), so the simulator can stop a peer and everything under it by PID: SIGTERM
-first, SIGKILL after a grace period. That happens in `finally`, on a normal end, an error or
-Ctrl-C alike. Progress comes from the peers' metrics logs; the report gathers their reports and
+inherit the group), so the simulator can stop a peer and everything under it by PID: SIGTERM to
+the peer first, SIGKILL to its group after a grace period. That happens in `finally`, on a
+normal end, an error or Ctrl-C alike. Progress comes from the peers' metrics logs; the report gathers their reports and
 the consensus distance of their final anchors.
 """
 
@@ -52,26 +52,48 @@ class SimulationConfig:
             raise ValueError("simulate trains registry models; run a custom model with murmur join or peer.api")
 
 
-def _peer_command(config: SimulationConfig, index: int, maddrs: list[str]) -> list[str]:
+def join_command(maddrs: list[str], run_id: str, out_dir: Path, data_seed: int, *extra: str) -> list[str]:
+    """`murmur join` as a child process runs it: this interpreter, `-m peer.cli`, quiet."""
     return [
         sys.executable, "-m", "peer.cli", "join",
         "--initial-peers", *maddrs,
-        "--run", config.run_id,
-        "--duration", str(config.duration),
-        "--out-dir", str(config.out_dir / f"peer-{index}"),
-        "--data-seed", str(index + 1),
-        "--quiet",
-        "--device", config.device.device,
-        "--precision", config.device.precision,
+        "--run", run_id,
+        "--out-dir", str(out_dir),
+        "--data-seed", str(data_seed),
+        "--quiet", *extra,
     ]  # fmt: skip
 
 
+def launch(command: list[str], log: Path) -> subprocess.Popen:
+    """Start `command` in its own process group (so `stop_processes` reaches its p2pd), output to `log`."""
+    env = {**os.environ, "HIVEMIND_LOGLEVEL": os.environ.get("HIVEMIND_LOGLEVEL", "ERROR")}
+    with log.open("a") as out:  # the child keeps its own copy of the descriptor
+        return subprocess.Popen(command, stdout=out, stderr=subprocess.STDOUT, start_new_session=True, env=env)
+
+
+def start_bootstrap(run_id: str, train: TrainConfig):
+    """An in-process bootstrap node that has published the run's config; returns it and its multiaddrs."""
+    boot = start_node(NodeConfig())
+    try:
+        RunRecords(boot, run_id).publish_config(
+            RunRecord(run_id=run_id, config=train.to_record(), created_by=boot.peer_id.to_base58())
+        )
+        return boot, visible_addresses(boot)
+    except BaseException:
+        stop_node(boot)
+        raise
+
+
 def stop_processes(procs: list[subprocess.Popen], grace: float) -> None:
-    """SIGTERM each peer's process group, then SIGKILL whatever is left after `grace` seconds."""
+    """SIGTERM each peer, then SIGKILL its process group, whatever is left of it after `grace` seconds.
+
+    Only the peer itself gets the SIGTERM: its clean stop (withdraw, checkpoint, report) still needs
+    its DHT worker and `p2pd`, which it then stops itself.
+    """
     for proc in procs:
         if proc.poll() is None:
             with contextlib.suppress(ProcessLookupError):
-                os.killpg(proc.pid, signal.SIGTERM)
+                proc.send_signal(signal.SIGTERM)
     deadline = time.monotonic() + grace
     for proc in procs:
         with contextlib.suppress(subprocess.TimeoutExpired):
@@ -108,33 +130,18 @@ def simulate(config: SimulationConfig, console: Console | None = None) -> SwarmR
         for name in ("metrics.jsonl", "report.json", "anchor.pt"):
             (config.out_dir / f"peer-{i}" / name).unlink(missing_ok=True)
     started = time.monotonic()
-    boot = start_node(NodeConfig())
+    boot, maddrs = start_bootstrap(config.run_id, config.train)
     procs: list[subprocess.Popen] = []
-    logs = []
     try:
-        records = RunRecords(boot, config.run_id)
-        records.publish_config(
-            RunRecord(run_id=config.run_id, config=config.train.to_record(), created_by=boot.peer_id.to_base58())
-        )
-        maddrs = visible_addresses(boot)
-        env = {**os.environ, "HIVEMIND_LOGLEVEL": os.environ.get("HIVEMIND_LOGLEVEL", "ERROR")}
         for i in range(config.peers):
-            log = (config.out_dir / f"peer-{i}.log").open("w")
-            logs.append(log)
-            procs.append(
-                subprocess.Popen(
-                    _peer_command(config, i, maddrs),
-                    stdout=log,
-                    stderr=subprocess.STDOUT,
-                    start_new_session=True,
-                    env=env,
-                )  # fmt: skip
-            )
+            folder, log = config.out_dir / f"peer-{i}", config.out_dir / f"peer-{i}.log"
+            log.unlink(missing_ok=True)
+            device = ("--device", config.device.device, "--precision", config.device.precision)
+            command = join_command(maddrs, config.run_id, folder, i + 1, "--duration", str(config.duration), *device)
+            procs.append(launch(command, log))
         _watch(config, procs, started, console)
     finally:
         stop_processes(procs, config.stop_grace)
-        for log in logs:
-            log.close()
         stop_node(boot)
     return _gather(config, time.monotonic() - started)
 

@@ -254,3 +254,22 @@ def test_a_butterfly_of_pair_exchanges_averages_four_peers():
         torch.testing.assert_close(moved, anchors, atol=3e-3, rtol=3e-3)
         torch.testing.assert_close(r.projections["delta/b"].own, o.tensors["delta/b"], atol=3e-3, rtol=3e-3)
     assert chain_results(results[0], None) is None
+
+
+def test_an_unreachable_partner_is_not_counted_as_failed_and_is_skipped_for_a_while():
+    """A dead peer still announced (no handler: a SIGKILLed process) costs one failed dial, not one per poll."""
+    listed = ["GONE"]
+
+    async def main():
+        net = InMemoryNetwork()
+        a, b = await started(make_averager(net, "A", lambda: listed), make_averager(net, "B", []))
+        first = await asyncio.gather(a.average(make_offer(1)), b.average(make_offer(2)))
+        stats_after_first = (a.stats.unreachable, a.stats.failed, a.stats.alone)
+        listed.append("B")
+        second = await asyncio.gather(a.average(make_offer(1, 1)), b.average(make_offer(2, 1)))
+        return a, first, stats_after_first, second
+
+    a, first, stats_after_first, second = asyncio.run(main())
+    assert first == [None, None] and stats_after_first == (1, 0, 1)  # one dial in a whole window of polling
+    assert second[0] is not None and second[0].partner == "B"
+    assert (a.stats.unreachable, a.stats.failed, a.stats.ok) == (1, 0, 1)  # GONE was not dialled again

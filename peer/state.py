@@ -1,0 +1,149 @@
+"""State download on join: what a late joiner takes from a live peer, and this peer's side of it.
+
+What travels is what a joiner needs to take part in the swarm's next outer step: the outer anchor
+φ and momentum m of every parameter, the outer step, and the inner step count (so the inner
+learning-rate schedule picks up where the swarm is). The joiner's model is set to the anchor.
+What does not travel, and starts fresh: the inner AdamW moments (they re-warm within a few
+steps), the error-feedback residuals (a donor's residual is its own unsent work, not the
+joiner's), and the joiner's own counters (samples, data position, compute time).
+
+`StateSharing` owns both roles on one `Transport` under `murmur/{run}/state/{version}`: it serves
+this peer's latest state (published after every outer step) and, on join, downloads from a
+random live peer whose announcement shows an outer step above zero. `authorize` is where a
+private run can refuse requesters it does not know.
+"""
+
+from __future__ import annotations
+
+import logging
+import random
+
+import torch
+
+from averaging.state_transfer import (
+    Authorize,
+    StateDonor,
+    StateDownloader,
+    StateSnapshot,
+    StateTransferError,
+    TransferConfig,
+)
+from averaging.transport import P2PTransport, Transport
+from averaging.wire import PROTOCOL_VERSION, TensorSpec
+from dht.records import RunRecords
+from peer.checkpoint import CheckpointError, check_count
+from peer.trainer import Trainer
+
+logger = logging.getLogger("murmur.state")
+
+COUNTERS = ("outer_step", "steps")
+
+
+def state_protocol(run_id: str) -> str:
+    return f"murmur/{run_id}/state/{PROTOCOL_VERSION}"
+
+
+def training_state(trainer: Trainer) -> StateSnapshot:
+    """A copy of what a joiner takes from `trainer`; call it between rounds, never during an outer step."""
+    outer = trainer.outer
+    tensors = {f"anchor/{n}": t.detach().to("cpu", copy=True) for n, t in outer.anchor.items()}
+    tensors |= {f"momentum/{n}": t.detach().to("cpu", copy=True) for n, t in outer.momentum.items()}
+    return StateSnapshot(tensors, {"outer_step": outer.step, "steps": trainer.steps})
+
+
+def expected_layout(trainer: Trainer) -> dict[str, TensorSpec]:
+    """The names, shapes and dtypes a donor's state must have to fit this trainer's model."""
+    shapes = {n: tuple(p.shape) for n, p in trainer.outer.params.items()}
+    return {f"{group}/{n}": TensorSpec(s, torch.float32) for group in ("anchor", "momentum") for n, s in shapes.items()}
+
+
+@torch.no_grad()
+def apply_training_state(trainer: Trainer, snapshot: StateSnapshot) -> None:
+    """Take a downloaded state: all checked first, so on CheckpointError nothing has changed."""
+    counters = {name: check_count(snapshot.counters.get(name), name) for name in COUNTERS}
+    names = trainer.outer.params
+    trainer.outer.load_state_dict(
+        {
+            "step": counters["outer_step"],
+            "lonely_rounds": 0,
+            "anchor": {n: snapshot.tensors.get(f"anchor/{n}") for n in names},
+            "momentum": {n: snapshot.tensors.get(f"momentum/{n}") for n in names},
+            "error_feedback": {},  # the donor's residual is its own unsent work
+        }
+    )
+    for name, p in names.items():
+        p.copy_(trainer.outer.anchor[name])
+    trainer.steps = counters["steps"]
+
+
+class StateSharing:
+    """Serves this peer's state to joiners and downloads a live peer's state on join."""
+
+    def __init__(
+        self,
+        transport: Transport,
+        records: RunRecords,
+        config: TransferConfig,
+        authorize: Authorize | None,
+        seed: int | None,
+    ) -> None:
+        self.transport = transport
+        self.records = records
+        self.config = config
+        self.donor = StateDonor(transport, config, authorize)
+        self.rng = random.Random(seed)
+
+    @classmethod
+    async def create(
+        cls,
+        dht,
+        records: RunRecords,
+        *,
+        config: TransferConfig = TransferConfig(),
+        authorize: Authorize | None = None,
+        seed: int | None = None,
+    ) -> StateSharing:
+        transport = P2PTransport(await dht.replicate_p2p(), state_protocol(records.run_id))
+        sharing = cls(transport, records, config, authorize, seed)
+        await sharing.donor.start()
+        return sharing
+
+    def publish(self, trainer: Trainer) -> None:
+        """Offer `trainer`'s current state to joiners (from the training thread, between rounds)."""
+        self.donor.publish(training_state(trainer))
+
+    async def donors(self) -> list[str]:
+        """Live peers that have taken at least one outer step, speak our version and accept connections."""
+        peers = await self.records.a_peers()
+        return [
+            pid
+            for pid, a in peers.items()
+            if pid != self.transport.peer_id and a.step > 0 and a.version == PROTOCOL_VERSION and not a.client_mode
+        ]
+
+    async def download(self, expected: dict[str, TensorSpec]) -> tuple[StateSnapshot, str] | None:
+        """A live peer's state, or None if nobody has one; StateTransferError if every donor failed."""
+        donors = await self.donors()
+        if not donors:
+            return None
+        return await StateDownloader(self.transport, expected, self.config, self.rng).download(donors)
+
+    async def stop(self) -> None:
+        await self.donor.stop()
+
+
+def catch_up(run, sharing: StateSharing, trainer: Trainer) -> tuple[int, str]:
+    """Download and apply a live peer's state before announcing; returns a log level and the line to log.
+
+    `run` runs a coroutine on the peer's event loop (`LoopThread.run`). A failure leaves the
+    trainer as it was, at the run's initial model.
+    """
+    try:
+        found = run(sharing.download(expected_layout(trainer)), timeout=sharing.config.deadline + 30)
+        if found is None:
+            return logging.INFO, "no live peer has state yet: starting from the run's initial model"
+        snapshot, donor = found
+        apply_training_state(trainer, snapshot)
+    except (StateTransferError, CheckpointError, TimeoutError, ConnectionError) as e:
+        return logging.WARNING, f"state download failed, starting from the run's initial model: {e}"
+    return logging.INFO, f"downloaded the swarm's state from {donor[-8:]} at outer step {trainer.outer.step}"

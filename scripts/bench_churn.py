@@ -1,0 +1,232 @@
+"""Churn on loopback: real `murmur join` processes, SIGKILLed and restarted, against the same swarm left alone.
+
+Two phases run one after the other in one invocation, each with its own bootstrap node and run id,
+the same training config and the same data seeds:
+
+* no churn: N peers train for the set duration;
+* churn: the same, while a chaos loop SIGKILLs a random peer (its whole process group, p2pd
+  included) every T seconds and restarts it at once with `--resume`, and every few kills also
+  launches a brand-new peer, which catches up by downloading a live peer's state.
+
+The clock of a phase starts once every initial peer has logged a round. Peers are stopped with
+SIGTERM at the end (a clean stop writes report.json and anchor.pt), and everything is reaped by
+process group (`peer.simulate.stop_processes`). From the peers' metrics logs and reports it writes
+`bench_churn.json`: swarm samples/s (rounds logged in the window × samples per round ÷ duration),
+exchanges ok and failed, the longest a peer was blocked in one round (the `blocked` field: time
+spent looking for and exchanging with a partner), the final eval loss and the consensus distance
+of the live peers, the peers that died without being killed, and each new peer's time from launch
+to its first exchange.
+
+    .venv/bin/python scripts/bench_churn.py --quick     # 3 peers, 30 s a phase: about 2 minutes
+    .venv/bin/python scripts/bench_churn.py             # 6 peers, 180 s a phase, a kill every 20 s
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import random
+import shutil
+import signal
+import subprocess
+import time
+from dataclasses import asdict, dataclass, field
+from pathlib import Path
+
+import torch
+
+from averaging.protocol import ExchangeConfig
+from dht.node import stop_node
+from peer.config import TrainConfig
+from peer.metrics import PeerReport, consensus_distance, read_metrics
+from peer.simulate import join_command, launch, start_bootstrap, stop_processes
+
+RESULTS = Path(__file__).resolve().parent / "results"
+
+
+@dataclass(frozen=True, kw_only=True)
+class BenchConfig:
+    peers: int = 6
+    duration: float = 180.0  # seconds a phase is measured, from the moment every initial peer has trained
+    kill_every: float = 20.0  # T: seconds between SIGKILLs
+    new_every: int = 3  # every this many kills, one brand-new peer joins too
+    max_new: int = 3
+    calm_tail: float = 15.0  # no kills this close to the end: a peer still importing cannot stop cleanly
+    checkpoint_every: int = 2  # rounds between a peer's checkpoints
+    window: float = ExchangeConfig().window
+    exchange_timeout: float = ExchangeConfig().exchange_timeout
+    train: TrainConfig = field(default_factory=TrainConfig)
+    startup_grace: float = 120.0
+    stop_grace: float = 15.0
+    seed: int = 0
+
+
+@dataclass
+class Slot:
+    """One peer's folder and data seed; a restart reuses the slot, a brand-new peer gets its own."""
+
+    index: int
+    folder: Path
+    proc: subprocess.Popen | None = None
+    launched_at: float = 0.0  # wall time of the first launch
+    new: bool = False  # a brand-new peer that joined during churn
+    kills: int = 0
+
+
+class Phase:
+    def __init__(self, config: BenchConfig, name: str, out: Path, churn: bool) -> None:
+        self.config, self.name, self.out, self.churn = config, name, out, churn
+        self.run_id = f"bench-{name}"
+        self.slots: list[Slot] = []
+        self.crashed: list[str] = []  # peers that exited without being killed or told to stop
+        self.rng = random.Random(config.seed)
+
+    def _launch(self, slot: Slot, maddrs: list[str], resume: bool) -> None:
+        c = self.config
+        extra = ["--checkpoint-every", str(c.checkpoint_every), "--window", str(c.window),
+                 "--exchange-timeout", str(c.exchange_timeout), *(["--resume"] if resume else [])]  # fmt: skip
+        slot.proc = launch(
+            join_command(maddrs, self.run_id, slot.folder, slot.index + 1, *extra), self.out / f"{slot.folder.name}.log"
+        )
+
+    def _add(self, maddrs: list[str], new: bool) -> Slot:
+        slot = Slot(len(self.slots), self.out / f"peer-{len(self.slots)}", launched_at=time.time(), new=new)
+        self.slots.append(slot)
+        self._launch(slot, maddrs, resume=False)
+        return slot
+
+    def _check_crashes(self) -> None:
+        for slot in self.slots:
+            if slot.proc is not None and slot.proc.poll() is not None:
+                self.crashed.append(f"{slot.folder.name} exited with {slot.proc.returncode}")
+                slot.proc = None
+
+    def run(self) -> dict:
+        c = self.config
+        shutil.rmtree(self.out, ignore_errors=True)
+        self.out.mkdir(parents=True)
+        boot, maddrs = start_bootstrap(self.run_id, c.train)
+        try:
+            for _ in range(c.peers):
+                self._add(maddrs, new=False)
+            deadline = time.monotonic() + c.startup_grace
+            while not all(read_metrics(s.folder / "metrics.jsonl") for s in self.slots):
+                self._check_crashes()
+                if time.monotonic() > deadline or self.crashed:
+                    raise RuntimeError(f"{self.name}: peers did not start ({self.crashed or 'too slow'})")
+                time.sleep(0.5)
+            start = time.time()
+            kills, next_kill = 0, time.monotonic() + c.kill_every
+            while time.time() < start + c.duration:
+                self._check_crashes()
+                if self.churn and time.monotonic() >= next_kill and time.time() < start + c.duration - c.calm_tail:
+                    victim = self.rng.choice([s for s in self.slots if s.proc is not None])
+                    os.killpg(victim.proc.pid, signal.SIGKILL)  # the peer, its DHT worker and p2pd at once
+                    victim.proc.wait(timeout=10)
+                    victim.kills += 1
+                    self._launch(victim, maddrs, resume=True)
+                    kills += 1
+                    if kills % c.new_every == 0 and sum(s.new for s in self.slots) < c.max_new:
+                        self._add(maddrs, new=True)
+                    next_kill += c.kill_every
+                time.sleep(0.2)
+            end = time.time()
+            self._check_crashes()
+            live = [s for s in self.slots if s.proc is not None]
+            stop_processes([s.proc for s in live], c.stop_grace)
+            self.crashed += [f"{s.folder.name} stopped with {s.proc.returncode}" for s in live if s.proc.returncode]
+        finally:
+            stop_processes([s.proc for s in self.slots if s.proc is not None], c.stop_grace)
+            stop_node(boot)
+        return self._measure(start, end, live)
+
+    def _measure(self, start: float, end: float, live: list[Slot]) -> dict:
+        c = self.config
+        rounds = exchanges_ok = exchanges_failed = unreachable = 0
+        max_blocked = 0.0
+        first_exchange: list[float] = []
+        for slot in self.slots:
+            records = read_metrics(slot.folder / "metrics.jsonl")
+            rounds += sum(start <= r["t"] <= end for r in records)
+            max_blocked = max([max_blocked, *(r["blocked"] for r in records if start <= r["t"] <= end)])
+            # each process's log restarts at round 1; its last line holds its totals
+            after = [*records[1:], None]
+            ends = [r for r, nxt in zip(records, after, strict=True) if nxt is None or nxt["round"] == 1]
+            exchanges_ok += sum(r["exchanges_ok"] for r in ends)
+            exchanges_failed += sum(r["exchanges_failed"] for r in ends)
+            unreachable += sum(r["exchanges_unreachable"] for r in ends)
+            if slot.new:
+                ok = [r["t"] for r in records if r["exchanges_ok"] > 0]
+                first_exchange.append(round(ok[0] - slot.launched_at, 1) if ok else None)
+        reports = [PeerReport.model_validate_json((s.folder / "report.json").read_text()) for s in live]
+        anchors = [torch.load(s.folder / "anchor.pt", weights_only=True) for s in live]
+        losses = [r.final_eval_loss for r in reports]
+        return {
+            "peers_live_at_end": len(live),
+            "kills": sum(s.kills for s in self.slots),
+            "new_peers": sum(s.new for s in self.slots),
+            "seconds": round(end - start, 1),
+            "rounds": rounds,
+            "samples_per_second": round(rounds * c.train.batch_size * c.train.inner_steps / (end - start), 2),
+            "exchanges_ok": exchanges_ok,
+            "exchanges_failed": exchanges_failed,
+            "partners_unreachable": unreachable,  # dials to dead peers still announced: no exchange began
+            "max_blocked_seconds": round(max_blocked, 2),
+            "final_eval_loss_mean": round(sum(losses) / len(losses), 4),
+            "final_eval_loss_worst": round(max(losses), 4),
+            "consensus_distance": consensus_distance(anchors),
+            "crashed_without_kill": len(self.crashed),
+            "crashes": self.crashed,
+            "new_peer_first_exchange_seconds": first_exchange,
+        }
+
+
+def bench(config: BenchConfig, runs: Path) -> dict:
+    calm = Phase(config, "no-churn", runs / "no-churn", churn=False).run()
+    churn = Phase(config, "churn", runs / "churn", churn=True).run()
+    throughput = churn["samples_per_second"] / calm["samples_per_second"]
+    loss = churn["final_eval_loss_mean"] / calm["final_eval_loss_mean"]
+    first = [t for t in churn["new_peer_first_exchange_seconds"] if t is not None]
+    limit = config.exchange_timeout + 1
+    return {
+        "config": {**asdict(config), "train": config.train.to_record()},
+        "no_churn": calm,
+        "churn": churn,
+        "samples_per_second_ratio": round(throughput, 3),
+        "final_eval_loss_ratio": round(loss, 4),
+        "targets": {
+            "throughput ratio >= 0.8": throughput >= 0.8,
+            "final loss within 3%": abs(loss - 1) <= 0.03,
+            f"no peer blocked > {limit:g} s": max(churn["max_blocked_seconds"], calm["max_blocked_seconds"]) <= limit,
+            "no crash without a kill": churn["crashed_without_kill"] + calm["crashed_without_kill"] == 0,
+            "new peers exchange within 30 s": bool(first) and len(first) == churn["new_peers"] and max(first) < 30,
+        },
+    }
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--quick", action="store_true", help="3 peers, 30 s a phase, a kill every 6 s")
+    parser.add_argument("--peers", type=int, help="initial peers (default 6, quick 3)")
+    parser.add_argument("--duration", type=float, help="seconds a phase is measured (default 180, quick 30)")
+    parser.add_argument("--kill-every", type=float, help="seconds between SIGKILLs (default 20, quick 6)")
+    parser.add_argument("--out", type=Path, default=RESULTS, help="folder for bench_churn.json (default: %(default)s)")
+    parser.add_argument("--runs", type=Path, default=Path("runs/bench_churn"), help="folder for the peers' logs")
+    args = parser.parse_args()
+    quick = {"peers": 3, "duration": 30.0, "kill_every": 6.0, "new_every": 2, "max_new": 1, "calm_tail": 8.0,
+             "train": TrainConfig(inner_steps=10, batch_size=8, eval_batches=4)}  # fmt: skip
+    chosen = {"peers": args.peers, "duration": args.duration, "kill_every": args.kill_every}
+    config = BenchConfig(**(quick if args.quick else {}) | {k: v for k, v in chosen.items() if v is not None})
+    args.out.mkdir(parents=True, exist_ok=True)
+    result = bench(config, args.runs)
+    path = args.out / "bench_churn.json"
+    path.write_text(json.dumps(result, indent=2) + "\n")
+    print(
+        json.dumps({k: result[k] for k in ("samples_per_second_ratio", "final_eval_loss_ratio", "targets")}, indent=2)
+    )
+    print(f"written to {path}")
+
+
+if __name__ == "__main__":
+    main()

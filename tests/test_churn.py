@@ -1,0 +1,155 @@
+"""Churn on real nodes: the bootstrap node dies while peers train, and a peer stopped mid-exchange."""
+
+import asyncio
+import json
+import os
+import signal
+import subprocess
+import sys
+import threading
+import time
+import uuid
+
+import psutil
+import pytest
+
+from averaging.protocol import ExchangeConfig
+from averaging.wire import Kind
+from dht.node import NodeConfig, start_node, stop_node, visible_addresses
+from dht.records import RunRecord, RunRecords
+from peer.config import TrainConfig
+from peer.metrics import read_metrics
+from peer.runner import PeerOptions, VolunteerPeer
+from tests.test_swarm import tagged_processes
+
+pytestmark = pytest.mark.slow
+
+CONFIG = TrainConfig(inner_steps=2, batch_size=4, eval_batches=1, solo_after=2)
+BOOT_CONFIG_TTL = 8.0
+EXCHANGE = ExchangeConfig(window=1.5, exchange_timeout=4.0, message_timeout=2.0)
+
+
+def wait_for(condition, timeout: float, what: str) -> None:
+    deadline = time.monotonic() + timeout
+    while not condition():
+        assert time.monotonic() < deadline, f"timed out waiting for {what}"
+        time.sleep(0.1)
+
+
+def kill_node(dht) -> None:
+    """SIGKILL a DHT node's worker process and its p2pd, as a crash or a pulled plug would."""
+    worker = psutil.Process(dht.pid)
+    for process in [*worker.children(recursive=True), worker]:
+        process.kill()
+    psutil.wait_procs([worker], timeout=10)
+
+
+class Running:
+    """A `VolunteerPeer` training on a thread until stopped."""
+
+    def __init__(self, run: str, initial_peers: list[str], seed: int) -> None:
+        node = NodeConfig(initial_peers=tuple(initial_peers))
+        options = PeerOptions(run_id=run, node=node, exchange=EXCHANGE, data_seed=seed, eval_every=1000)
+        self.peer = VolunteerPeer.create(options)
+        self.stop = threading.Event()
+        self.thread = threading.Thread(target=self.peer.run, args=(self.stop,), daemon=True)
+        self.thread.start()
+
+    @property
+    def ok(self) -> int:
+        return self.peer.averager.stats.ok
+
+    def close(self) -> None:
+        self.stop.set()
+        self.thread.join(60)
+        self.peer.close()
+
+
+def test_peers_outlive_the_bootstrap_node_and_a_newcomer_joins_through_a_peer():
+    run = f"boot-death-{uuid.uuid4().hex[:8]}"
+    boot = start_node(NodeConfig())
+    peers: list[Running] = []
+    try:
+        # the bootstrap's own copy of the config expires soon: only the peers' copies can outlive it
+        RunRecords(boot, run, config_ttl=BOOT_CONFIG_TTL).publish_config(
+            RunRecord(run_id=run, config=CONFIG.to_record(), created_by=boot.peer_id.to_base58())
+        )
+        expired = time.monotonic() + BOOT_CONFIG_TTL + 1
+        peers += [Running(run, visible_addresses(boot), seed) for seed in (1, 2)]
+        wait_for(lambda: all(p.ok >= 1 for p in peers), 90, "a first exchange")
+        line = peers[0].peer.join_line()
+        kill_node(boot)
+        before = [p.ok for p in peers]
+        wait_for(lambda: all(p.ok >= b + 2 for p, b in zip(peers, before, strict=True)), 90, "exchanges without boot")
+        # the line lists the peer's own address and the other live peer's, not the dead bootstrap's
+        argv = line.split()
+        assert argv[:3] == ["murmur", "join", "--initial-peers"] and argv[-2:] == ["--run", run]
+        listed = argv[3:-2]
+        assert listed[0] == peers[0].peer.addresses[0] and peers[1].peer.addresses[0] in listed
+        assert not any(boot.peer_id.to_base58() in address for address in listed)
+        wait_for(lambda: time.monotonic() > expired, BOOT_CONFIG_TTL + 5, "the bootstrap's config copy to expire")
+        newcomer = Running(run, [listed[0]], seed=3)  # needs the run config, which only the peers still hold
+        peers.append(newcomer)
+        assert newcomer.peer.trainer.outer.step > 0  # it started from a live peer's state
+        wait_for(lambda: newcomer.ok >= 1, 90, "the newcomer's first exchange")
+    finally:
+        for p in peers:
+            p.close()
+        stop_node(boot)
+
+
+def test_sigterm_during_an_exchange_stops_within_10_s_with_a_checkpoint(tmp_path):
+    """A peer told to stop while it is exchanging finishes or aborts the exchange, checkpoints and exits."""
+    run = f"sigterm-{uuid.uuid4().hex[:8]}"
+    boot = start_node(NodeConfig())
+    partner = None
+    env = {**os.environ, "MURMUR_TEST_TAG": f"sigterm-{uuid.uuid4()}"}
+    proc = None
+    try:
+        RunRecords(boot, run).publish_config(
+            RunRecord(run_id=run, config=CONFIG.to_record(), created_by=boot.peer_id.to_base58())
+        )
+        partner = Running(run, visible_addresses(boot), seed=1)
+        # once told to hold, the partner stalls every exchange right after its first reply (ACCEPT as
+        # responder, PHASE1 as initiator): the peer under test is then waiting inside an exchange
+        hold, in_exchange = threading.Event(), threading.Event()
+        averager = partner.peer.averager
+        original = averager._send
+
+        async def stalling_send(stream, kind, *args, **kwargs):
+            await original(stream, kind, *args, **kwargs)
+            if hold.is_set() and kind in (Kind.ACCEPT, Kind.PHASE1):
+                in_exchange.set()
+                await asyncio.sleep(2 * EXCHANGE.exchange_timeout)  # its own exchange timeout ends this
+
+        averager._send = stalling_send
+        out = tmp_path / "peer"
+        cmd = [
+            sys.executable, "-m", "peer.cli", "join", "--initial-peers", *visible_addresses(boot), "--run", run,
+            "--out-dir", str(out), "--quiet", "--checkpoint-every", "1000", "--window", "1.5",
+        ]  # fmt: skip
+        proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=env,
+                                start_new_session=True)  # fmt: skip
+        wait_for(lambda: partner.ok >= 1 or proc.poll() is not None, 120, "a first exchange")
+        assert proc.poll() is None, proc.communicate()
+        hold.set()
+        wait_for(lambda: in_exchange.is_set(), 60, "an exchange in flight")
+        stopped_at = time.monotonic()
+        proc.send_signal(signal.SIGTERM)
+        stdout, stderr = proc.communicate(timeout=30)
+        took = time.monotonic() - stopped_at
+        assert proc.returncode == 0, stderr[-2000:]
+        assert took < 10, f"took {took:.1f} s to stop"
+        assert stdout.startswith("murmur join --initial-peers ")
+        report = json.loads((out / "report.json").read_text())
+        assert sorted(p.name for p in (out / "checkpoints").glob("ckpt-*.pt")) == [f"ckpt-{report['steps']:08d}.pt"]
+        assert read_metrics(out / "metrics.jsonl")
+    finally:
+        if proc is not None and proc.poll() is None:
+            os.killpg(proc.pid, signal.SIGKILL)
+            proc.wait(10)
+        if partner is not None:
+            partner.close()
+        stop_node(boot)
+    left = tagged_processes(env["MURMUR_TEST_TAG"])
+    assert not left, f"the peer left processes running (p2pd?): {left}"
