@@ -68,16 +68,18 @@ def main() -> None:
     parser.add_argument("--codec", default="sign", help="murmur's pseudo-gradient codec: sign or lowrank")
     parser.add_argument("--consensus-codec", default="lowrank", help="murmur's anchor consensus: lowrank or int8")
     parser.add_argument("--out", type=Path, default=Path("."))
+    # one thread: on a busy 2-core machine two torch threads per process spin against each other (6x slower)
+    parser.add_argument("--threads", type=int, default=1, help="torch threads (default: %(default)s)")
     sweep_help = "only the learning-rate sweep: 4 peers, 8 rounds unless --peers/--rounds say otherwise"
     parser.add_argument("--sweep", action="store_true", help=sweep_help)
     args = parser.parse_args()
     peers = args.peers or (4 if args.quick or args.sweep else 8)
     rounds = args.rounds or (8 if args.quick or args.sweep else 30)
+    torch.set_num_threads(args.threads)
     if args.sweep:
         sweep(args.out, peers, rounds, args.inner_steps or (10 if rounds <= 8 else 20), args.codec)
         return
 
-    torch.set_num_threads(2)
     base = TrainConfig(
         inner_steps=args.inner_steps or (10 if args.quick else 20),
         inner_lr=args.inner_lr,
@@ -140,7 +142,6 @@ def sweep(out: Path, peers: int, rounds: int, inner_steps: int, codec: str) -> N
 
     At the quick budget (8 rounds) the whole outer grid; on a longer budget only DiLoCo's outer
     setting and the quick sweep's winner, to fit the time."""
-    torch.set_num_threads(2)
     corpus = load_corpus()
     scenario = Scenario(peers=peers, sample_budget=peers * 16 * inner_steps * rounds, eval_points=1)
     base = TrainConfig(inner_steps=inner_steps, codec=codec)
