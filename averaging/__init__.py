@@ -10,4 +10,7 @@
   ``InMemoryNetwork`` twin with fault hooks for tests
 * ``partners``     who may be asked: ``DHTPartners`` (ready peers from the run's announcements) and
   ``StaticPartners``
+* ``aggregation``  robust aggregation: ``RobustAggregator`` clips a partner's contribution against ours and
+  rejects absurd ones (too large, sign-flipped, non-finite) before anything is applied
+* ``cooldown``     ``Cooldown``: a peer that keeps sending bad messages is neither asked nor answered for a while
 """

@@ -36,7 +36,9 @@ from dataclasses import dataclass, field
 import torch
 
 from averaging import wire
+from averaging.aggregation import AggregationConfig, Rejected, RobustAggregator
 from averaging.compression import LowRankCompressor, Mode, PairRound, Projection, Slot, plan
+from averaging.cooldown import Cooldown, CooldownConfig
 from averaging.partners import PartnerSource
 from averaging.transport import Stream, Transport
 from averaging.wire import Kind, TensorSpec
@@ -54,6 +56,9 @@ class ExchangeConfig:
     avoid_recent: int = 1  # prefer peers other than the last few partners, so the swarm mixes...
     fresh_patience: float = 1.0  # ...waiting this long for one before settling for a recent partner
     limits: wire.Limits = field(default_factory=wire.Limits)
+    aggregation: AggregationConfig = field(default_factory=AggregationConfig)
+    cooldown: CooldownConfig = field(default_factory=CooldownConfig)
+    max_step_gap: int = 100_000  # a partner whose outer step is further from ours is not sane
 
     def __post_init__(self) -> None:
         if min(self.window, self.exchange_timeout, self.message_timeout, self.poll_interval) <= 0:
@@ -98,6 +103,10 @@ class Declined(ExchangeFailed):
     """The partner declined before anything was exchanged."""
 
 
+class Misbehaved(ExchangeFailed):
+    """The partner sent a bad message or an absurd contribution: a strike towards its cool-down."""
+
+
 def layout_signature(run_id: str, slots: Mapping[str, Slot], modes: Mapping[str, Mode], compressor) -> str:
     """Two peers may pair only if they agree on every name, shape, rank, mode and wire dtype."""
     cfg = compressor.config
@@ -127,6 +136,8 @@ class GossipAverager:
         self.slots = plan(shapes, compressor.config.rank)
         self.signature = layout_signature(run_id, self.slots, self.modes, compressor)
         self.stats = ExchangeStats()
+        self.aggregator = RobustAggregator(config.aggregation)
+        self.cooldown = Cooldown(config.cooldown)
         self._rng = random.Random(seed)
         self._busy = asyncio.Lock()
         self._offer: Offer | None = None
@@ -206,7 +217,8 @@ class GossipAverager:
 
     async def _candidates(self) -> list[str]:
         try:
-            return [p for p in await self.partners.candidates() if p != self.peer_id]
+            peers = await self.partners.candidates()
+            return [p for p in peers if p != self.peer_id and not self.cooldown.cooling(p)]
         except Exception as e:  # a DHT hiccup must not end the round
             logger.warning("could not list partners: %s", e)
             return []
@@ -220,6 +232,8 @@ class GossipAverager:
         self.stats.failed += 1
         self.stats.last_error = f"{partner[-8:]}: {error}"
         logger.warning("exchange with %s aborted: %s", partner[-8:], error)
+        if isinstance(error, Misbehaved):
+            self.cooldown.strike(partner, str(error))
 
     def _succeeded(self, partner: str, session: int, initiator: bool, projections, stream, started) -> ExchangeResult:
         self.stats.ok += 1
@@ -253,15 +267,17 @@ class GossipAverager:
                 await self._send(stream, Kind.PHASE1, session, offer.step, pair.phase1())
                 mine = pair.phase2(accept.tensors)
                 phase2 = await self._recv(stream, Kind.PHASE2, session, self._spec_q)
-                projections = pair.finish(phase2.tensors)
+                projections = self._robust(pair.finish(phase2.tensors))
                 await self._send(stream, Kind.COMMIT, session, offer.step, mine)
                 await self._recv(stream, Kind.ACK, session, {})
                 pair.commit()
                 return self._succeeded(partner, session, True, projections, stream, started)
         except TimeoutError:
             raise ExchangeFailed(f"timed out after {time.monotonic() - started:.1f} s") from None
-        except (ConnectionError, wire.WireError) as e:
+        except ConnectionError as e:
             raise ExchangeFailed(str(e)) from None
+        except wire.WireError as e:
+            raise Misbehaved(str(e)) from None
         finally:
             await stream.close()
 
@@ -272,10 +288,14 @@ class GossipAverager:
             request = await self._recv(stream, Kind.REQUEST, None, self._spec_q)
         except (ExchangeFailed, ConnectionError, wire.WireError, TimeoutError) as e:
             logger.warning("bad request from %s: %s", remote[-8:], e)
+            if isinstance(e, wire.WireError | Misbehaved):
+                self.cooldown.strike(remote, str(e))
             return
         offer, session = self._offer, request.session
         reason = None
-        if offer is None or self._closed:
+        if self.cooldown.cooling(remote):
+            reason = "cooling down after bad messages"
+        elif offer is None or self._closed:
             reason = "not ready"
         elif self._busy.locked() or self._result is None or self._result.done():
             reason = "busy"
@@ -295,12 +315,12 @@ class GossipAverager:
                     phase1 = await self._recv(stream, Kind.PHASE1, session, self._spec_p)
                     await self._send(stream, Kind.PHASE2, session, offer.step, pair.phase2(phase1.tensors))
                     commit = await self._recv(stream, Kind.COMMIT, session, self._spec_q)
-                    projections = pair.finish(commit.tensors)
+                    projections = self._robust(pair.finish(commit.tensors))
             except TimeoutError:
                 self._note_failure(remote, ExchangeFailed(f"timed out after {time.monotonic() - started:.1f} s"))
                 return
             except (ExchangeFailed, ConnectionError, wire.WireError) as e:
-                self._note_failure(remote, e)
+                self._note_failure(remote, Misbehaved(str(e)) if isinstance(e, wire.WireError) else e)
                 with contextlib.suppress(ConnectionError, TimeoutError):
                     await self._send(stream, Kind.ABORT, session, 0, {}, {"reason": str(e)[:200]})
                 return
@@ -325,6 +345,14 @@ class GossipAverager:
         if message.kind == Kind.ABORT:
             raise ExchangeFailed(f"partner aborted: {message.meta.get('reason', 'no reason given')}")
         if session is not None and message.session != session:
-            raise ExchangeFailed(f"message for session {message.session}, expected {session}")
+            raise Misbehaved(f"message for session {message.session}, expected {session}")
+        if self._offer is not None and abs(message.step - self._offer.step) > self.config.max_step_gap:
+            raise Misbehaved(f"outer step {message.step} is not within {self.config.max_step_gap} of ours")
         wire.check_tensors(message.tensors, expected)
         return message
+
+    def _robust(self, projections: dict[str, Projection]) -> dict[str, Projection]:
+        try:
+            return self.aggregator.check(projections, self.modes)
+        except Rejected as e:
+            raise Misbehaved(f"rejected: {e}") from None

@@ -100,12 +100,9 @@ def encode(message: Message) -> bytes:
             raise WireError(f"tensor {_show(name)} is a {type(tensor).__name__}, not a torch.Tensor")
         if tensor.dtype not in Limits().dtypes:
             raise WireError(f"tensor {_show(name)} has dtype {_dtype_str(tensor.dtype)}, not allowed")
-        cpu = tensor.detach().to("cpu").contiguous()
-        if not bool(torch.isfinite(cpu).all()):
+        if not bool(torch.isfinite(tensor).all()):
             raise WireError(f"tensor {_show(name)} holds non-finite values")
-        int_dtype, le_format = _INT_VIEWS[cpu.dtype]
-        raw = cpu.view(int_dtype).numpy().astype(le_format, copy=False).tobytes()
-        packed[name] = [_DTYPE_NAMES[cpu.dtype], list(cpu.shape), raw]
+        packed[name] = pack_tensor(tensor)
     body = {"v": PROTOCOL_VERSION, "k": int(kind), "s": message.session, "t": message.step}
     return msgpack.packb({**body, "m": dict(message.meta), "x": packed}, use_bin_type=True)
 
@@ -186,13 +183,26 @@ def _decode_tensors(
             raise WireError(f"{label}: shape {shape} needs {needed} bytes, got {len(raw)}")
         if expected is not None:
             _check_spec(label, tuple(shape), dtype, expected[name])
-        _, le_format = _INT_VIEWS[dtype]
-        ints = np.frombuffer(raw, dtype=le_format).astype(le_format[1:])  # native order; a writable copy
-        tensor = torch.from_numpy(ints).view(dtype).reshape(shape)
+        tensor = unpack_tensor(dtype, shape, raw)
         if not bool(torch.isfinite(tensor).all()):
             raise WireError(f"{label} holds non-finite values")
         tensors[name] = tensor
     return tensors
+
+
+def pack_tensor(tensor: torch.Tensor) -> list[Any]:
+    """One tensor's wire entry ``[dtype_name, shape, raw little-endian bytes]``; no finiteness check."""
+    cpu = tensor.detach().to("cpu").contiguous()
+    int_dtype, le_format = _INT_VIEWS[cpu.dtype]
+    raw = cpu.view(int_dtype).numpy().astype(le_format, copy=False).tobytes()
+    return [_DTYPE_NAMES[cpu.dtype], list(cpu.shape), raw]
+
+
+def unpack_tensor(dtype: torch.dtype, shape: list[int], raw: bytes) -> torch.Tensor:
+    """The tensor of a wire entry whose byte count has been checked; a writable copy in native order."""
+    _, le_format = _INT_VIEWS[dtype]
+    ints = np.frombuffer(raw, dtype=le_format).astype(le_format[1:])
+    return torch.from_numpy(ints).view(dtype).reshape(shape)
 
 
 def check_tensors(tensors: Mapping[str, torch.Tensor], expected: Mapping[str, TensorSpec]) -> None:

@@ -22,7 +22,7 @@ from __future__ import annotations
 import asyncio
 import heapq
 import random
-from collections.abc import Callable
+from collections.abc import Awaitable, Callable
 from dataclasses import dataclass, field
 
 import torch
@@ -224,12 +224,18 @@ def run_murmur(
     window: float = 5.0,
     patience: float = 1.0,
     name: str = "murmur",
+    tamper: Callable[[str, str, bytes], Awaitable[bytes | None]] | None = None,
 ) -> MethodResult:
-    """Gossip DiLoCo with low-rank exchanges, no barrier, in virtual time."""
+    """Gossip DiLoCo with low-rank exchanges, no barrier, in virtual time.
+
+    `tamper` becomes the network's `before_send(src, dst, frame)` hook (attacks, faults).
+    """
     trainers = _trainers(config, corpus, scenario)
     evaluator = _Evaluator(scenario, trainers[0].eval_set)
     evaluator.curve.add(0, 0.0, [trainers[0].evaluate()] * len(trainers))
     network = InMemoryNetwork()
+    if tamper is not None:
+        network.before_send = tamper
     targets: dict[int, list[str]] = {i: [] for i in range(scenario.peers)}
     fast = ExchangeConfig(window=1.0, poll_interval=1e-3, retry_after=(0.0, 0.0), fresh_patience=0.0)
     loop = asyncio.new_event_loop()
