@@ -52,6 +52,10 @@ class Cooldown:
                        peer[-8:], self.config.duration, len(recent), reason)  # fmt: skip
         return True
 
+    def strikes(self, peer: str) -> int:
+        """Strikes against `peer` that still count (0 once it is on cool-down)."""
+        return sum(self._clock() - t < self.config.memory for t in self._strikes.get(peer, []))
+
     def cooling(self, peer: str) -> bool:
         until = self._until.get(peer)
         return until is not None and self._clock() < until

@@ -40,7 +40,7 @@ from averaging.aggregation import AggregationConfig, Rejected, RobustAggregator
 from averaging.compression import LowRankCompressor, Mode, PairRound, Projection, Slot, plan
 from averaging.cooldown import Cooldown, CooldownConfig
 from averaging.partners import PartnerSource
-from averaging.transport import Stream, Transport
+from averaging.transport import FrameTooLarge, Stream, Transport
 from averaging.wire import Kind, TensorSpec
 
 logger = logging.getLogger("murmur.averaging")
@@ -338,7 +338,10 @@ class GossipAverager:
         self, stream: Stream, want: Kind, session: int | None, expected: Mapping[str, TensorSpec]
     ) -> wire.Message:
         limits = self.config.limits
-        data = await asyncio.wait_for(stream.recv(limits.max_message_bytes), self.config.message_timeout)
+        try:
+            data = await asyncio.wait_for(stream.recv(limits.max_message_bytes), self.config.message_timeout)
+        except FrameTooLarge as e:
+            raise wire.WireError(str(e)) from None
         message = wire.decode(data, limits=limits, kinds={want, Kind.DECLINE, Kind.ABORT})
         if message.kind == Kind.DECLINE:
             raise Declined(str(message.meta.get("reason", "no reason given")))
