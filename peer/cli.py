@@ -121,7 +121,7 @@ def _stop_on_signals(stop: threading.Event) -> None:
 
 def _bootstrap(args: argparse.Namespace) -> int:
     config = _train_config(args)
-    dht = start_node(NodeConfig(host=args.host, port=args.port, identity_path=args.identity))
+    dht = start_node(NodeConfig(host=args.host, port=args.port, identity_path=args.identity, run_id=args.run))
     stop = threading.Event()
     _stop_on_signals(stop)
     try:
@@ -140,7 +140,7 @@ def _join(args: argparse.Namespace) -> int:
     options = PeerOptions(
         run_id=args.run,
         node=NodeConfig(initial_peers=tuple(args.initial_peers), host=args.host, port=args.port,
-                        identity_path=args.identity),
+                        identity_path=args.identity, run_id=args.run),
         exchange=ExchangeConfig(window=args.window, exchange_timeout=args.exchange_timeout),
         data_seed=args.data_seed, duration=args.duration, out_dir=args.out_dir, verbose=not args.quiet,
         checkpoint_dir=args.checkpoint_dir, checkpoint_every=args.checkpoint_every, resume=args.resume,
@@ -175,7 +175,7 @@ def _simulate(args: argparse.Namespace) -> int:
 
 def _status(args: argparse.Namespace) -> int:
     validate_run_id(args.run)  # before starting a node
-    dht = start_node(NodeConfig(initial_peers=tuple(args.initial_peers), client_mode=True))
+    dht = start_node(NodeConfig(initial_peers=tuple(args.initial_peers), client_mode=True, run_id=args.run))
     try:
         status = read_status(RunRecords(dht, args.run))
     finally:

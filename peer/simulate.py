@@ -101,7 +101,7 @@ def simulate(config: SimulationConfig, console: Console | None = None) -> SwarmR
         for name in ("metrics.jsonl", "report.json", "anchor.pt"):
             (config.out_dir / f"peer-{i}" / name).unlink(missing_ok=True)
     started = time.monotonic()
-    boot = start_node(NodeConfig())
+    boot = start_node(NodeConfig(run_id=config.run_id))
     procs: list[subprocess.Popen] = []
     logs = []
     try:
