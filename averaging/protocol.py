@@ -36,6 +36,7 @@ from dataclasses import dataclass, field
 import torch
 
 from averaging import wire
+from averaging.access import AccessPolicy
 from averaging.aggregation import AggregationConfig, Rejected, RobustAggregator
 from averaging.compression import LowRankCompressor, Mode, PairRound, Projection, Slot, plan
 from averaging.cooldown import Cooldown, CooldownConfig
@@ -58,6 +59,7 @@ class ExchangeConfig:
     limits: wire.Limits = field(default_factory=wire.Limits)
     aggregation: AggregationConfig = field(default_factory=AggregationConfig)
     cooldown: CooldownConfig = field(default_factory=CooldownConfig)
+    access: AccessPolicy = field(default_factory=AccessPolicy)  # private runs: who may exchange with us
     max_step_gap: int = 100_000  # a partner whose outer step is further from ours is not sane
 
     def __post_init__(self) -> None:
@@ -218,7 +220,8 @@ class GossipAverager:
     async def _candidates(self) -> list[str]:
         try:
             peers = await self.partners.candidates()
-            return [p for p in peers if p != self.peer_id and not self.cooldown.cooling(p)]
+            admits, cooling = self.config.access.admits, self.cooldown.cooling
+            return [p for p in peers if p != self.peer_id and admits(p) and not cooling(p)]
         except Exception as e:  # a DHT hiccup must not end the round
             logger.warning("could not list partners: %s", e)
             return []
@@ -260,9 +263,11 @@ class GossipAverager:
         try:
             async with asyncio.timeout(self.config.exchange_timeout):
                 q_init = PairRound.request_factors(self.compressor, self.slots)
-                meta = {"sig": self.signature}
+                meta = {"sig": self.signature, **self._credentials("exchange-request", partner, session)}
                 await self._send(stream, Kind.REQUEST, session, offer.step, q_init, meta)
                 accept = await self._recv(stream, Kind.ACCEPT, session, self._spec_p)
+                if why := self._access_denied("exchange-accept", partner, session, accept.meta):
+                    raise ExchangeFailed(f"partner failed the access check ({why})")
                 pair = PairRound(self.compressor, self.slots, offer.tensors, offer.modes, q_init, initiator=True)
                 await self._send(stream, Kind.PHASE1, session, offer.step, pair.phase1())
                 mine = pair.phase2(accept.tensors)
@@ -295,6 +300,8 @@ class GossipAverager:
         reason = None
         if self.cooldown.cooling(remote):
             reason = "cooling down after bad messages"
+        elif why := self._access_denied("exchange-request", remote, session, request.meta):
+            reason = why
         elif offer is None or self._closed:
             reason = "not ready"
         elif self._busy.locked() or self._result is None or self._result.done():
@@ -311,7 +318,8 @@ class GossipAverager:
                     pair = PairRound(
                         self.compressor, self.slots, offer.tensors, offer.modes, request.tensors, initiator=False
                     )
-                    await self._send(stream, Kind.ACCEPT, session, offer.step, pair.phase1())
+                    proof = self._credentials("exchange-accept", remote, session)
+                    await self._send(stream, Kind.ACCEPT, session, offer.step, pair.phase1(), proof)
                     phase1 = await self._recv(stream, Kind.PHASE1, session, self._spec_p)
                     await self._send(stream, Kind.PHASE2, session, offer.step, pair.phase2(phase1.tensors))
                     commit = await self._recv(stream, Kind.COMMIT, session, self._spec_q)
@@ -353,6 +361,12 @@ class GossipAverager:
             raise Misbehaved(f"outer step {message.step} is not within {self.config.max_step_gap} of ours")
         wire.check_tensors(message.tensors, expected)
         return message
+
+    def _credentials(self, context: str, remote: str, session: int) -> dict:
+        return self.config.access.credentials(context=context, local=self.peer_id, remote=remote, nonce=session)
+
+    def _access_denied(self, context: str, remote: str, session: int, meta) -> str | None:
+        return self.config.access.check(context=context, local=self.peer_id, remote=remote, nonce=session, meta=meta)
 
     def _robust(self, projections: dict[str, Projection]) -> dict[str, Projection]:
         try:

@@ -40,6 +40,8 @@ class SimulationConfig:
     train: TrainConfig = field(default_factory=TrainConfig)
     startup_grace: float = 90.0  # time for a peer process to import, join and load its data
     stop_grace: float = 15.0  # time between SIGTERM and SIGKILL
+    run_secret_file: Path | None = None  # a private run: passed on to every peer
+    allow_peers: tuple[str, ...] | None = None
 
     def __post_init__(self) -> None:
         if not 1 <= self.peers <= 64:
@@ -57,6 +59,8 @@ def _peer_command(config: SimulationConfig, index: int, maddrs: list[str]) -> li
         "--out-dir", str(config.out_dir / f"peer-{index}"),
         "--data-seed", str(index + 1),
         "--quiet",
+        *(["--run-secret-file", str(config.run_secret_file)] if config.run_secret_file else []),
+        *(["--allow-peers", *config.allow_peers] if config.allow_peers else []),
     ]  # fmt: skip
 
 
