@@ -272,7 +272,7 @@ class GossipAverager:
                 await self._send(stream, Kind.PHASE1, session, offer.step, pair.phase1())
                 mine = pair.phase2(accept.tensors)
                 phase2 = await self._recv(stream, Kind.PHASE2, session, self._spec_q)
-                projections = self._robust(pair.finish(phase2.tensors))
+                projections = self._robust(pair.finish(phase2.tensors), offer)
                 await self._send(stream, Kind.COMMIT, session, offer.step, mine)
                 await self._recv(stream, Kind.ACK, session, {})
                 pair.commit()
@@ -323,7 +323,7 @@ class GossipAverager:
                     phase1 = await self._recv(stream, Kind.PHASE1, session, self._spec_p)
                     await self._send(stream, Kind.PHASE2, session, offer.step, pair.phase2(phase1.tensors))
                     commit = await self._recv(stream, Kind.COMMIT, session, self._spec_q)
-                    projections = self._robust(pair.finish(commit.tensors))
+                    projections = self._robust(pair.finish(commit.tensors), offer)
             except TimeoutError:
                 self._note_failure(remote, ExchangeFailed(f"timed out after {time.monotonic() - started:.1f} s"))
                 return
@@ -368,8 +368,8 @@ class GossipAverager:
     def _access_denied(self, context: str, remote: str, session: int, meta) -> str | None:
         return self.config.access.check(context=context, local=self.peer_id, remote=remote, nonce=session, meta=meta)
 
-    def _robust(self, projections: dict[str, Projection]) -> dict[str, Projection]:
+    def _robust(self, projections: dict[str, Projection], offer: Offer) -> dict[str, Projection]:
         try:
-            return self.aggregator.check(projections, self.modes)
+            return self.aggregator.check(projections, self.modes, offer.tensors)
         except Rejected as e:
             raise Misbehaved(f"rejected: {e}") from None

@@ -31,35 +31,40 @@ def projections(theirs_scale=1.0, pull=0.1, seed=0, flip=False):
     return out
 
 
+def own_of(p):
+    """What this side offered: here its own projections are its whole state."""
+    return {n: x.own for n, x in p.items()}
+
+
 def test_honest_contributions_pass_unchanged():
     agg = RobustAggregator()
     p = projections()
-    assert agg.check(p, MODES) == p and agg.clipped == 0
+    assert agg.check(p, MODES, own_of(p)) == p and agg.clipped == 0
 
 
 def test_a_large_contribution_is_clipped_to_the_limit_and_an_absurd_one_rejected():
     agg = RobustAggregator(AggregationConfig(clip=2.0, reject=20.0))
     p = projections(theirs_scale=5.0)
-    checked = agg.check(p, MODES)
+    checked = agg.check(p, MODES, own_of(p))
     stats = group_stats(checked)
     assert stats["delta"].theirs == pytest.approx(2.0 * stats["delta"].own, rel=1e-5)
     assert torch.equal(checked["anchor/w"].mean, p["anchor/w"].mean)  # the honest group is untouched
     assert agg.clipped == 1
     with pytest.raises(Rejected, match="delta.*contribution is .*x ours"):
-        agg.check(projections(theirs_scale=100.0), MODES)
+        agg.check(p := projections(theirs_scale=100.0), MODES, own_of(p))
 
 
 def test_a_sign_flipped_update_is_rejected():
     with pytest.raises(Rejected, match="opposes ours"):
-        RobustAggregator().check(projections(flip=True), MODES)
+        RobustAggregator().check(p := projections(flip=True), MODES, own_of(p))
 
 
 def test_a_far_state_is_pulled_at_most_diff_clip_and_an_absurd_one_rejected():
     cfg = AggregationConfig(diff_clip=0.5, diff_reject=1.0)
-    checked = RobustAggregator(cfg).check(projections(pull=0.8), MODES)
-    assert group_stats(checked)["anchor"].pull == pytest.approx(0.5 * group_stats(checked)["anchor"].own, rel=1e-5)
+    checked = RobustAggregator(cfg).check(p := projections(pull=0.8), MODES, own_of(p))
+    assert group_stats(checked)["anchor"].pull == pytest.approx(0.5 * group_stats(p)["anchor"].own, rel=1e-5)
     with pytest.raises(Rejected, match="anchor.*pull"):
-        RobustAggregator(cfg).check(projections(pull=3.0), MODES)
+        RobustAggregator(cfg).check(p := projections(pull=3.0), MODES, own_of(p))
 
 
 @pytest.mark.parametrize("value", [float("nan"), float("inf")])
@@ -67,7 +72,7 @@ def test_non_finite_projections_are_rejected(value):
     p = projections()
     p["delta/b"].mean[0, 0] = value
     with pytest.raises(Rejected, match="non-finite"):
-        RobustAggregator().check(p, MODES)
+        RobustAggregator().check(p, MODES, own_of(p))
 
 
 def test_cooldown_after_repeated_strikes_and_it_ends():
