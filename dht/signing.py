@@ -11,10 +11,12 @@ with `RunValidator`, both when it stores one for others and when it reads one:
   valid ``Announcement`` / ``Metrics`` of that peer (or a withdrawal tombstone);
 * ``{run}:config``: a valid ``RunRecord`` whose ``created_by`` is the signer, and the first
   signer a node accepts for the config is pinned: a config signed by any other key is refused.
-  Republishing the creator's identical signed record stays possible (keep its expiration long).
+  Its signature covers only the record's content and travels inside it (``RunRecord.public_key``
+  and ``signature``), so any peer can republish the creator's record unchanged, with a new
+  expiration, to keep the config alive after the bootstrap node is gone.
 
-A value travels as ``msgpack(value) + b"[murmur-sig:" + base64(msgpack([public_key, signature])) + b"]"``;
-readers get the plain value back (``strip_value``). Nothing is unpickled.
+Announcements and metrics travel as ``msgpack(value) + b"[murmur-sig:" + base64(msgpack([public_key,
+signature])) + b"]"``; readers get the plain value back (``strip_value``). Nothing is unpickled.
 """
 
 from __future__ import annotations
@@ -22,6 +24,7 @@ from __future__ import annotations
 import base64
 import binascii
 import hashlib
+import json
 import logging
 import re
 from pathlib import Path
@@ -73,6 +76,12 @@ def peer_id_of_public_key(der: bytes) -> str:
     return PeerID(digest).to_base58()
 
 
+def _config_payload(body: dict) -> bytes:
+    """What the creator signs: the config's content, in a canonical form (not its expiration)."""
+    content = {k: body.get(k) for k in ("run_id", "config", "created_by")}
+    return json.dumps(content, sort_keys=True, separators=(",", ":")).encode()
+
+
 def _payload(record: DHTRecord, value: bytes) -> bytes:
     return msgpack.packb([record.key, record.subkey, value, record.expiration_time])
 
@@ -94,14 +103,29 @@ class RunValidator(RecordValidatorBase):
         return 10  # before validators that deserialize the value, like hivemind's RSASignatureValidator
 
     def sign_value(self, record: DHTRecord) -> bytes:
-        if record.key not in self._kinds or self._key is None:
+        kind = self._kinds.get(record.key)
+        if kind is None or self._key is None:
             return record.value
+        if kind == "config":
+            return self._sign_config(record.value)
         signature = self._key.sign(_payload(record, record.value), _PADDING, hashes.SHA256())
         envelope = base64.b64encode(msgpack.packb([self._public, signature]))
         return record.value + b"[murmur-sig:" + envelope + b"]"
 
+    def _sign_config(self, value: bytes) -> bytes:
+        """Our own config gets our signature inside it; anyone else's (a republish) is left as it is."""
+        body = msgpack.unpackb(value, raw=False)
+        if not isinstance(body, dict) or body.get("signature") is not None:
+            return value
+        if body.get("created_by") != peer_id_of_public_key(self._public):
+            return value
+        signature = self._key.sign(_config_payload(body), _PADDING, hashes.SHA256())
+        body["public_key"] = base64.b64encode(self._public).decode()
+        body["signature"] = base64.b64encode(signature).decode()
+        return msgpack.packb(body)
+
     def strip_value(self, record: DHTRecord) -> bytes:
-        if record.key not in self._kinds:
+        if self._kinds.get(record.key) in (None, "config"):
             return record.value
         return _SIGNATURE.sub(b"", record.value)
 
@@ -122,6 +146,9 @@ class RunValidator(RecordValidatorBase):
     def _check(self, kind: str, record: DHTRecord) -> None:
         if len(record.value) > _MAX_VALUE:
             raise _Invalid(f"value of {len(record.value)} bytes")
+        if kind == "config":
+            self._check_config(record)
+            return
         match = _SIGNATURE.search(record.value)
         if match is None:
             raise _Invalid("unsigned")
@@ -140,9 +167,6 @@ class RunValidator(RecordValidatorBase):
         except Exception as e:  # msgpack and cryptography raise many types on malformed input
             raise _Invalid(f"malformed envelope ({type(e).__name__})") from None
         signer = peer_id_of_public_key(public)
-        if kind == "config":
-            self._check_config(record, body, signer)
-            return
         subkey = None if record.subkey == _IS_REGULAR_VALUE else msgpack.unpackb(record.subkey, raw=False)
         if subkey != signer:
             raise _Invalid(f"subkey {subkey!r} is not the signer {signer}")
@@ -151,10 +175,29 @@ class RunValidator(RecordValidatorBase):
             if _validated(model, body).peer_id != signer:
                 raise _Invalid(f"the {kind} record names another peer than its signer {signer}")
 
-    def _check_config(self, record: DHTRecord, body: object, signer: str) -> None:
+    def _check_config(self, record: DHTRecord) -> None:
         if record.subkey != _IS_REGULAR_VALUE:
             raise _Invalid("the config has no subkeys")
+        try:
+            body = msgpack.unpackb(record.value, raw=False, max_bin_len=0, max_ext_len=0)
+        except Exception as e:  # msgpack raises many types on malformed input
+            raise _Invalid(f"malformed config ({type(e).__name__})") from None
         config = _validated(RunRecord, body)
+        if config.public_key is None or config.signature is None:
+            raise _Invalid("unsigned config")
+        try:
+            public = base64.b64decode(config.public_key, validate=True)
+            key = serialization.load_der_public_key(public)
+            if not isinstance(key, rsa.RSAPublicKey):
+                raise _Invalid("the signing key is not RSA")
+            key.verify(
+                base64.b64decode(config.signature, validate=True), _config_payload(body), _PADDING, hashes.SHA256()
+            )
+        except _Invalid:
+            raise
+        except Exception:  # binascii, cryptography: a bad key or signature
+            raise _Invalid("bad config signature") from None
+        signer = peer_id_of_public_key(public)
         if config.run_id != self.run_id or config.created_by != signer:
             raise _Invalid(f"config of run {config.run_id!r} by {config.created_by} signed by {signer}")
         if self._creator is None:

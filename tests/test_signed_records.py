@@ -68,12 +68,18 @@ def test_only_the_creator_writes_the_run_config(signed_swarm) -> None:
     creator = boot.peer_id.to_base58()
     config = RunRecord(run_id=RUN, config={"lr": 0.7}, created_by=creator)
     assert RunRecords(boot, RUN).publish_config(config)
-    wait_for(RunRecords(peer, RUN).fetch_config, lambda found: found == config)
+    signed = wait_for(RunRecords(peer, RUN).fetch_config, lambda found: found is not None)
+    assert (signed.config, signed.created_by) == (config.config, creator) and signed.signature
 
     evil = RunRecords(mallory, RUN, config_ttl=7200.0)  # a later expiration would win, were it accepted
     hijack = RunRecord(run_id=RUN, config={"lr": 100.0}, created_by=mallory.peer_id.to_base58())
     assert not evil.publish_config(hijack)
     assert not evil.publish_config(RunRecord(run_id=RUN, config={"lr": 100.0}, created_by=creator))
+    tampered = signed.model_copy(update={"config": {"lr": 100.0}})  # the creator's signature, other content
+    assert not evil.publish_config(tampered)
     for node in (boot, peer):
-        assert RunRecords(node, RUN).fetch_config() == config
-    assert RunRecords(boot, RUN).publish_config(config)  # the creator may publish again
+        assert RunRecords(node, RUN).fetch_config() == signed
+    # any peer may republish the creator's signed record unchanged, with a later expiration
+    assert RunRecords(peer, RUN, config_ttl=7200.0).publish_config(signed)
+    found = RunRecords(boot, RUN).fetch_config()
+    assert found == signed
