@@ -13,6 +13,8 @@ judged per group (the prefix before ``/``, e.g. ``delta`` or ``anchor``), on gro
   projection, which can be tiny when the states differ along directions where ours is small), and
   one over ``diff_reject`` × that aborts the exchange. The limits are loose: honest states far
   apart (a synthetic test starts peers further apart than their own norm) must still converge.
+  A negated state is caught apart: its pull is about 2× our projection and opposes it (cosine
+  < 0), while an honest pull stays well under ``diff_flip`` × our projection.
 * a non-finite value anywhere aborts the exchange.
 
 An abort is a `Rejected` error: the caller applies nothing. Honest pairs never come near the
@@ -44,15 +46,16 @@ class AggregationConfig:
     Between honest peers (8 peers, 20 rounds of H=20, rank 4) the delta group's norm ratio stayed
     in [0.74, 1.35] with cosine ≥ 0.55: the mean-group limits leave a margin of 1.5x or more, so
     honest pairs are never clipped. A scaled, noisy or sign-flipped update breaks them at once.
-    The anchor's pull stayed ≤ 0.10 × the anchor's norm there; the diff limits are 20x looser
-    because the swarm test's synthetic states start ~1.4x their own norm apart.
+    The anchor's pull stayed ≤ 0.10 × the anchor's norm and ≤ 0.25 × its projection there; the
+    diff limits are far looser because the swarm test's synthetic states start ~1.4x apart.
     """
 
     clip: float = 2.0  # mean groups: their norm ≤ clip × ours
     reject: float = 20.0  # mean groups: their norm > reject × ours aborts
     min_cosine: float = -0.2  # mean groups: cos(ours, theirs) below this aborts (a sign flip)
     diff_clip: float = 2.0  # diff groups: ‖theirs − own‖ ≤ diff_clip × ‖our whole state‖
-    diff_reject: float = 10.0  # diff groups: ‖theirs − own‖ > diff_reject × ‖our whole state‖ aborts
+    diff_reject: float = 5.0  # diff groups: ‖theirs − own‖ > diff_reject × ‖our whole state‖ aborts
+    diff_flip: float = 1.8  # diff groups: ‖theirs − own‖ > diff_flip × ‖own‖ with cos(own, theirs) < 0 aborts
 
     def __post_init__(self) -> None:
         if not 0 < self.clip <= self.reject or not 0 < self.diff_clip <= self.diff_reject:
@@ -145,6 +148,8 @@ class RobustAggregator:
             raise Rejected(f"group {group!r}: partner's {what} is {ratio:.3g}x ours (limit {reject:g}x)")
         if mode == "mean" and s.cosine < cfg.min_cosine:
             raise Rejected(f"group {group!r}: partner's update opposes ours (cosine {s.cosine:.2f})")
+        if mode == "diff" and s.cosine < 0 and s.pull > cfg.diff_flip * s.own:
+            raise Rejected(f"group {group!r}: partner's state opposes ours (cosine {s.cosine:.2f})")
         if ratio <= limit:
             return 1.0
         self.clipped += 1

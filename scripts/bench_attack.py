@@ -18,7 +18,7 @@ a float scale beside them, negating the scale is the sign flip). Writes bench_at
 the non-finite values in honest peers' models (target: every ratio ≤ 1.05, zero non-finite).
 
     .venv/bin/python scripts/bench_attack.py --quick    # tiny budget, under 2 minutes
-    .venv/bin/python scripts/bench_attack.py            # 8 peers, 20 rounds of H=10
+    .venv/bin/python scripts/bench_attack.py            # 8 peers, 8 rounds of H=10: about 30 minutes on 2 busy cores
 """
 
 from __future__ import annotations
@@ -155,7 +155,7 @@ def run(attack: str | None, config: TrainConfig, corpus, scenario: Scenario, att
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--quick", action="store_true", help="a tiny budget on a small corpus: under 2 minutes")
-    parser.add_argument("--rounds", type=int, help="outer rounds of the budget (default 20, quick 2)")
+    parser.add_argument("--rounds", type=int, help="outer rounds of the budget (default 8, quick 2)")
     parser.add_argument("--inner-steps", type=int, help="H (default 10, quick 2)")
     parser.add_argument("--attacks", nargs="+", choices=ATTACKS, default=list(ATTACKS))
     parser.add_argument("--attacker", type=int, default=3, help="which of the 8 peers attacks")
@@ -167,7 +167,7 @@ def main() -> None:
     averaging_log.setLevel(logging.INFO)
     averaging_log.propagate = False  # counted by EventCounter, not printed
     peers = 8
-    rounds = args.rounds or (2 if args.quick else 20)
+    rounds = args.rounds or (2 if args.quick else 8)
     config = TrainConfig(
         inner_steps=args.inner_steps or (2 if args.quick else 10),
         outer_lr=1.0,  # the convergence benchmark's swept defaults

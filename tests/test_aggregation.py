@@ -117,3 +117,10 @@ def test_a_scaled_partner_is_rejected_by_the_honest_side_and_then_cooled_down(at
     assert all(r[0] is None for r in results)  # the honest side applies nothing
     assert honest.stats.ok == 0 and honest.stats.failed == 2 and "rejected: group" in honest.stats.last_error
     assert honest.cooldown.cooling("M")  # the third round: M is neither asked nor answered
+
+
+def test_a_negated_state_is_rejected():
+    p = projections()
+    p["anchor/w"] = Projection(own=p["anchor/w"].own, mean=torch.zeros_like(p["anchor/w"].own))  # theirs = -own
+    with pytest.raises(Rejected, match="anchor.*state opposes ours"):
+        RobustAggregator().check(p, MODES, own_of(p))
