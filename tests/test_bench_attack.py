@@ -9,6 +9,7 @@ import pytest
 
 
 @pytest.mark.slow
+@pytest.mark.timeout(900)  # about 2 minutes on an idle box
 def test_quick_attack_benchmark_meets_its_targets(tmp_path: Path):
     done = subprocess.run(
         [sys.executable, "scripts/bench_attack.py", "--quick", "--out", str(tmp_path)],
