@@ -81,23 +81,32 @@ def group_of(name: str) -> str:
 def group_norms(tensors: Mapping[str, torch.Tensor]) -> dict[str, float]:
     sums: dict[str, float] = {}
     for name, t in tensors.items():
-        sums[group_of(name)] = sums.get(group_of(name), 0.0) + float(t.double().square().sum())
+        flat = t.reshape(-1).float()
+        sums[group_of(name)] = sums.get(group_of(name), 0.0) + float(torch.dot(flat, flat))
     return {group: math.sqrt(total) for group, total in sums.items()}
 
 
 def group_stats(projections: Mapping[str, Projection]) -> dict[str, GroupStats]:
+    """Norms and cosine per group from three dot products per tensor (no temporaries: this runs on
+    every exchange, on every tensor of the model). Any non-finite value makes a sum non-finite."""
     sums: dict[str, list[float]] = {}
     for name, p in projections.items():
-        own, theirs = p.own.double(), (2 * p.mean - p.own).double()
-        acc = sums.setdefault(group_of(name), [0.0, 0.0, 0.0, 0.0])
-        acc[0] += float(own.square().sum())
-        acc[1] += float(theirs.square().sum())
-        acc[2] += float((theirs - own).square().sum())
-        acc[3] += float((own * theirs).sum())
+        o, m = p.own.reshape(-1).float(), p.mean.reshape(-1).float()
+        acc = sums.setdefault(group_of(name), [0.0, 0.0, 0.0])
+        acc[0] += float(torch.dot(o, o))
+        acc[1] += float(torch.dot(m, m))
+        acc[2] += float(torch.dot(o, m))
     out = {}
-    for group, (oo, tt, dd, ot) in sums.items():
+    for group, (oo, mm, om) in sums.items():
+        if not all(map(math.isfinite, (oo, mm, om))):
+            out[group] = GroupStats(math.nan, math.nan, math.nan, math.nan)
+            continue
+        tt = max(0.0, 4 * mm - 4 * om + oo)  # ‖2m − o‖²
+        dd = max(0.0, 4 * (mm - 2 * om + oo))  # ‖theirs − own‖² = ‖2(m − o)‖²
+        ot = 2 * om - oo  # ⟨o, 2m − o⟩
         denom = math.sqrt(oo * tt)
-        out[group] = GroupStats(math.sqrt(oo), math.sqrt(tt), math.sqrt(dd), ot / denom if denom > 0 else 0.0)
+        cosine = ot / denom if denom > 0 else 0.0
+        out[group] = GroupStats(math.sqrt(oo), math.sqrt(tt), math.sqrt(dd), cosine)
     return out
 
 
@@ -113,9 +122,6 @@ class RobustAggregator:
 
         `offered` are the tensors this side brought to the exchange (the scale of "diff" groups).
         """
-        for name, p in projections.items():
-            if not (bool(torch.isfinite(p.own).all()) and bool(torch.isfinite(p.mean).all())):
-                raise Rejected(f"tensor {name!r} has non-finite values after the exchange")
         stats, states = group_stats(projections), group_norms(offered)
         scales = {}
         for group, s in stats.items():
@@ -136,7 +142,7 @@ class RobustAggregator:
         """The factor on the partner's contribution (mean) or pull (diff): 1 unless clipped."""
         cfg = self.config
         if not all(map(math.isfinite, (s.own, s.theirs, s.pull, s.cosine))):
-            raise Rejected(f"group {group!r} overflows")
+            raise Rejected(f"group {group!r} has non-finite values after the exchange")
         if mode == "mean":
             size, scale, limit, reject, what = s.theirs, s.own, cfg.clip, cfg.reject, "contribution"
         else:
