@@ -7,7 +7,7 @@ judged per group (the prefix before ``/``, e.g. ``delta`` or ``anchor``), on gro
 
 * "mean" groups (averaged updates): the contribution's norm is clipped to ``clip`` × our own
   group norm. A contribution more than ``reject`` × ours, or with a cosine to ours below
-  ``min_cosine`` (a sign flip), aborts the exchange.
+  ``min_cosine`` (a sign flip, noise), aborts the exchange.
 * "diff" groups (consensus pulls on states such as the anchor): the pull ``theirs − own`` is
   clipped to ``diff_clip`` × the norm of our whole state (the group's offered tensors, not their
   projection, which can be tiny when the states differ along directions where ours is small), and
@@ -52,7 +52,7 @@ class AggregationConfig:
 
     clip: float = 2.0  # mean groups: their norm ≤ clip × ours
     reject: float = 20.0  # mean groups: their norm > reject × ours aborts
-    min_cosine: float = -0.2  # mean groups: cos(ours, theirs) below this aborts (a sign flip)
+    min_cosine: float = 0.2  # mean groups: cos(ours, theirs) below this aborts (sign flip, noise)
     diff_clip: float = 2.0  # diff groups: ‖theirs − own‖ ≤ diff_clip × ‖our whole state‖
     diff_reject: float = 5.0  # diff groups: ‖theirs − own‖ > diff_reject × ‖our whole state‖ aborts
     diff_flip: float = 1.8  # diff groups: ‖theirs − own‖ > diff_flip × ‖own‖ with cos(own, theirs) < 0 aborts
@@ -153,7 +153,7 @@ class RobustAggregator:
         if ratio > reject:
             raise Rejected(f"group {group!r}: partner's {what} is {ratio:.3g}x ours (limit {reject:g}x)")
         if mode == "mean" and s.cosine < cfg.min_cosine:
-            raise Rejected(f"group {group!r}: partner's update opposes ours (cosine {s.cosine:.2f})")
+            raise Rejected(f"group {group!r}: partner's update does not follow ours (cosine {s.cosine:.2f})")
         if mode == "diff" and s.cosine < 0 and s.pull > cfg.diff_flip * s.own:
             raise Rejected(f"group {group!r}: partner's state opposes ours (cosine {s.cosine:.2f})")
         if ratio <= limit:

@@ -292,6 +292,8 @@ class GossipAverager:
         try:
             request = await self._recv(stream, Kind.REQUEST, None, self._spec_q)
         except (ExchangeFailed, ConnectionError, wire.WireError, TimeoutError) as e:
+            if self.cooldown.cooling(remote):
+                return  # already on cool-down: neither answered nor logged again
             logger.warning("bad request from %s: %s", remote[-8:], e)
             if isinstance(e, wire.WireError | Misbehaved):
                 self.cooldown.strike(remote, str(e))

@@ -162,7 +162,7 @@ def main() -> None:
     parser.add_argument("--out", type=Path, default=Path("scripts/results"))
     args = parser.parse_args()
 
-    torch.set_num_threads(2)
+    torch.set_num_threads(1)  # one thread per core left free; two thrash on a shared 2-core box
     averaging_log = logging.getLogger("murmur.averaging")
     averaging_log.setLevel(logging.INFO)
     averaging_log.propagate = False  # counted by EventCounter, not printed

@@ -55,7 +55,7 @@ def test_a_large_contribution_is_clipped_to_the_limit_and_an_absurd_one_rejected
 
 
 def test_a_sign_flipped_update_is_rejected():
-    with pytest.raises(Rejected, match="opposes ours"):
+    with pytest.raises(Rejected, match="does not follow ours"):
         RobustAggregator().check(p := projections(flip=True), MODES, own_of(p))
 
 
