@@ -13,4 +13,9 @@
   another donor when one dies, stalls or declines
 * ``partners``     who may be asked: ``DHTPartners`` (ready peers from the run's announcements) and
   ``StaticPartners``
+* ``aggregation``  robust aggregation: ``RobustAggregator`` clips a partner's contribution against ours and
+  rejects absurd ones (too large, sign-flipped, non-finite) before anything is applied
+* ``access``       private runs: ``AccessPolicy`` (a shared secret proven by HMAC, an allowlist of peer ids),
+  checked before any model data moves; ``load_policy`` reads the CLI flags
+* ``cooldown``     ``Cooldown``: a peer that keeps sending bad messages is neither asked nor answered for a while
 """

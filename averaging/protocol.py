@@ -36,9 +36,12 @@ from dataclasses import dataclass, field
 import torch
 
 from averaging import wire
+from averaging.access import AccessPolicy
+from averaging.aggregation import AggregationConfig, Rejected, RobustAggregator
 from averaging.compression import SCALE_SUFFIX, LowRankCompressor, Mode, PairRound, Projection, Slot, code_spec
+from averaging.cooldown import Cooldown, CooldownConfig
 from averaging.partners import PartnerSource
-from averaging.transport import Stream, Transport
+from averaging.transport import FrameTooLarge, Stream, Transport
 from averaging.wire import Kind, TensorSpec
 
 logger = logging.getLogger("murmur.averaging")
@@ -55,6 +58,10 @@ class ExchangeConfig:
     fresh_patience: float = 1.0  # ...waiting this long for one before settling for a recent partner
     unreachable_for: float = 15.0  # a peer we could not reach is not asked again for this long (it likely died)
     limits: wire.Limits = field(default_factory=wire.Limits)
+    aggregation: AggregationConfig = field(default_factory=AggregationConfig)
+    cooldown: CooldownConfig = field(default_factory=CooldownConfig)
+    access: AccessPolicy = field(default_factory=AccessPolicy)  # private runs: who may exchange with us
+    max_step_gap: int = 100_000  # a partner whose outer step is further from ours is not sane
 
     def __post_init__(self) -> None:
         if min(self.window, self.exchange_timeout, self.message_timeout, self.poll_interval) <= 0:
@@ -131,6 +138,10 @@ class Unreachable(ExchangeFailed):
     """No stream could be opened to the partner: nothing was exchanged."""
 
 
+class Misbehaved(ExchangeFailed):
+    """The partner sent a bad message or an absurd contribution: a strike towards its cool-down."""
+
+
 def layout_signature(run_id: str, slots: Mapping[str, Slot], modes: Mapping[str, Mode], compressor) -> str:
     """Two peers may pair only if they agree on every name, shape, codec, rank, mode and wire dtype."""
     cfg = compressor.config
@@ -160,6 +171,8 @@ class GossipAverager:
         self.slots = compressor.plan(shapes, self.modes)
         self.signature = layout_signature(run_id, self.slots, self.modes, compressor)
         self.stats = ExchangeStats()
+        self.aggregator = RobustAggregator(config.aggregation)
+        self.cooldown = Cooldown(config.cooldown)
         self._rng = random.Random(seed)
         self._busy = asyncio.Lock()
         self._offer: Offer | None = None
@@ -248,7 +261,11 @@ class GossipAverager:
         now = asyncio.get_running_loop().time()
         self._unreachable = {p: until for p, until in self._unreachable.items() if until > now}
         try:
-            return [p for p in await self.partners.candidates() if p != self.peer_id and p not in self._unreachable]
+            peers = await self.partners.candidates()
+            admits, cooling = self.config.access.admits, self.cooldown.cooling
+            return [
+                p for p in peers if p != self.peer_id and p not in self._unreachable and admits(p) and not cooling(p)
+            ]
         except Exception as e:  # a DHT hiccup must not end the round
             logger.warning("could not list partners: %s", e)
             return []
@@ -262,6 +279,8 @@ class GossipAverager:
         self.stats.failed += 1
         self.stats.last_error = f"{partner[-8:]}: {error}"
         logger.warning("exchange with %s aborted: %s", partner[-8:], error)
+        if isinstance(error, Misbehaved):
+            self.cooldown.strike(partner, str(error))
 
     def _succeeded(self, partner: str, session: int, initiator: bool, projections, stream, started) -> ExchangeResult:
         self.stats.ok += 1
@@ -288,22 +307,26 @@ class GossipAverager:
         try:
             async with asyncio.timeout(self.config.exchange_timeout):
                 q_init = PairRound.request_factors(self.compressor, self.slots)
-                meta = {"sig": self.signature}
+                meta = {"sig": self.signature, **self._credentials("exchange-request", partner, session)}
                 await self._send(stream, Kind.REQUEST, session, offer.step, q_init, meta)
                 accept = await self._recv(stream, Kind.ACCEPT, session, self._spec_p)
+                if why := self._access_denied("exchange-accept", partner, session, accept.meta):
+                    raise ExchangeFailed(f"partner failed the access check ({why})")
                 pair = PairRound(self.compressor, self.slots, offer.tensors, offer.modes, q_init, initiator=True)
                 await self._send(stream, Kind.PHASE1, session, offer.step, pair.phase1())
                 mine = pair.phase2(accept.tensors)
                 phase2 = await self._recv(stream, Kind.PHASE2, session, self._spec_q)
-                projections = pair.finish(phase2.tensors)
+                projections = self._robust(pair.finish(phase2.tensors), offer)
                 await self._send(stream, Kind.COMMIT, session, offer.step, mine)
                 await self._recv(stream, Kind.ACK, session, {})
                 pair.commit()
                 return self._succeeded(partner, session, True, projections, stream, started)
         except TimeoutError:
             raise ExchangeFailed(f"timed out after {time.monotonic() - started:.1f} s") from None
-        except (ConnectionError, wire.WireError) as e:
+        except ConnectionError as e:
             raise ExchangeFailed(str(e)) from None
+        except wire.WireError as e:
+            raise Misbehaved(str(e)) from None
         finally:
             await stream.close()
 
@@ -316,11 +339,19 @@ class GossipAverager:
             if compatible:
                 wire.check_tensors(request.tensors, self._spec_q)
         except (ExchangeFailed, ConnectionError, wire.WireError, TimeoutError) as e:
+            if self.cooldown.cooling(remote):
+                return  # already on cool-down: neither answered nor logged again
             logger.warning("bad request from %s: %s", remote[-8:], e)
+            if isinstance(e, wire.WireError | Misbehaved):
+                self.cooldown.strike(remote, str(e))
             return
         offer, session = self._offer, request.session
         reason = None
-        if not compatible:
+        if self.cooldown.cooling(remote):
+            reason = "cooling down after bad messages"
+        elif why := self._access_denied("exchange-request", remote, session, request.meta):
+            reason = why
+        elif not compatible:
             reason = "incompatible run, model or compression settings"
         elif offer is None or self._closed:
             reason = "not ready"
@@ -336,16 +367,17 @@ class GossipAverager:
                     pair = PairRound(
                         self.compressor, self.slots, offer.tensors, offer.modes, request.tensors, initiator=False
                     )
-                    await self._send(stream, Kind.ACCEPT, session, offer.step, pair.phase1())
+                    proof = self._credentials("exchange-accept", remote, session)
+                    await self._send(stream, Kind.ACCEPT, session, offer.step, pair.phase1(), proof)
                     phase1 = await self._recv(stream, Kind.PHASE1, session, self._spec_p)
                     await self._send(stream, Kind.PHASE2, session, offer.step, pair.phase2(phase1.tensors))
                     commit = await self._recv(stream, Kind.COMMIT, session, self._spec_q)
-                    projections = pair.finish(commit.tensors)
+                    projections = self._robust(pair.finish(commit.tensors), offer)
             except TimeoutError:
                 self._note_failure(remote, ExchangeFailed(f"timed out after {time.monotonic() - started:.1f} s"))
                 return
             except (ExchangeFailed, ConnectionError, wire.WireError) as e:
-                self._note_failure(remote, e)
+                self._note_failure(remote, Misbehaved(str(e)) if isinstance(e, wire.WireError) else e)
                 with contextlib.suppress(ConnectionError, TimeoutError):
                     await self._send(stream, Kind.ABORT, session, 0, {}, {"reason": str(e)[:200]})
                 return
@@ -363,14 +395,31 @@ class GossipAverager:
         self, stream: Stream, want: Kind, session: int | None, expected: Mapping[str, TensorSpec] | None
     ) -> wire.Message:
         limits = self.config.limits
-        data = await asyncio.wait_for(stream.recv(limits.max_message_bytes), self.config.message_timeout)
+        try:
+            data = await asyncio.wait_for(stream.recv(limits.max_message_bytes), self.config.message_timeout)
+        except FrameTooLarge as e:
+            raise wire.WireError(str(e)) from None
         message = wire.decode(data, limits=limits, kinds={want, Kind.DECLINE, Kind.ABORT})
         if message.kind == Kind.DECLINE:
             raise Declined(str(message.meta.get("reason", "no reason given")))
         if message.kind == Kind.ABORT:
             raise ExchangeFailed(f"partner aborted: {message.meta.get('reason', 'no reason given')}")
         if session is not None and message.session != session:
-            raise ExchangeFailed(f"message for session {message.session}, expected {session}")
+            raise Misbehaved(f"message for session {message.session}, expected {session}")
+        if self._offer is not None and abs(message.step - self._offer.step) > self.config.max_step_gap:
+            raise Misbehaved(f"outer step {message.step} is not within {self.config.max_step_gap} of ours")
         if expected is not None:
             wire.check_tensors(message.tensors, expected)
         return message
+
+    def _credentials(self, context: str, remote: str, session: int) -> dict:
+        return self.config.access.credentials(context=context, local=self.peer_id, remote=remote, nonce=session)
+
+    def _access_denied(self, context: str, remote: str, session: int, meta) -> str | None:
+        return self.config.access.check(context=context, local=self.peer_id, remote=remote, nonce=session, meta=meta)
+
+    def _robust(self, projections: dict[str, Projection], offer: Offer) -> dict[str, Projection]:
+        try:
+            return self.aggregator.check(projections, self.modes, offer.tensors)
+        except Rejected as e:
+            raise Misbehaved(f"rejected: {e}") from None

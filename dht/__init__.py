@@ -6,6 +6,8 @@
   ``stop_node``, ``visible_addresses``
 * ``records``    typed, expiring, validated records under ``{run_id}:``: ``Announcement``, ``Metrics``,
   ``RunRecord`` and ``RunRecords`` (blocking methods, each with an ``a_`` async twin)
+* ``signing``    ``RunValidator``: every node of a run signs its records with its identity key and refuses
+  forged, foreign-subkey, schema-breaking and config-hijacking records (``NodeConfig.run_id`` installs it)
 * ``heartbeat``  ``Heartbeat`` re-announces a peer on a thread until stopped, then withdraws it
 * ``loop``       ``LoopThread``: the one sync/async bridge, an event loop (uvloop) on a background thread
 """

@@ -10,7 +10,8 @@ from __future__ import annotations
 import ipaddress
 import math
 import os
-from dataclasses import dataclass
+import tempfile
+from dataclasses import dataclass, replace
 from pathlib import Path
 
 import hivemind
@@ -18,6 +19,8 @@ import psutil
 
 from .addresses import parse_host, parse_peer_multiaddrs
 from .identity import IdentityError, ensure_identity, peer_id_of
+from .records import validate_run_id
+from .signing import RunValidator, load_signing_key
 
 __all__ = ["NodeConfig", "NodeError", "start_node", "stop_node", "visible_addresses"]
 
@@ -40,6 +43,7 @@ class NodeConfig:
     use_relay: bool = True  # libp2p circuit relay: reach, and be reached through, a relay (hivemind's default)
     use_auto_relay: bool = False  # look for relays and advertise addresses through them (a host behind NAT)
     startup_timeout: float = 30.0  # seconds until the node must be ready
+    run_id: str | None = None  # sign this node's records of the run and check everyone's (dht.signing)
 
     def __post_init__(self) -> None:
         object.__setattr__(self, "initial_peers", tuple(parse_peer_multiaddrs(self.initial_peers)))
@@ -51,6 +55,8 @@ class NodeConfig:
         for flag in ("client_mode", "use_relay", "use_auto_relay"):
             if not isinstance(getattr(self, flag), bool):
                 raise ValueError(f"{flag} must be a bool, got {getattr(self, flag)!r}")
+        if self.run_id is not None:
+            validate_run_id(self.run_id)
         timeout = self.startup_timeout
         if isinstance(timeout, bool) or not isinstance(timeout, int | float) or not 0 < timeout < math.inf:
             raise ValueError(f"startup_timeout must be a positive number of seconds, got {timeout!r}")
@@ -62,9 +68,26 @@ class NodeConfig:
 
 
 def start_node(config: NodeConfig) -> hivemind.DHT:
-    """Start a DHT node and block until it is ready; NodeError (one line) if it cannot start."""
+    """Start a DHT node and block until it is ready; NodeError (one line) if it cannot start.
+
+    With ``config.run_id`` the node signs its records of that run with its identity key and checks
+    everyone's (``dht.signing.RunValidator``); every node of a run must be started that way. A node
+    without an identity file then gets a fresh key, used for this start only.
+    """
     if config.identity_path is not None:
         _ensure_identity_not_taken(config.identity_path, config.initial_peers)
+    if config.run_id is None:
+        return _start(config, [])
+    with tempfile.TemporaryDirectory(prefix="murmur-id-") as scratch:
+        identity = config.identity_path or str(ensure_identity(Path(scratch) / "identity.key"))
+        try:
+            validator = RunValidator(config.run_id, load_signing_key(identity))
+        except (OSError, ValueError) as e:
+            raise NodeError(f"cannot sign with identity {identity!r}: {e}") from e
+        return _start(replace(config, identity_path=identity), [validator])
+
+
+def _start(config: NodeConfig, validators: list) -> hivemind.DHT:
     dht = hivemind.DHT(
         initial_peers=list(config.initial_peers) or None,
         start=False,
@@ -77,6 +100,7 @@ def start_node(config: NodeConfig) -> hivemind.DHT:
         use_relay=config.use_relay,
         use_auto_relay=config.use_auto_relay,
         startup_timeout=config.startup_timeout,
+        record_validators=validators,
     )
     started = False
     try:

@@ -116,6 +116,10 @@ class RunRecord(_Record):
         max_length=_MAX_CONFIG_ITEMS
     )
     created_by: PeerId
+    # The creator's signature over the three fields above (dht.signing), kept in the record so that
+    # any peer can republish the creator's config unchanged; None on nodes without run validators.
+    public_key: str | None = Field(default=None, max_length=2048)
+    signature: str | None = Field(default=None, max_length=2048)
 
     @field_validator("run_id")
     @classmethod

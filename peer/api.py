@@ -51,7 +51,7 @@ class Swarm:
     ) -> None:
         self.run = run
         self.config = config if model is None else dataclasses.replace(config, model=spec_of(model))
-        self._node_config = NodeConfig(host=host)
+        self._node_config = NodeConfig(host=host, run_id=run)
         self._stop = threading.Event()
         self._thread: threading.Thread | None = None
         self.dht = None
@@ -117,7 +117,7 @@ class Peer:
         workload = WorkloadSpec() if build_model is None else Callables(build_model, build_batches, optimizer)
         self.options = PeerOptions(
             run_id=run,
-            node=NodeConfig(initial_peers=tuple(initial_peers), client_mode=client_mode),
+            node=NodeConfig(initial_peers=tuple(initial_peers), client_mode=client_mode, run_id=run),
             exchange=exchange or ExchangeConfig(),
             data_seed=data_seed,
             duration=duration,

@@ -22,6 +22,7 @@ from pathlib import Path
 
 from rich.console import Console
 
+from averaging.access import load_policy
 from averaging.protocol import ExchangeConfig
 from dht.addresses import AddressError
 from dht.identity import IdentityError
@@ -69,6 +70,13 @@ def _node_flags(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--identity", help="key file that keeps this node's peer id across restarts")
 
 
+def _access_flags(parser: argparse.ArgumentParser) -> None:
+    group = parser.add_argument_group("private runs (see averaging/access.py)")
+    group.add_argument("--run-secret-file", type=Path, metavar="FILE",
+                       help="shared run secret: only peers that know it pair")  # fmt: skip
+    group.add_argument("--allow-peers", nargs="+", metavar="PEER_ID", help="only these peer ids may pair")
+
+
 def build_parser() -> argparse.ArgumentParser:
     parser = _Parser(prog="murmur", description="Decentralized training: gossip DiLoCo over a DHT.")
     parser.add_argument("-v", "--verbose", action="store_true", help="log debug messages")
@@ -78,6 +86,7 @@ def build_parser() -> argparse.ArgumentParser:
     boot.add_argument("--run", required=True, help="run id, shared by every peer of the run")
     _node_flags(boot)
     _train_flags(boot)
+    _access_flags(boot)
 
     join = sub.add_parser("join", help="join a run as a training peer")
     join.add_argument("--initial-peers", nargs="+", required=True, metavar="MADDR", help="bootstrap multiaddrs")
@@ -100,6 +109,7 @@ def build_parser() -> argparse.ArgumentParser:
     join.add_argument("--use-auto-relay", action="store_true", help="find relays and be reachable through them")
     add_device_flags(join, batching=True)
     add_workload_flags(join)
+    _access_flags(join)
 
     sim = sub.add_parser("simulate", help="run a bootstrap node and N peers on 127.0.0.1, then write a report")
     sim.add_argument("--peers", type=int, default=4)
@@ -109,6 +119,7 @@ def build_parser() -> argparse.ArgumentParser:
     sim.add_argument("--out-dir", type=Path, help="folder for the peers' logs (default: runs/RUN)")
     _train_flags(sim)
     add_device_flags(sim, batching=False)
+    _access_flags(sim)
 
     status = sub.add_parser("status", help="show a run's config and live peers, read from the DHT")
     status.add_argument("--initial-peers", nargs="+", required=True, metavar="MADDR", help="bootstrap multiaddrs")
@@ -137,13 +148,16 @@ def _stop_on_signals(stop: threading.Event) -> None:
 
 def _bootstrap(args: argparse.Namespace) -> int:
     config = _train_config(args)
-    dht = start_node(NodeConfig(host=args.host, port=args.port, identity_path=args.identity))
+    load_policy(args.run_secret_file, args.allow_peers)  # a bad secret file fails before the node starts
+    dht = start_node(NodeConfig(host=args.host, port=args.port, identity_path=args.identity, run_id=args.run))
     stop = threading.Event()
     _stop_on_signals(stop)
     try:
         records = RunRecords(dht, args.run)
         record = RunRecord(run_id=args.run, config=config.to_record(), created_by=dht.peer_id.to_base58())
-        print("murmur join --initial-peers " + " ".join(visible_addresses(dht)) + f" --run {args.run}", flush=True)
+        private = f" --run-secret-file {args.run_secret_file}" if args.run_secret_file else ""
+        print("murmur join --initial-peers " + " ".join(visible_addresses(dht)) + f" --run {args.run}{private}",
+              flush=True)  # fmt: skip
         while not stop.is_set():
             records.publish_config(record)
             stop.wait(records.config_ttl / 3)
@@ -157,9 +171,10 @@ def _join(args: argparse.Namespace) -> int:
         run_id=args.run,
         node=NodeConfig(initial_peers=tuple(args.initial_peers), host=args.host, port=args.port,
                         identity_path=args.identity, client_mode=args.client_mode, use_relay=args.use_relay,
-                        use_auto_relay=args.use_auto_relay),
+                        use_auto_relay=args.use_auto_relay, run_id=args.run),
         device=device_config(args), workload=WorkloadSpec(model=args.model, data=args.data),
-        exchange=ExchangeConfig(window=args.window, exchange_timeout=args.exchange_timeout),
+        exchange=ExchangeConfig(window=args.window, exchange_timeout=args.exchange_timeout,
+                                access=load_policy(args.run_secret_file, args.allow_peers)),
         data_seed=args.data_seed, duration=args.duration, out_dir=args.out_dir, verbose=not args.quiet,
         checkpoint_dir=args.checkpoint_dir, checkpoint_every=args.checkpoint_every, resume=args.resume,
     )  # fmt: skip
@@ -177,7 +192,9 @@ def _simulate(args: argparse.Namespace) -> int:
     config = SimulationConfig(
         peers=args.peers, duration=args.duration, run_id=args.run, report=args.report,
         out_dir=args.out_dir or Path("runs") / args.run, train=_train_config(args), device=device_config(args),
+        run_secret_file=args.run_secret_file, allow_peers=tuple(args.allow_peers or ()) or None,
     )  # fmt: skip
+    load_policy(config.run_secret_file, config.allow_peers)  # a bad secret file fails before anything starts
     report = simulate(config)
     losses = [(p.initial_eval_loss, p.final_eval_loss) for p in report.peers]
     print(f"report written to {args.report}: {len(report.peers)}/{args.peers} peers reported")
@@ -193,7 +210,7 @@ def _simulate(args: argparse.Namespace) -> int:
 
 def _status(args: argparse.Namespace) -> int:
     validate_run_id(args.run)  # before starting a node
-    dht = start_node(NodeConfig(initial_peers=tuple(args.initial_peers), client_mode=True))
+    dht = start_node(NodeConfig(initial_peers=tuple(args.initial_peers), client_mode=True, run_id=args.run))
     try:
         status = read_status(RunRecords(dht, args.run))
     finally:

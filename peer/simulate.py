@@ -42,6 +42,8 @@ class SimulationConfig:
     device: DeviceConfig = field(default_factory=DeviceConfig)  # every peer's; each resolves it itself
     startup_grace: float = 90.0  # time for a peer process to import, join and load its data
     stop_grace: float = 15.0  # time between SIGTERM and SIGKILL
+    run_secret_file: Path | None = None  # a private run: passed on to every peer
+    allow_peers: tuple[str, ...] | None = None
 
     def __post_init__(self) -> None:
         if not 1 <= self.peers <= 64:
@@ -50,6 +52,11 @@ class SimulationConfig:
             raise ValueError(f"--duration must be positive, got {self.duration}")
         if is_spec(self.train.model):
             raise ValueError("simulate trains registry models; run a custom model with murmur join or peer.api")
+
+    def access_flags(self) -> list[str]:
+        """The private-run flags every peer of the simulation is started with."""
+        flags = ["--run-secret-file", str(self.run_secret_file)] if self.run_secret_file else []
+        return flags + (["--allow-peers", *self.allow_peers] if self.allow_peers else [])
 
 
 def join_command(maddrs: list[str], run_id: str, out_dir: Path, data_seed: int, *extra: str) -> list[str]:
@@ -73,7 +80,7 @@ def launch(command: list[str], log: Path) -> subprocess.Popen:
 
 def start_bootstrap(run_id: str, train: TrainConfig):
     """An in-process bootstrap node that has published the run's config; returns it and its multiaddrs."""
-    boot = start_node(NodeConfig())
+    boot = start_node(NodeConfig(run_id=run_id))  # signs the config, as every node of the run signs its records
     try:
         RunRecords(boot, run_id).publish_config(
             RunRecord(run_id=run_id, config=train.to_record(), created_by=boot.peer_id.to_base58())
@@ -136,8 +143,9 @@ def simulate(config: SimulationConfig, console: Console | None = None) -> SwarmR
         for i in range(config.peers):
             folder, log = config.out_dir / f"peer-{i}", config.out_dir / f"peer-{i}.log"
             log.unlink(missing_ok=True)
-            device = ("--device", config.device.device, "--precision", config.device.precision)
-            command = join_command(maddrs, config.run_id, folder, i + 1, "--duration", str(config.duration), *device)
+            extra = ("--duration", str(config.duration), "--device", config.device.device,
+                     "--precision", config.device.precision, *config.access_flags())  # fmt: skip
+            command = join_command(maddrs, config.run_id, folder, i + 1, *extra)
             procs.append(launch(command, log))
         _watch(config, procs, started, console)
     finally:

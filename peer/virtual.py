@@ -22,7 +22,7 @@ from __future__ import annotations
 import asyncio
 import heapq
 import random
-from collections.abc import Callable
+from collections.abc import Awaitable, Callable
 from dataclasses import dataclass, field
 
 import torch
@@ -231,12 +231,15 @@ def run_murmur(
     group: int = 2,
     target: tuple[float, float] | None = None,
     name: str = "murmur",
+    tamper: Callable[[str, str, bytes], Awaitable[bytes | None]] | None = None,
 ) -> MethodResult:
     """Gossip DiLoCo with compressed exchanges, no barrier, in virtual time.
 
     With `group=4` a peer waits (up to `window`) for three others, and the four average in a
     butterfly of two pair exchanges ({a,b}, {c,d}, then {a,c}, {b,d}); a peer whose window runs out
     falls back to a pair with whoever waits, or steps alone.
+
+    `tamper` becomes the network's `before_send(src, dst, frame)` hook (attacks, faults).
 
     The result is taken when the sample budget is spent. With `target` = (loss, seconds) the peers
     then train on, past the budget, until their mean held-out loss reaches `loss` or the virtual clock
@@ -247,6 +250,8 @@ def run_murmur(
     evaluator = _Evaluator(scenario, trainers[0].eval_set)
     evaluator.curve.add(0, 0.0, [trainers[0].evaluate()] * len(trainers))
     network = InMemoryNetwork()
+    if tamper is not None:
+        network.before_send = tamper
     targets: dict[int, list[str]] = {i: [] for i in range(scenario.peers)}
     fast = ExchangeConfig(window=1.0, poll_interval=1e-3, retry_after=(0.0, 0.0), fresh_patience=0.0)
     loop = asyncio.new_event_loop()

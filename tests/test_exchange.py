@@ -17,8 +17,10 @@ FAST = ExchangeConfig(window=1.0, exchange_timeout=2.0, message_timeout=0.5, pol
 
 
 def make_offer(seed: int, step: int = 0) -> Offer:
-    g = torch.Generator().manual_seed(seed)
-    return Offer(step=step, tensors={n: torch.randn(s, generator=g) for n, s in SHAPES.items()}, modes=dict(MODES))
+    """Like real peers' offers: a shared part (the swarm's direction) plus this peer's own part."""
+    shared, g = torch.Generator().manual_seed(0), torch.Generator().manual_seed(seed)
+    tensors = {n: torch.randn(s, generator=shared) + 0.1 * torch.randn(s, generator=g) for n, s in SHAPES.items()}
+    return Offer(step=step, tensors=tensors, modes=dict(MODES))
 
 
 def make_averager(network, name, partners, config=FAST, run_id="r", rank=4, codec="lowrank"):

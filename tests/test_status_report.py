@@ -105,11 +105,9 @@ def test_peers_alive_counts_each_peer_from_first_to_last_record() -> None:
 # ---------------------------------------------------------------- murmur status (real DHT on loopback)
 
 RUN = "status-test"
-# Valid peer ids (the same constants tests/test_dht.py uses); status never dials their addresses.
-FAKE_PEERS = {
-    "QmNnooDu7bfjPFoTZYxMNLWUQJyrVwtbZg5gBMjTezGAJN": dict(outer=3, inner=60, samples=960, loss=3.25),
-    "12D3KooWD3eckifWpRn9wQpMG9R9hX3sD158z7EqHWmweQAJU5SA": dict(outer=5, inner=100, samples=1600, loss=2.75),
-}
+# Two peers (client-mode nodes, so each signs its own records); status never dials their addresses.
+PEER_STATS = [dict(outer=3, inner=60, samples=960, loss=3.25), dict(outer=5, inner=100, samples=1600, loss=2.75)]
+FAKE_PEERS: dict[str, dict] = {}  # peer id -> stats, filled by the fixture
 
 
 @pytest.fixture(scope="module")
@@ -117,11 +115,18 @@ def boot() -> Iterator[Any]:
     """A bootstrap node holding RUN's config, and two peers' metrics and announcements, kept alive by heartbeats."""
     nodes, heartbeats = [], []
     try:
-        nodes.append(start_node(NodeConfig()))
-        records = RunRecords(nodes[0], RUN)
+        nodes.append(start_node(NodeConfig(run_id=RUN)))
         config = TrainConfig(inner_steps=20, rank=4).to_record()
-        assert records.publish_config(RunRecord(run_id=RUN, config=config, created_by=nodes[0].peer_id.to_base58()))
-        for peer_id, p in FAKE_PEERS.items():
+        boot_records = RunRecords(nodes[0], RUN)
+        assert boot_records.publish_config(
+            RunRecord(run_id=RUN, config=config, created_by=nodes[0].peer_id.to_base58())
+        )
+        for p in PEER_STATS:
+            nodes.append(
+                start_node(NodeConfig(run_id=RUN, client_mode=True, initial_peers=tuple(visible_addresses(nodes[0]))))
+            )
+            peer_id, records = nodes[-1].peer_id.to_base58(), RunRecords(nodes[-1], RUN)
+            FAKE_PEERS[peer_id] = p
             address = f"/ip4/127.0.0.1/tcp/4001/p2p/{peer_id}"
             announcement = Announcement(
                 peer_id=peer_id, addresses=[address], step=p["outer"], samples_per_second=80.0, state=PeerState.READY

@@ -428,7 +428,12 @@ _SEEDS = [
 
 @st.composite
 def mutated_encodings(draw: st.DrawFn) -> bytes:
-    data = bytearray(draw(st.sampled_from(_SEEDS)))
+    return mutate_bytes(draw, draw(st.sampled_from(_SEEDS)))
+
+
+def mutate_bytes(draw: st.DrawFn, frame: bytes) -> bytes:
+    """1-4 random byte-level edits of `frame`: bit flips, overwrites, insertions, deletions, a cut."""
+    data = bytearray(frame)
     for _ in range(draw(st.integers(1, 4))):
         op = draw(st.sampled_from(["flip", "set", "insert", "delete", "cut"]))
         pos = draw(st.integers(0, max(len(data) - 1, 0)))

@@ -1,0 +1,85 @@
+"""Signed DHT records on real nodes: nobody forges another peer's entries or overwrites the run's config."""
+
+from __future__ import annotations
+
+import gc
+from collections.abc import Iterator
+from pathlib import Path
+from typing import Any
+
+import pytest
+from hivemind.utils.timed_storage import get_dht_time
+
+from dht import NodeConfig, RunRecord, RunRecords, start_node, stop_node, visible_addresses
+from tests.test_dht import live_announcement, metrics, wait_for
+
+RUN = "signed-run"
+
+
+@pytest.fixture(scope="module")
+def signed_swarm(tmp_path_factory) -> Iterator[dict[str, Any]]:
+    """A bootstrap node that creates the run, an honest peer, and Mallory; all install the run's validators."""
+    keys: Path = tmp_path_factory.mktemp("keys")
+    nodes: dict[str, Any] = {}
+    try:
+        nodes["boot"] = start_node(NodeConfig(run_id=RUN, identity_path=str(keys / "boot.key")))
+        initial = tuple(visible_addresses(nodes["boot"]))
+        nodes["peer"] = start_node(NodeConfig(run_id=RUN, initial_peers=initial))
+        nodes["mallory"] = start_node(NodeConfig(run_id=RUN, initial_peers=initial))
+        yield nodes
+    finally:
+        for node in nodes.values():
+            stop_node(node)
+        nodes.clear()
+        gc.collect()
+
+
+@pytest.mark.slow
+def test_own_records_are_accepted_and_forged_ones_refused(signed_swarm) -> None:
+    boot, peer, mallory = signed_swarm["boot"], signed_swarm["peer"], signed_swarm["mallory"]
+    honest, evil, reader = RunRecords(peer, RUN), RunRecords(mallory, RUN), RunRecords(boot, RUN)
+    genuine = live_announcement(peer)
+    assert honest.announce(genuine) and honest.publish_metrics(metrics(genuine.peer_id))
+    wait_for(reader.peers, lambda peers: genuine.peer_id in peers)
+
+    # Mallory, signing with her own key, writes under the honest peer's subkey, and under her own
+    # subkey a record that names the honest peer; and she tries to withdraw the honest peer.
+    forged = live_announcement(peer, step=999)
+    assert not evil.announce(forged)
+    assert not mallory.store(evil.peers_key, forged.model_dump(mode="json"), get_dht_time() + 30,
+                             subkey=mallory.peer_id.to_base58())  # fmt: skip
+    assert not evil.withdraw(genuine.peer_id)
+    assert not evil.publish_metrics(metrics(genuine.peer_id, loss=99.0))
+    # ...and a plain node of no run (no validators, so no signature) is refused by the run's nodes
+    plain = start_node(NodeConfig(initial_peers=tuple(visible_addresses(boot))))
+    try:
+        assert not plain.store(evil.peers_key, forged.model_dump(mode="json"), get_dht_time() + 30,
+                               subkey=genuine.peer_id)  # fmt: skip
+    finally:
+        stop_node(plain)
+    for records in (reader, honest):
+        assert records.peers() == {genuine.peer_id: genuine}
+        assert records.metrics()[genuine.peer_id].loss == metrics(genuine.peer_id).loss
+
+
+@pytest.mark.slow
+def test_only_the_creator_writes_the_run_config(signed_swarm) -> None:
+    boot, peer, mallory = signed_swarm["boot"], signed_swarm["peer"], signed_swarm["mallory"]
+    creator = boot.peer_id.to_base58()
+    config = RunRecord(run_id=RUN, config={"lr": 0.7}, created_by=creator)
+    assert RunRecords(boot, RUN).publish_config(config)
+    signed = wait_for(RunRecords(peer, RUN).fetch_config, lambda found: found is not None)
+    assert (signed.config, signed.created_by) == (config.config, creator) and signed.signature
+
+    evil = RunRecords(mallory, RUN, config_ttl=7200.0)  # a later expiration would win, were it accepted
+    hijack = RunRecord(run_id=RUN, config={"lr": 100.0}, created_by=mallory.peer_id.to_base58())
+    assert not evil.publish_config(hijack)
+    assert not evil.publish_config(RunRecord(run_id=RUN, config={"lr": 100.0}, created_by=creator))
+    tampered = signed.model_copy(update={"config": {"lr": 100.0}})  # the creator's signature, other content
+    assert not evil.publish_config(tampered)
+    for node in (boot, peer):
+        assert RunRecords(node, RUN).fetch_config() == signed
+    # any peer may republish the creator's signed record unchanged, with a later expiration
+    assert RunRecords(peer, RUN, config_ttl=7200.0).publish_config(signed)
+    found = RunRecords(boot, RUN).fetch_config()
+    assert found == signed
