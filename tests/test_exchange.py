@@ -212,9 +212,10 @@ def test_a_butterfly_of_pair_exchanges_averages_four_peers():
     and the chained result keeps both stages' residuals (x + mean - own lands where both stages moved x)."""
     shapes, modes = {"delta/b": (16,), "anchor/b": (16,)}, {"delta/b": "mean", "anchor/b": "diff"}
 
-    def offer(seed):
-        g = torch.Generator().manual_seed(seed)
-        return Offer(step=0, tensors={n: torch.randn(s, generator=g) for n, s in shapes.items()}, modes=modes)
+    def offer(seed):  # correlated, as honest peers' updates are (an uncorrelated partner is refused)
+        g, shared = torch.Generator().manual_seed(seed), torch.Generator().manual_seed(99)
+        tensors = {n: torch.randn(s, generator=shared) + 0.5 * torch.randn(s, generator=g) for n, s in shapes.items()}
+        return Offer(step=0, tensors=tensors, modes=modes)
 
     async def main():
         net = InMemoryNetwork()
