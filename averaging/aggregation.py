@@ -45,14 +45,17 @@ class AggregationConfig:
 
     Between honest peers (8 peers, 20 rounds of H=20, rank 4) the delta group's norm ratio stayed
     in [0.74, 1.35] with cosine ≥ 0.55: the mean-group limits leave a margin of 1.5x or more, so
-    honest pairs are never clipped. A scaled, noisy or sign-flipped update breaks them at once.
+    honest pairs are never clipped. With the sign codec (no shared subspace to inflate it) the
+    honest cosine falls as training goes on, to 0.12 late in the 30-round benchmark, so the cosine
+    floor sits at 0.05: noise scores about 1/sqrt(numel) ≈ 0.002 and a sign flip below 0, while
+    honest peers keep a margin of 2x. A scaled update breaks the norm limits at once.
     The anchor's pull stayed ≤ 0.10 × the anchor's norm and ≤ 0.25 × its projection there; the
     diff limits are far looser because the swarm test's synthetic states start ~1.4x apart.
     """
 
     clip: float = 2.0  # mean groups: their norm ≤ clip × ours
     reject: float = 20.0  # mean groups: their norm > reject × ours aborts
-    min_cosine: float = 0.2  # mean groups: cos(ours, theirs) below this aborts (sign flip, noise)
+    min_cosine: float = 0.05  # mean groups: cos(ours, theirs) below this aborts (sign flip, noise)
     diff_clip: float = 2.0  # diff groups: ‖theirs − own‖ ≤ diff_clip × ‖our whole state‖
     diff_reject: float = 5.0  # diff groups: ‖theirs − own‖ > diff_reject × ‖our whole state‖ aborts
     diff_flip: float = 1.8  # diff groups: ‖theirs − own‖ > diff_flip × ‖own‖ with cos(own, theirs) < 0 aborts
