@@ -33,13 +33,14 @@ import hashlib
 import logging
 import math
 import random
-from collections.abc import Callable, Mapping, Sequence
+from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 
 import msgpack
 import torch
 
 from averaging import wire
+from averaging.access import AccessPolicy
 from averaging.transport import Stream, StreamClosed, Transport
 from averaging.wire import TensorSpec, WireError
 
@@ -62,7 +63,7 @@ class StateKind(enum.IntEnum):
 
 
 _FIELDS: dict[StateKind, frozenset[str]] = {
-    StateKind.HELLO: frozenset(),
+    StateKind.HELLO: frozenset({"a"}),  # "a": proof of the run secret for a private run (averaging.access)
     StateKind.MANIFEST: frozenset({"m"}),
     StateKind.DECLINE: frozenset({"reason"}),
     StateKind.GET: frozenset({"i"}),
@@ -78,7 +79,7 @@ class DonorDeclined(StateTransferError):
     """The donor declined before sending anything."""
 
 
-Authorize = Callable[[str], str | None]  # requester peer id -> None to serve it, or a reason to refuse
+ACCESS_CONTEXT = "state-download"  # what a private run's proof is bound to
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -250,10 +251,12 @@ async def _recv(stream: Stream, kinds: set[StateKind], config: TransferConfig) -
 class StateDonor:
     """Serves the latest published snapshot to joiners; `publish` may be called from any thread."""
 
-    def __init__(self, transport: Transport, config: TransferConfig = TransferConfig(), authorize=None) -> None:
+    def __init__(
+        self, transport: Transport, config: TransferConfig = TransferConfig(), access: AccessPolicy = AccessPolicy()
+    ) -> None:
         self.transport = transport
         self.config = config
-        self.authorize: Authorize | None = authorize  # where a private run refuses strangers
+        self.access = access  # a private run refuses strangers before any state moves
         self.uploads = 0  # sessions in progress
         self.served = 0  # sessions that sent a manifest
         self.declined = 0
@@ -269,8 +272,11 @@ class StateDonor:
     async def stop(self) -> None:
         await self.transport.close()
 
-    def _refusal(self, remote: str) -> str | None:
-        if self.authorize is not None and (reason := self.authorize(remote)) is not None:
+    def _refusal(self, remote: str, proof: object) -> str | None:
+        proof = proof if isinstance(proof, dict) else {}
+        nonce = proof.get("nonce") if type(proof.get("nonce")) is int else 0
+        local = self.transport.peer_id
+        if reason := self.access.check(context=ACCESS_CONTEXT, local=local, remote=remote, nonce=nonce, meta=proof):
             return f"refused: {reason}"[:_MAX_REASON]
         if self._snapshot is None:
             return "no state to share yet"
@@ -287,11 +293,11 @@ class StateDonor:
     async def _handle(self, remote: str, stream: Stream) -> None:
         timeout = self.config.message_timeout
         try:
-            await _recv(stream, {StateKind.HELLO}, self.config)
+            _, hello = await _recv(stream, {StateKind.HELLO}, self.config)
         except (StateTransferError, WireError, ConnectionError, TimeoutError) as e:
             logger.warning("bad state request from %s: %s", remote[-8:], e)
             return
-        if (reason := self._refusal(remote)) is not None:
+        if (reason := self._refusal(remote, hello["a"])) is not None:
             self.declined += 1
             logger.info("declined a state download by %s: %s", remote[-8:], reason)
             with contextlib.suppress(ConnectionError, TimeoutError):  # a best-effort last word
@@ -329,11 +335,13 @@ class StateDownloader:
         expected: Mapping[str, TensorSpec],
         config: TransferConfig = TransferConfig(),
         rng: random.Random | None = None,
+        access: AccessPolicy = AccessPolicy(),
     ) -> None:
         self.transport = transport
         self.expected = dict(expected)
         self.config = config
         self.rng = rng or random.Random()
+        self.access = access
         self.manifest: Manifest | None = None
         self.chunks: dict[int, bytes] = {}
         self.reused = 0  # chunks kept from an earlier donor
@@ -365,7 +373,10 @@ class StateDownloader:
         config = self.config
         stream = await asyncio.wait_for(self.transport.open(donor), config.message_timeout)
         try:
-            await _send(stream, StateKind.HELLO, config.message_timeout)
+            nonce = self.rng.getrandbits(63)
+            local = self.transport.peer_id
+            proof = self.access.credentials(context=ACCESS_CONTEXT, local=local, remote=donor, nonce=nonce)
+            await _send(stream, StateKind.HELLO, config.message_timeout, a={"nonce": nonce, **proof})
             kind, reply = await _recv(stream, {StateKind.MANIFEST, StateKind.DECLINE}, config)
             if kind is StateKind.DECLINE:
                 reason = reply["reason"] if isinstance(reply["reason"], str) else "no reason"

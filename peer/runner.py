@@ -26,7 +26,7 @@ import torch
 from averaging.compression import LowRankCompressor
 from averaging.partners import DHTPartners
 from averaging.protocol import ExchangeConfig, GossipAverager
-from averaging.state_transfer import Authorize, TransferConfig
+from averaging.state_transfer import TransferConfig
 from averaging.transport import P2PTransport
 from averaging.wire import PROTOCOL_VERSION
 from dht.heartbeat import Heartbeat
@@ -67,7 +67,6 @@ class PeerOptions:
     workload: WorkloadSource = field(default_factory=WorkloadSpec)  # the built-in GPT unless told otherwise
     state_download: bool = True  # without a checkpoint, start from a live peer's state (peer.state)
     transfer: TransferConfig = field(default_factory=TransferConfig)
-    authorize: Authorize | None = None  # who may download this peer's state; None: anyone in the run
 
     def __post_init__(self) -> None:
         if self.checkpoint_every < 1:
@@ -147,7 +146,7 @@ class VolunteerPeer:
             peer = cls(options, dht, trainer, records)
             peer.averager = peer.loop.run(peer._start_averager(), timeout=30)
             peer.sharing = peer.loop.run(
-                StateSharing.create(dht, records, config=options.transfer, authorize=options.authorize,
+                StateSharing.create(dht, records, config=options.transfer, access=options.exchange.access,
                                     seed=options.data_seed), timeout=30,
             )  # fmt: skip
             # before the heartbeat: nobody knows this peer yet

@@ -9,8 +9,9 @@ joiner's), and the joiner's own counters (samples, data position, compute time).
 
 `StateSharing` owns both roles on one `Transport` under `murmur/{run}/state/{version}`: it serves
 this peer's latest state (published after every outer step) and, on join, downloads from a
-random live peer whose announcement shows an outer step above zero. `authorize` is where a
-private run can refuse requesters it does not know.
+random live peer whose announcement shows an outer step above zero. A private run's
+`AccessPolicy` (the same one the exchange uses) proves the run secret both ways: a donor refuses a
+requester that cannot, and never sends it any state.
 """
 
 from __future__ import annotations
@@ -20,8 +21,8 @@ import random
 
 import torch
 
+from averaging.access import AccessPolicy
 from averaging.state_transfer import (
-    Authorize,
     StateDonor,
     StateDownloader,
     StateSnapshot,
@@ -84,13 +85,14 @@ class StateSharing:
         transport: Transport,
         records: RunRecords,
         config: TransferConfig,
-        authorize: Authorize | None,
+        access: AccessPolicy,
         seed: int | None,
     ) -> None:
         self.transport = transport
         self.records = records
         self.config = config
-        self.donor = StateDonor(transport, config, authorize)
+        self.access = access
+        self.donor = StateDonor(transport, config, access)
         self.rng = random.Random(seed)
 
     @classmethod
@@ -100,11 +102,11 @@ class StateSharing:
         records: RunRecords,
         *,
         config: TransferConfig = TransferConfig(),
-        authorize: Authorize | None = None,
+        access: AccessPolicy = AccessPolicy(),
         seed: int | None = None,
     ) -> StateSharing:
         transport = P2PTransport(await dht.replicate_p2p(), state_protocol(records.run_id))
-        sharing = cls(transport, records, config, authorize, seed)
+        sharing = cls(transport, records, config, access, seed)
         await sharing.donor.start()
         return sharing
 
@@ -126,7 +128,8 @@ class StateSharing:
         donors = await self.donors()
         if not donors:
             return None
-        return await StateDownloader(self.transport, expected, self.config, self.rng).download(donors)
+        downloader = StateDownloader(self.transport, expected, self.config, self.rng, self.access)
+        return await downloader.download(donors)
 
     async def stop(self) -> None:
         await self.donor.stop()

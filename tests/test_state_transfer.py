@@ -8,6 +8,7 @@ import msgpack
 import pytest
 import torch
 
+from averaging.access import AccessPolicy
 from averaging.state_transfer import (
     Manifest,
     StateDonor,
@@ -220,7 +221,7 @@ def test_a_busy_donor_declines_with_a_reason_and_the_joiner_goes_elsewhere():
         served = await donors(net, {"D1": snapshot(6), "D2": snapshot(6)}, config=one_slot)
         # a slow joiner takes D1's only upload slot: it has the manifest and asks for nothing yet
         slow = await net.transport("S").open("D1")
-        await slow.send(msgpack.packb({"v": 1, "k": int(StateKind.HELLO)}))
+        await slow.send(msgpack.packb({"v": 1, "k": int(StateKind.HELLO), "a": {}}))
         assert message(await slow.recv(1 << 20))["k"] == StateKind.MANIFEST
         with pytest.raises(StateTransferError, match=r"declined: busy: 1 uploads in progress"):
             await StateDownloader(net.transport("J1"), EXPECTED, one_slot).download(["D1"])
@@ -242,16 +243,21 @@ def test_joiners_spread_over_donors_and_an_access_check_can_refuse():
         for i in range(12):
             downloader = StateDownloader(net.transport(f"J{i}"), EXPECTED, CONFIG, random.Random(i))
             sources.append((await downloader.download(names))[1])
-        private = await donors(net, {"P": snapshot(7)}, authorize=lambda pid: None if pid == "friend" else "not listed")
-        await StateDownloader(net.transport("friend"), EXPECTED, CONFIG).download(["P"])
-        with pytest.raises(StateTransferError, match="declined: refused: not listed"):
+        secret = AccessPolicy(secret=b"s" * 32)
+        private = await donors(net, {"P": snapshot(7)}, access=secret)
+        await StateDownloader(net.transport("friend"), EXPECTED, CONFIG, access=secret).download(["P"])
+        with pytest.raises(StateTransferError, match="declined: refused: not authorized: wrong run secret"):
+            await StateDownloader(
+                net.transport("guesser"), EXPECTED, CONFIG, access=AccessPolicy(secret=b"t" * 32)
+            ).download(["P"])
+        with pytest.raises(StateTransferError, match="declined: refused: not authorized: this run is private"):
             await StateDownloader(net.transport("stranger"), EXPECTED, CONFIG).download(["P"])
         return sources, served, private["P"]
 
     sources, served, private = asyncio.run(main())
     assert len(set(sources)) >= 3, sources
     assert sum(d.served for d in served.values()) == 12
-    assert (private.served, private.declined) == (1, 1)
+    assert (private.served, private.declined) == (1, 2)
 
 
 def test_an_empty_donor_list_or_a_donor_with_nothing_yet_fails_in_one_line():
