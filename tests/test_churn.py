@@ -48,7 +48,7 @@ class Running:
     """A `VolunteerPeer` training on a thread until stopped."""
 
     def __init__(self, run: str, initial_peers: list[str], seed: int) -> None:
-        node = NodeConfig(initial_peers=tuple(initial_peers))
+        node = NodeConfig(initial_peers=tuple(initial_peers), run_id=run)  # signs its records, as `murmur join` does
         options = PeerOptions(run_id=run, node=node, exchange=EXCHANGE, data_seed=seed, eval_every=1000)
         self.peer = VolunteerPeer.create(options)
         self.stop = threading.Event()
@@ -67,7 +67,7 @@ class Running:
 
 def test_peers_outlive_the_bootstrap_node_and_a_newcomer_joins_through_a_peer():
     run = f"boot-death-{uuid.uuid4().hex[:8]}"
-    boot = start_node(NodeConfig())
+    boot = start_node(NodeConfig(run_id=run))
     peers: list[Running] = []
     try:
         # the bootstrap's own copy of the config expires soon: only the peers' copies can outlive it
@@ -101,7 +101,7 @@ def test_peers_outlive_the_bootstrap_node_and_a_newcomer_joins_through_a_peer():
 def test_sigterm_during_an_exchange_stops_within_10_s_with_a_checkpoint(tmp_path):
     """A peer told to stop while it is exchanging finishes or aborts the exchange, checkpoints and exits."""
     run = f"sigterm-{uuid.uuid4().hex[:8]}"
-    boot = start_node(NodeConfig())
+    boot = start_node(NodeConfig(run_id=run))
     partner = None
     env = {**os.environ, "MURMUR_TEST_TAG": f"sigterm-{uuid.uuid4()}"}
     proc = None
