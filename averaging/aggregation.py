@@ -128,10 +128,14 @@ class RobustAggregator:
         `offered` are the tensors this side brought to the exchange (the scale of "diff" groups).
         """
         stats, states = group_stats(projections), group_norms(offered)
+        group_modes = {group_of(n): modes[n] for n in projections}
+        # a state offered relative to the run's start is ~0 until this peer's first outer steps, while an honest
+        # partner may be a few steps ahead: until our state outgrows it, our own update sets the scale instead
+        update = max((states[g] for g, m in group_modes.items() if m == "mean"), default=0.0)
         scales = {}
         for group, s in stats.items():
-            mode = next(modes[n] for n in projections if group_of(n) == group)
-            scales[group] = self._scale(group, mode, s, states[group])
+            mode = group_modes[group]
+            scales[group] = self._scale(group, mode, s, states[group] if mode == "mean" else max(states[group], update))
         out = {}
         for name, p in projections.items():
             scale = scales[group_of(name)]

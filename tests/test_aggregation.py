@@ -59,12 +59,38 @@ def test_a_sign_flipped_update_is_rejected():
         RobustAggregator().check(p := projections(flip=True), MODES, own_of(p))
 
 
+def small_update(offered):
+    """A trained peer's offer: its state is far larger than one round's update."""
+    return {n: t * 0.01 if MODES[n] == "mean" else t for n, t in offered.items()}
+
+
 def test_a_far_state_is_pulled_at_most_diff_clip_and_an_absurd_one_rejected():
     cfg = AggregationConfig(diff_clip=0.5, diff_reject=1.0)
-    checked = RobustAggregator(cfg).check(p := projections(pull=0.8), MODES, own_of(p))
+    checked = RobustAggregator(cfg).check(p := projections(pull=0.8), MODES, small_update(own_of(p)))
     assert group_stats(checked)["anchor"].pull == pytest.approx(0.5 * group_stats(p)["anchor"].own, rel=1e-5)
     with pytest.raises(Rejected, match="anchor.*pull"):
-        RobustAggregator(cfg).check(p := projections(pull=3.0), MODES, own_of(p))
+        RobustAggregator(cfg).check(p := projections(pull=3.0), MODES, small_update(own_of(p)))
+
+
+def test_a_state_that_has_not_moved_yet_is_measured_against_our_update():
+    """Anchors are offered relative to the run's start: ours is 0 before our first outer step, while an honest
+    partner may be a step ahead. Our update sets the scale then, so that partner passes and an absurd one does not."""
+    g = torch.Generator().manual_seed(5)
+    delta = torch.randn(6, 4, generator=g)
+    ahead = 0.7 * torch.randn(6, 4, generator=g) * delta.norm() / 4.9  # about one outer step of our size
+
+    def exchange(partner_anchor):
+        zero = torch.zeros(6, 4)
+        return {
+            "delta/w": Projection(own=delta, mean=delta), "delta/b": Projection(own=delta, mean=delta),
+            "anchor/w": Projection(own=zero, mean=partner_anchor / 2),
+        }  # fmt: skip
+
+    offered = {"delta/w": delta, "delta/b": delta, "anchor/w": torch.zeros(6, 4)}
+    honest = exchange(ahead)
+    assert RobustAggregator().check(honest, MODES, offered)["anchor/w"].mean is honest["anchor/w"].mean
+    with pytest.raises(Rejected, match="anchor.*pull"):
+        RobustAggregator().check(exchange(1000 * ahead), MODES, offered)
 
 
 @pytest.mark.parametrize("value", [float("nan"), float("inf")])
