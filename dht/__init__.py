@@ -13,7 +13,7 @@
 """
 
 from .addresses import AddressError, parse_host, parse_peer_multiaddr, parse_peer_multiaddrs
-from .heartbeat import Heartbeat
+from .heartbeat import ConfigKeeper, Heartbeat
 from .identity import IdentityError, ensure_identity, peer_id_of
 from .node import NodeConfig, NodeError, start_node, stop_node, visible_addresses
 from .records import (
@@ -30,6 +30,7 @@ __all__ = [
     "PROTOCOL_VERSION",
     "AddressError",
     "Announcement",
+    "ConfigKeeper",
     "Heartbeat",
     "IdentityError",
     "Metrics",

@@ -3,6 +3,9 @@
 With ``keep_config`` it also keeps the run's config record alive: on its first beat and then every
 third of ``config_ttl`` it stores again the identical record it reads, so the config outlives the
 node that created it, and a node that joins later finds a copy among the live peers.
+
+``ConfigKeeper`` is the creator's side (``murmur bootstrap``, the Python API's ``Swarm``): it stores
+the run's record once, failing loudly if it cannot, then again every third of ``config_ttl``.
 """
 
 from __future__ import annotations
@@ -13,9 +16,9 @@ import time
 from collections.abc import Callable
 from types import TracebackType
 
-from .records import Announcement, RunRecords
+from .records import Announcement, RunRecord, RunRecords
 
-__all__ = ["Heartbeat"]
+__all__ = ["ConfigKeeper", "Heartbeat"]
 
 logger = logging.getLogger(__name__)
 
@@ -97,3 +100,35 @@ class Heartbeat:
                 self._config_due = time.monotonic() + self.records.config_ttl / 3
         except Exception as e:
             logger.warning("could not republish the run config: %s", " ".join(str(e).split()))
+
+
+class ConfigKeeper:
+    """Publish the run's config record now and every third of ``config_ttl`` on a daemon thread until stopped."""
+
+    def __init__(self, records: RunRecords, record: RunRecord) -> None:
+        self.records, self.record = records, record
+        self._stopping = threading.Event()
+        self._thread: threading.Thread | None = None
+
+    def start(self) -> ConfigKeeper:
+        """Store the record (RuntimeError if the DHT does not take it), then keep it stored."""
+        if self._thread is not None:
+            raise RuntimeError("a ConfigKeeper can only be started once")
+        if not self.records.publish_config(self.record):
+            raise RuntimeError(f"run '{self.record.run_id}': config not stored")
+        self._thread = threading.Thread(target=self._run, name="murmur-config", daemon=True)
+        self._thread.start()
+        return self
+
+    def stop(self, timeout: float = 10.0) -> None:
+        self._stopping.set()
+        if self._thread is not None:
+            self._thread.join(timeout)
+
+    def _run(self) -> None:
+        while not self._stopping.wait(self.records.config_ttl / 3):
+            try:
+                if not self.records.publish_config(self.record):
+                    logger.warning("the run config was not stored; retrying in %.0f s", self.records.config_ttl / 3)
+            except Exception as e:
+                logger.warning("could not republish the run config: %s", " ".join(str(e).split()))

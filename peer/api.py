@@ -33,6 +33,7 @@ from types import TracebackType
 from torch import nn
 
 from averaging.protocol import ExchangeConfig
+from dht.heartbeat import ConfigKeeper
 from dht.node import NodeConfig, start_node, stop_node, visible_addresses
 from dht.records import RunRecord, RunRecords
 from peer.config import TrainConfig
@@ -52,8 +53,7 @@ class Swarm:
         self.run = run
         self.config = config if model is None else dataclasses.replace(config, model=spec_of(model))
         self._node_config = NodeConfig(host=host, run_id=run)
-        self._stop = threading.Event()
-        self._thread: threading.Thread | None = None
+        self._keeper: ConfigKeeper | None = None
         self.dht = None
 
     def start(self) -> Swarm:
@@ -61,18 +61,10 @@ class Swarm:
         try:
             records = RunRecords(self.dht, self.run)
             record = RunRecord(run_id=self.run, config=self.config.to_record(), created_by=self.dht.peer_id.to_base58())
-            if not records.publish_config(record):
-                raise RuntimeError(f"run '{self.run}': config not stored")
+            self._keeper = ConfigKeeper(records, record).start()
         except BaseException:
             stop_node(self.dht)
             raise
-
-        def keep_published() -> None:
-            while not self._stop.wait(records.config_ttl / 3):
-                records.publish_config(record)
-
-        self._thread = threading.Thread(target=keep_published, name="murmur-swarm", daemon=True)
-        self._thread.start()
         return self
 
     @property
@@ -80,9 +72,8 @@ class Swarm:
         return visible_addresses(self.dht)
 
     def close(self) -> None:
-        self._stop.set()
-        if self._thread is not None:
-            self._thread.join(timeout=10)
+        if self._keeper is not None:
+            self._keeper.stop()
         if self.dht is not None:
             stop_node(self.dht)
 

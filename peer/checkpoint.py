@@ -12,6 +12,7 @@ numbers, never arbitrary objects.
 
 `save_checkpoint` writes a hidden temp file in the same folder, fsyncs it, renames it into place
 and fsyncs the folder, so a crash leaves the previous checkpoint whole; it keeps the newest `keep`.
+`CheckpointWriter` does the same off the training thread: the loop only takes the snapshot.
 `latest_checkpoint` returns the newest usable one for a run and model, skipping each other one
 with a warning. `load_state_dict` methods check saved state with `check_tensors` and `check_count`.
 """
@@ -27,6 +28,7 @@ import os
 import re
 import struct
 import tempfile
+import threading
 from collections.abc import Callable, Mapping
 from pathlib import Path
 from typing import Any
@@ -53,16 +55,27 @@ def save_checkpoint(directory: Path, state: dict[str, Any], *, keep: int = 2) ->
     `state` carries "run_id" (str), "model" (str) and "step" (int) for the header and the name;
     everything in it must be loadable with `torch.load(weights_only=True)`.
     """
-    if keep < 1:
-        raise ValueError(f"keep must be at least 1, got {keep}")
+    return write_frame(directory, serialize(state), keep=keep)
+
+
+def serialize(state: dict[str, Any]) -> tuple[bytes, dict[str, Any]]:
+    """`state` as a checkpoint payload and its labels: a snapshot, so training may go on at once."""
     run_id, model, step = state.get("run_id"), state.get("model"), state.get("step")
     if not isinstance(run_id, str) or not isinstance(model, str) or type(step) is not int or step < 0:
         raise ValueError("a checkpoint state needs 'run_id' and 'model' strings and a non-negative int 'step'")
     buffer = io.BytesIO()
     torch.save(state, buffer)
-    data = encode_frame(buffer.getvalue(), run_id=run_id, model=model, step=step)
+    return buffer.getvalue(), {"run_id": run_id, "model": model, "step": step}
+
+
+def write_frame(directory: Path, serialized: tuple[bytes, dict[str, Any]], *, keep: int = 2) -> Path:
+    """Frame, write, fsync and rename a `serialize()`d state into place; prune to the newest `keep`."""
+    if keep < 1:
+        raise ValueError(f"keep must be at least 1, got {keep}")
+    payload, labels = serialized
+    data = encode_frame(payload, **labels)
     directory.mkdir(parents=True, exist_ok=True)
-    path = directory / f"ckpt-{step:08d}.pt"
+    path = directory / f"ckpt-{labels['step']:08d}.pt"
     fd, temp = tempfile.mkstemp(dir=directory, prefix=_TEMP_PREFIX, suffix=".tmp")
     placed = False
     try:
@@ -82,6 +95,65 @@ def save_checkpoint(directory: Path, state: dict[str, Any], *, keep: int = 2) ->
     for stale in directory.glob(f"{_TEMP_PREFIX}*.tmp"):  # left by a crash mid-write
         stale.unlink(missing_ok=True)
     return path
+
+
+class CheckpointWriter:
+    """Writes checkpoints on a thread of its own, so the training loop pays only for the snapshot.
+
+    `submit` serializes the state at once (the snapshot: training may change the tensors right after)
+    and hands the hashing, the write and the fsyncs to the writer thread. Only the newest snapshot
+    waits: if the disk is slower than the rounds, older pending ones are dropped, never queued up.
+    A failed write is a warning; `flush` waits for the pending write and returns the last path written.
+    """
+
+    def __init__(self, directory: Path, *, keep: int = 2) -> None:
+        self.directory, self.keep = directory, keep
+        self.last: Path | None = None
+        self._pending: tuple[bytes, dict[str, Any]] | None = None
+        self._busy = False
+        self._closed = False
+        self._cond = threading.Condition()
+        self._thread = threading.Thread(target=self._run, name="murmur-checkpoint", daemon=True)
+        self._thread.start()
+
+    def submit(self, state: dict[str, Any]) -> None:
+        snapshot = serialize(state)
+        with self._cond:
+            if self._closed:
+                raise RuntimeError("the checkpoint writer is closed")
+            self._pending = snapshot
+            self._cond.notify_all()
+
+    def flush(self) -> Path | None:
+        with self._cond:
+            self._cond.wait_for(lambda: self._pending is None and not self._busy)
+            return self.last
+
+    def close(self) -> Path | None:
+        """Write what is pending, stop the thread; returns the last path written."""
+        last = self.flush()
+        with self._cond:
+            self._closed = True
+            self._cond.notify_all()
+        self._thread.join()
+        return last
+
+    def _run(self) -> None:
+        while True:
+            with self._cond:
+                self._cond.wait_for(lambda: self._pending is not None or self._closed)
+                if self._pending is None:
+                    return
+                snapshot, self._pending, self._busy = self._pending, None, True
+            path = None
+            try:
+                path = write_frame(self.directory, snapshot, keep=self.keep)
+            except Exception as e:  # a checkpoint that cannot be written never stops training
+                logger.warning("checkpoint not saved in %s: %s", self.directory, _first_line(e))
+            with self._cond:
+                self.last = path or self.last
+                self._busy = False
+                self._cond.notify_all()
 
 
 def encode_frame(payload: bytes, *, run_id: str, model: str, step: int, version: int = FORMAT) -> bytes:

@@ -25,6 +25,7 @@ from rich.console import Console
 from averaging.access import load_policy
 from averaging.protocol import ExchangeConfig
 from dht.addresses import AddressError
+from dht.heartbeat import ConfigKeeper
 from dht.identity import IdentityError
 from dht.node import NodeConfig, NodeError, start_node, stop_node, visible_addresses
 from dht.records import RunRecord, RunRecords, validate_run_id
@@ -158,9 +159,10 @@ def _bootstrap(args: argparse.Namespace) -> int:
         private = f" --run-secret-file {args.run_secret_file}" if args.run_secret_file else ""
         print("murmur join --initial-peers " + " ".join(visible_addresses(dht)) + f" --run {args.run}{private}",
               flush=True)  # fmt: skip
-        while not stop.is_set():
-            records.publish_config(record)
-            stop.wait(records.config_ttl / 3)
+        keeper = ConfigKeeper(records, record).start()
+        while not stop.wait(1.0):  # short waits: the signal handlers run in this thread
+            pass
+        keeper.stop()
     finally:
         stop_node(dht)
     return 0

@@ -5,10 +5,13 @@ down in `finally`: it withdraws its announcement, stops the averager and the eve
 shuts down its DHT node and `p2pd`. What it writes goes into `out_dir`: `metrics.jsonl` (a line
 per round), `report.json` and `anchor.pt` (the final model, for the consensus distance).
 
-Every `checkpoint_every` rounds, and once more when it stops cleanly, a peer checkpoints its trainer
-and its compressor's warm starts (`peer.checkpoint`); with `resume` it starts from the newest usable
-checkpoint of its run. Without one, before it announces itself, it downloads a live peer's state
-(`peer.state`), or starts from the run's initial model if no live peer has one or every donor fails.
+Every `checkpoint_every` rounds (default: every round), and once more when it stops cleanly, a peer
+checkpoints its trainer and its compressor's warm starts (`peer.checkpoint`): the loop takes the
+snapshot, a writer thread hashes, writes and fsyncs it, so a SIGKILL loses at most the round in
+flight. With `resume` it starts from the newest usable checkpoint of its run. Without one, before it
+announces itself, it downloads a live peer's state (`peer.state`), or starts from the run's initial
+model if no live peer has one or every donor fails; with one, it still takes a live peer's state if
+the swarm has moved `AHEAD` outer steps past it.
 """
 
 from __future__ import annotations
@@ -33,7 +36,7 @@ from dht.heartbeat import Heartbeat
 from dht.loop import LoopThread
 from dht.node import NodeConfig, start_node, stop_node, visible_addresses
 from dht.records import Announcement, Metrics, PeerState, RunRecords
-from peer.checkpoint import check_tensors, latest_checkpoint, save_checkpoint
+from peer.checkpoint import CheckpointWriter, check_tensors, latest_checkpoint
 from peer.config import TrainConfig
 from peer.device import DeviceConfig, Runtime
 from peer.metrics import MetricsLog, PeerReport
@@ -61,7 +64,7 @@ class PeerOptions:
     eval_every: int = 5  # rounds between held-out evaluations in the metrics log
     verbose: bool = False  # print a progress line every eval_every rounds
     checkpoint_dir: Path | None = None  # default: out_dir / "checkpoints"; neither: no checkpoints
-    checkpoint_every: int = 10  # rounds between checkpoints (and one more on a clean stop)
+    checkpoint_every: int = 1  # rounds between checkpoints (and one more on a clean stop)
     resume: bool = False  # start from the newest usable checkpoint in the checkpoint folder
     device: DeviceConfig = field(default_factory=DeviceConfig)
     workload: WorkloadSource = field(default_factory=WorkloadSpec)  # the built-in GPT unless told otherwise
@@ -131,6 +134,8 @@ class VolunteerPeer:
         self.sharing: StateSharing | None = None
         self.metrics_log = MetricsLog(options.out_dir / "metrics.jsonl") if options.out_dir else None
         self.progress = ProgressLine(every=options.eval_every) if options.verbose else None
+        directory = options.checkpoints
+        self.writer = CheckpointWriter(directory) if directory is not None else None
 
     @classmethod
     def create(cls, options: PeerOptions) -> VolunteerPeer:
@@ -150,8 +155,9 @@ class VolunteerPeer:
                                     seed=options.data_seed), timeout=30,
             )  # fmt: skip
             # before the heartbeat: nobody knows this peer yet
-            if not (options.resume and peer._resume()) and options.state_download:
-                peer._log(*catch_up(peer.loop.run, peer.sharing, peer.trainer))
+            resumed = options.resume and peer._resume()
+            if options.state_download:  # a resumed peer takes a live state only if the swarm moved on
+                peer._log(*catch_up(peer.loop.run, peer.sharing, peer.trainer, resumed=resumed))
             peer.sharing.publish(peer.trainer)
             peer.heartbeat = Heartbeat(records, peer.announcement, keep_config=True).start()
             return peer
@@ -195,17 +201,14 @@ class VolunteerPeer:
         if self.options.verbose:
             print(line, flush=True)
 
-    def checkpoint(self) -> Path | None:
-        """Checkpoint now, if there is a checkpoint folder. A failure is a warning; training goes on."""
-        directory = self.options.checkpoints
-        if directory is None:
-            return None
+    def checkpoint(self) -> None:
+        """Snapshot the state for the checkpoint writer, if there is a checkpoint folder. Never stops training."""
+        if self.writer is None:
+            return
         try:
-            state = checkpoint_state(self.options.run_id, self.trainer, self.averager.compressor)
-            return save_checkpoint(directory, state)
-        except Exception as e:  # a checkpoint that cannot be written never stops training
-            logger.warning("checkpoint not saved in %s: %s", directory, e)
-            return None
+            self.writer.submit(checkpoint_state(self.options.run_id, self.trainer, self.averager.compressor))
+        except Exception as e:  # a checkpoint that cannot be taken never stops training
+            logger.warning("checkpoint not taken: %s", e)
 
     def announcement(self) -> Announcement:
         return Announcement(
@@ -325,6 +328,8 @@ class VolunteerPeer:
                 except Exception as e:  # teardown goes on whatever happened
                     logger.warning("%s did not stop cleanly: %s", type(part).__name__, e)
         self.loop.stop()
+        if self.writer is not None:
+            self.writer.close()  # the last snapshot reaches the disk before the process exits
         if self.progress is not None:
             self.progress.close()
         if self.metrics_log is not None:

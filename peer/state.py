@@ -38,6 +38,7 @@ from peer.trainer import Trainer
 logger = logging.getLogger("murmur.state")
 
 COUNTERS = ("outer_step", "steps")
+AHEAD = 2  # outer steps a live peer must be ahead of a resumed checkpoint for the peer to take its state
 
 
 def state_protocol(run_id: str) -> str:
@@ -59,8 +60,12 @@ def expected_layout(trainer: Trainer) -> dict[str, TensorSpec]:
 
 
 @torch.no_grad()
-def apply_training_state(trainer: Trainer, snapshot: StateSnapshot) -> None:
-    """Take a downloaded state: all checked first, so on CheckpointError nothing has changed."""
+def apply_training_state(trainer: Trainer, snapshot: StateSnapshot, *, keep_residuals: bool = False) -> None:
+    """Take a downloaded state: all checked first, so on CheckpointError nothing has changed.
+
+    `keep_residuals` keeps this peer's own error-feedback residuals (a resumed peer's unsent work,
+    still its to send); a fresh joiner has none worth keeping.
+    """
     counters = {name: check_count(snapshot.counters.get(name), name) for name in COUNTERS}
     names = trainer.outer.params
     trainer.outer.load_state_dict(
@@ -69,7 +74,8 @@ def apply_training_state(trainer: Trainer, snapshot: StateSnapshot) -> None:
             "lonely_rounds": 0,
             "anchor": {n: snapshot.tensors.get(f"anchor/{n}") for n in names},
             "momentum": {n: snapshot.tensors.get(f"momentum/{n}") for n in names},
-            "error_feedback": {},  # the donor's residual is its own unsent work
+            # the donor's residual is its own unsent work, never ours
+            "error_feedback": trainer.outer.error_feedback.state_dict() if keep_residuals else {},
         }
     )
     for name, p in names.items():
@@ -114,18 +120,21 @@ class StateSharing:
         """Offer `trainer`'s current state to joiners (from the training thread, between rounds)."""
         self.donor.publish(training_state(trainer))
 
-    async def donors(self) -> list[str]:
-        """Live peers that have taken at least one outer step, speak our version and accept connections."""
+    async def donors(self, min_step: int = 1) -> list[str]:
+        """Live peers at outer step `min_step` or later that speak our version and accept connections."""
         peers = await self.records.a_peers()
         return [
             pid
             for pid, a in peers.items()
-            if pid != self.transport.peer_id and a.step > 0 and a.version == PROTOCOL_VERSION and not a.client_mode
+            if pid != self.transport.peer_id
+            and a.step >= max(1, min_step)
+            and a.version == PROTOCOL_VERSION
+            and not a.client_mode
         ]
 
-    async def download(self, expected: dict[str, TensorSpec]) -> tuple[StateSnapshot, str] | None:
-        """A live peer's state, or None if nobody has one; StateTransferError if every donor failed."""
-        donors = await self.donors()
+    async def download(self, expected: dict[str, TensorSpec], min_step: int = 1) -> tuple[StateSnapshot, str] | None:
+        """A state from a live peer at `min_step` or later, or None if there is none; StateTransferError if all fail."""
+        donors = await self.donors(min_step)
         if not donors:
             return None
         downloader = StateDownloader(self.transport, expected, self.config, self.rng, self.access)
@@ -135,18 +144,28 @@ class StateSharing:
         await self.donor.stop()
 
 
-def catch_up(run, sharing: StateSharing, trainer: Trainer) -> tuple[int, str]:
+def catch_up(run, sharing: StateSharing, trainer: Trainer, *, resumed: bool = False) -> tuple[int, str]:
     """Download and apply a live peer's state before announcing; returns a log level and the line to log.
 
-    `run` runs a coroutine on the peer's event loop (`LoopThread.run`). A failure leaves the
-    trainer as it was, at the run's initial model.
+    `run` runs a coroutine on the peer's event loop (`LoopThread.run`). A fresh peer takes any live
+    peer's state. A peer `resumed` from its checkpoint takes one only from a peer at least `AHEAD`
+    outer steps in front (it slept, or was down long enough for the swarm to move on); it keeps its
+    own inner optimizer state and error-feedback residuals. A failure leaves the trainer as it was.
     """
+    keeping = "keeping the checkpoint" if resumed else "starting from the run's initial model"
+    min_step = trainer.outer.step + AHEAD if resumed else 1
     try:
-        found = run(sharing.download(expected_layout(trainer)), timeout=sharing.config.deadline + 30)
+        found = run(sharing.download(expected_layout(trainer), min_step), timeout=sharing.config.deadline + 30)
         if found is None:
-            return logging.INFO, "no live peer has state yet: starting from the run's initial model"
+            nobody = "no live peer is ahead of the checkpoint" if resumed else "no live peer has state yet"
+            return logging.INFO, f"{nobody}: {keeping}"
         snapshot, donor = found
-        apply_training_state(trainer, snapshot)
+        behind = trainer.outer.step
+        apply_training_state(trainer, snapshot, keep_residuals=resumed)
     except (StateTransferError, CheckpointError, TimeoutError, ConnectionError) as e:
-        return logging.WARNING, f"state download failed, starting from the run's initial model: {e}"
+        return logging.WARNING, f"state download failed, {keeping}: {e}"
+    if resumed:
+        return logging.INFO, (
+            f"the swarm moved on: took {donor[-8:]}'s state, outer step {behind} -> {trainer.outer.step}"
+        )
     return logging.INFO, f"downloaded the swarm's state from {donor[-8:]} at outer step {trainer.outer.step}"

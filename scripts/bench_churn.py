@@ -53,7 +53,7 @@ class BenchConfig:
     new_every: int = 3  # every this many kills, one brand-new peer joins too
     max_new: int = 3
     calm_tail: float = 15.0  # no kills this close to the end: a peer still importing cannot stop cleanly
-    checkpoint_every: int = 2  # rounds between a peer's checkpoints
+    checkpoint_every: int = 1  # rounds between a peer's checkpoints (written off the training thread)
     window: float = ExchangeConfig().window
     exchange_timeout: float = ExchangeConfig().exchange_timeout
     train: TrainConfig = field(default_factory=TrainConfig)
@@ -159,11 +159,14 @@ class Phase:
             if slot.new:
                 ok = [r["t"] for r in records if r["exchanges_ok"] > 0]
                 first_exchange.append(round(ok[0] - slot.launched_at, 1) if ok else None)
-        reports = [PeerReport.model_validate_json((s.folder / "report.json").read_text()) for s in live]
-        anchors = [torch.load(s.folder / "anchor.pt", weights_only=True) for s in live]
+        # a peer restarted just before the end may still have been starting: it wrote no report
+        reported = [s for s in live if (s.folder / "report.json").exists() and (s.folder / "anchor.pt").exists()]
+        reports = [PeerReport.model_validate_json((s.folder / "report.json").read_text()) for s in reported]
+        anchors = [torch.load(s.folder / "anchor.pt", weights_only=True) for s in reported]
         losses = [r.final_eval_loss for r in reports]
         return {
             "peers_live_at_end": len(live),
+            "peers_still_starting_at_end": len(live) - len(reported),
             "kills": sum(s.kills for s in self.slots),
             "new_peers": sum(s.new for s in self.slots),
             "seconds": round(end - start, 1),

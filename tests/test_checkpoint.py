@@ -15,7 +15,14 @@ from averaging.protocol import ExchangeConfig, ExchangeResult
 from dht.node import NodeConfig, start_node, stop_node, visible_addresses
 from dht.records import RunRecord, RunRecords
 from peer import checkpoint
-from peer.checkpoint import CheckpointError, encode_frame, latest_checkpoint, load_checkpoint, save_checkpoint
+from peer.checkpoint import (
+    CheckpointError,
+    CheckpointWriter,
+    encode_frame,
+    latest_checkpoint,
+    load_checkpoint,
+    save_checkpoint,
+)
 from peer.cli import main
 from peer.config import TrainConfig
 from peer.data import DataConfig, load_corpus
@@ -165,6 +172,48 @@ def test_keeps_the_newest_two(tmp_path):
     for step in (5, 1, 12, 7):
         save_checkpoint(tmp_path, small_state(step))
     assert sorted(p.name for p in tmp_path.iterdir()) == ["ckpt-00000007.pt", "ckpt-00000012.pt"]
+
+
+def test_the_writer_snapshots_at_submit_and_keeps_only_the_newest_pending(tmp_path, monkeypatch):
+    gate, started, written = threading.Event(), threading.Event(), []
+    real_write = checkpoint.write_frame
+
+    def slow_write(directory, serialized, *, keep):
+        started.set()
+        gate.wait(10)  # the disk is slower than the rounds: snapshots pile up behind the first
+        written.append(serialized[1]["step"])
+        return real_write(directory, serialized, keep=keep)
+
+    monkeypatch.setattr(checkpoint, "write_frame", slow_write)
+    writer = CheckpointWriter(tmp_path)
+    state = small_state(1)
+    writer.submit(state)
+    state["x"].add_(100)  # training goes on at once: the checkpoint must hold the value at submit time
+    assert started.wait(10)  # the writer holds step 1
+    for step in (2, 3, 4):
+        writer.submit(small_state(step))
+    gate.set()
+    assert writer.close() == tmp_path / "ckpt-00000004.pt"
+    assert written == [1, 4]  # 2 and 3 were superseded while 1 was being written
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["ckpt-00000001.pt", "ckpt-00000004.pt"]
+    assert torch.equal(load_checkpoint(tmp_path / "ckpt-00000001.pt")["x"], torch.arange(4.0) + 1)
+    assert torch.equal(load_checkpoint(tmp_path / "ckpt-00000004.pt")["x"], small_state(4)["x"])
+    with pytest.raises(RuntimeError, match="closed"):
+        writer.submit(small_state(5))
+
+
+def test_a_failed_background_write_is_a_warning_and_the_next_one_lands(tmp_path, caplog):
+    blocker = tmp_path / "file"
+    blocker.write_text("a file where the checkpoint folder should be")
+    writer = CheckpointWriter(blocker)
+    with caplog.at_level(logging.WARNING, logger="murmur.checkpoint"):
+        writer.submit(small_state(1))
+        assert writer.flush() is None
+    assert len(caplog.records) == 1 and "checkpoint not saved in" in caplog.records[0].getMessage()
+    blocker.unlink()
+    writer.submit(small_state(2))
+    assert writer.close() == blocker / "ckpt-00000002.pt"
+    assert load_checkpoint(blocker / "ckpt-00000002.pt")["step"] == 2
 
 
 DAMAGES = {

@@ -23,6 +23,7 @@ from pydantic import ValidationError
 from dht import (
     AddressError,
     Announcement,
+    ConfigKeeper,
     Heartbeat,
     IdentityError,
     Metrics,
@@ -385,6 +386,27 @@ def test_heartbeat_beats_and_withdraws() -> None:
         wait_for(lambda: heartbeat.beats, lambda beats: beats >= 3, timeout=5.0)
     assert dht.stores[-1][1] is None and dht.stores[-1][3] == PEER
     assert heartbeat.period == 0.02 and Heartbeat(records, announcement).period == pytest.approx(0.1)
+
+
+def test_config_keeper_stores_at_once_then_every_third_of_the_ttl_and_refuses_a_dht_that_drops_it() -> None:
+    dht = FakeDHT()
+    records = RunRecords(dht, "r", config_ttl=0.06)  # type: ignore[arg-type]
+    record = RunRecord(run_id="r", config={"lr": 0.1}, created_by=PEER)
+    keeper = ConfigKeeper(records, record).start()
+    assert [(k, v) for k, v, _, _ in dht.stores] == [("r:config", record.model_dump(mode="json"))]
+    wait_for(lambda: len(dht.stores), lambda n: n >= 4, timeout=5.0)
+    keeper.stop()
+    stored = len(dht.stores)
+    assert all(k == "r:config" and v == record.model_dump(mode="json") for k, v, _, _ in dht.stores)
+    time.sleep(0.1)
+    assert len(dht.stores) == stored, "a stopped keeper stores nothing more"
+
+    class Dropping(FakeDHT):
+        def store(self, *args: Any, **kwargs: Any) -> MPFuture:
+            return self._done(False)
+
+    with pytest.raises(RuntimeError, match="run 'r': config not stored"):
+        ConfigKeeper(RunRecords(Dropping(), "r"), record).start()  # type: ignore[arg-type]
 
 
 # ---------------------------------------------------------------- identity

@@ -28,7 +28,7 @@ from peer.checkpoint import CheckpointError
 from peer.config import TrainConfig
 from peer.data import DataConfig, load_corpus
 from peer.runner import PeerOptions, VolunteerPeer
-from peer.state import StateSharing, apply_training_state, catch_up, expected_layout, training_state
+from peer.state import AHEAD, StateSharing, apply_training_state, catch_up, expected_layout, training_state
 from peer.trainer import Trainer
 
 CONFIG = TransferConfig(chunk_size=1024, message_timeout=0.3, deadline=5.0)
@@ -359,6 +359,48 @@ def test_catch_up_starts_from_the_initial_model_when_no_donor_has_state_or_all_f
     assert trainer.outer.step == 0 and trainer.steps == 0
     for name, p in trainer.model.named_parameters():
         assert torch.equal(p, initial[name])
+
+
+def test_a_resumed_peer_takes_a_live_state_only_from_a_peer_far_enough_ahead(corpus):
+    """Down for a while, a resumed peer takes the state of a peer AHEAD outer steps in front, keeping its residuals."""
+    config = TrainConfig(inner_steps=2, batch_size=4, eval_batches=1, solo_after=1)
+    donor, resumed = Trainer(config, corpus, data_seed=1), Trainer(config, corpus, data_seed=2)
+    for trainer, rounds in ((donor, 4), (resumed, 1)):
+        for _ in range(rounds):
+            trainer.inner_phase()
+            trainer.finish_round(trainer.outer.offer(), None)
+    name, param = next(iter(resumed.outer.params.items()))
+    resumed.outer.error_feedback.keep(name, torch.full_like(param, 0.5))  # unsent work from a compressed exchange
+    residuals = resumed.outer.error_feedback.state_dict()
+    assert residuals and resumed.outer.step == 1 and donor.outer.step == 4
+    net = InMemoryNetwork()
+
+    def run(coro, timeout):
+        async def serve_and_download():
+            sharing = StateSharing(net.transport("D"), FakeRecords({}), CONFIG, AccessPolicy(), seed=0)
+            await sharing.donor.start()
+            sharing.publish(donor)
+            try:
+                return await asyncio.wait_for(coro, timeout)
+            finally:
+                await sharing.stop()
+
+        return asyncio.run(serve_and_download())
+
+    close = StateSharing(net.transport("J"), FakeRecords({"D": AHEAD}), CONFIG, AccessPolicy(), seed=0)
+    assert catch_up(run, close, resumed, resumed=True) == (
+        logging.INFO, "no live peer is ahead of the checkpoint: keeping the checkpoint"
+    )  # fmt: skip
+    assert resumed.outer.step == 1
+    ahead = StateSharing(net.transport("J"), FakeRecords({"D": 4}), CONFIG, AccessPolicy(), seed=0)
+    level, line = catch_up(run, ahead, resumed, resumed=True)
+    assert level == logging.INFO and "outer step 1 -> 4" in line, line
+    assert (resumed.outer.step, resumed.steps) == (4, donor.steps)
+    for name, p in resumed.model.named_parameters():
+        assert torch.equal(p, donor.outer.anchor[name]) and torch.equal(resumed.outer.momentum[name],
+                                                                         donor.outer.momentum[name])  # fmt: skip
+    kept = resumed.outer.error_feedback.state_dict()
+    assert kept.keys() == residuals.keys() and all(torch.equal(kept[n], residuals[n]) for n in kept)
 
 
 @pytest.mark.slow
