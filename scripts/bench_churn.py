@@ -34,6 +34,7 @@ import time
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
 
+import psutil
 import torch
 
 from averaging.protocol import ExchangeConfig
@@ -60,6 +61,36 @@ class BenchConfig:
     startup_grace: float = 120.0
     stop_grace: float = 15.0
     seed: int = 0
+
+
+class CpuMeter:
+    """CPU-seconds used by the peers' process trees (each peer, its DHT worker and its p2pd), killed ones too.
+
+    Sampled once a second, keeping the last reading per process: a killed process's CPU up to its
+    last sample still counts (a victim is sampled just before its kill; one that exits by itself
+    loses at most its last second).
+    """
+
+    def __init__(self) -> None:
+        self.seen: dict[tuple[int, float], float] = {}  # (pid, create time): user + system seconds
+
+    def sample(self, pids: list[int]) -> None:
+        for pid in pids:
+            try:
+                root = psutil.Process(pid)
+                tree = [root, *root.children(recursive=True)]
+            except psutil.Error:
+                continue
+            for proc in tree:
+                try:
+                    with proc.oneshot():
+                        times = proc.cpu_times()
+                        self.seen[(proc.pid, proc.create_time())] = times.user + times.system
+                except psutil.Error:
+                    continue
+
+    def total(self) -> float:
+        return sum(self.seen.values())
 
 
 @dataclass
@@ -117,11 +148,15 @@ class Phase:
                     raise RuntimeError(f"{self.name}: peers did not start ({self.crashed or 'too slow'})")
                 time.sleep(0.5)
             start = time.time()
-            kills, next_kill = 0, time.monotonic() + c.kill_every
+            meter = CpuMeter()
+            meter.sample([s.proc.pid for s in self.slots])
+            cpu_before = meter.total()
+            kills, ticks, next_kill = 0, 0, time.monotonic() + c.kill_every
             while time.time() < start + c.duration:
                 self._check_crashes()
                 if self.churn and time.monotonic() >= next_kill and time.time() < start + c.duration - c.calm_tail:
                     victim = self.rng.choice([s for s in self.slots if s.proc is not None])
+                    meter.sample([victim.proc.pid])
                     os.killpg(victim.proc.pid, signal.SIGKILL)  # the peer, its DHT worker and p2pd at once
                     victim.proc.wait(timeout=10)
                     victim.kills += 1
@@ -130,8 +165,13 @@ class Phase:
                     if kills % c.new_every == 0 and sum(s.new for s in self.slots) < c.max_new:
                         self._add(maddrs, new=True)
                     next_kill += c.kill_every
+                ticks += 1
+                if ticks % 5 == 0:  # once a second: walking the process table is not free on 2 cores
+                    meter.sample([s.proc.pid for s in self.slots if s.proc is not None])
                 time.sleep(0.2)
             end = time.time()
+            meter.sample([s.proc.pid for s in self.slots if s.proc is not None])
+            cpu_seconds = meter.total() - cpu_before
             self._check_crashes()
             live = [s for s in self.slots if s.proc is not None]
             stop_processes([s.proc for s in live], c.stop_grace)
@@ -139,9 +179,9 @@ class Phase:
         finally:
             stop_processes([s.proc for s in self.slots if s.proc is not None], c.stop_grace)
             stop_node(boot)
-        return self._measure(start, end, live)
+        return self._measure(start, end, live, cpu_seconds)
 
-    def _measure(self, start: float, end: float, live: list[Slot]) -> dict:
+    def _measure(self, start: float, end: float, live: list[Slot], cpu_seconds: float) -> dict:
         c = self.config
         rounds = exchanges_ok = exchanges_failed = unreachable = 0
         max_blocked = 0.0
@@ -176,6 +216,8 @@ class Phase:
             "exchanges_failed": exchanges_failed,
             "partners_unreachable": unreachable,  # dials to dead peers still announced: no exchange began
             "max_blocked_seconds": round(max_blocked, 2),
+            "cpu_seconds": round(cpu_seconds, 1),  # all peers' process trees, restarts and joins included
+            "cpu_seconds_per_round": round(cpu_seconds / max(1, rounds), 3),
             "final_eval_loss_mean": round(sum(losses) / len(losses), 4),
             "final_eval_loss_worst": round(max(losses), 4),
             "consensus_distance": consensus_distance(anchors),

@@ -31,6 +31,7 @@ def test_quick_churn_bench_writes_every_field_and_reaps_everything(tmp_path):
         assert p["final_eval_loss_mean"] <= p["final_eval_loss_worst"] < 6
         assert 0 <= p["consensus_distance"] < 1
         assert p["crashed_without_kill"] == 0, p["crashes"]
+        assert p["cpu_seconds"] > 0 and 0 < p["cpu_seconds_per_round"] < 60
     assert result["no_churn"]["kills"] == 0 and result["churn"]["kills"] >= 2
     assert result["churn"]["new_peers"] == 1 and len(result["churn"]["new_peer_first_exchange_seconds"]) == 1
     assert result["churn"]["peers_live_at_end"] == result["config"]["peers"] + 1
