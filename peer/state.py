@@ -3,9 +3,10 @@
 What travels is what a joiner needs to take part in the swarm's next outer step: the outer anchor
 φ and momentum m of every parameter, the outer step, and the inner step count (so the inner
 learning-rate schedule picks up where the swarm is). The joiner's model is set to the anchor.
-What does not travel, and starts fresh: the inner AdamW moments (they re-warm within a few
-steps), the error-feedback residuals (a donor's residual is its own unsent work, not the
-joiner's), and the joiner's own counters (samples, data position, compute time).
+What does not travel, and starts fresh: the inner AdamW moments (the learning rate warms up
+again over `warmup_steps`, from the swarm's step count), the error-feedback residuals (a donor's
+residual is its own unsent work, not the joiner's), and the joiner's own counters (samples, data
+position, compute time).
 
 `StateSharing` owns both roles on one `Transport` under `murmur/{run}/state/{version}`: it serves
 this peer's latest state (published after every outer step) and, on join, downloads from a
@@ -80,7 +81,11 @@ def apply_training_state(trainer: Trainer, snapshot: StateSnapshot, *, keep_resi
     )
     for name, p in names.items():
         p.copy_(trainer.outer.anchor[name])
-    trainer.steps = counters["steps"]
+    if keep_residuals:  # a resumed peer keeps its AdamW moments: no second warmup
+        trainer.steps = counters["steps"]
+        trainer.warm_from = min(trainer.warm_from, trainer.steps)
+    else:
+        trainer.adopt_steps(counters["steps"])
 
 
 class StateSharing:

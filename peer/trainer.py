@@ -63,6 +63,7 @@ class Trainer:
         self.batches = self._data_stream(skip=0)
         self.grad_accum = runtime.accumulation(config.batch_size) or 1  # `fit_memory()` may measure it on CUDA
         self.steps = 0
+        self.warm_from = 0  # the step the inner optimizer's moments started from: its warmup counts from here
         self.samples = 0
         self.compute_seconds = 0.0
         self.last_loss: float | None = None
@@ -89,7 +90,7 @@ class Trainer:
                 batch = next(self.batches)
                 self.batches_drawn += 1
                 for group, base in zip(self.inner.param_groups, self._base_lrs, strict=True):
-                    group["lr"] = warmup_lr(base, self.steps, self.config.warmup_steps)
+                    group["lr"] = warmup_lr(base, self.steps - self.warm_from, self.config.warmup_steps)
                 self.inner.zero_grad(set_to_none=True)
                 loss = self._accumulate(batch)
                 if not math.isfinite(loss):
@@ -155,6 +156,11 @@ class Trainer:
         for name, p in self.outer.params.items():
             p.copy_(self.outer.anchor[name])
 
+    def adopt_steps(self, steps: int) -> None:
+        """Take the swarm's step count (a joiner): the schedule goes on from there, and fresh AdamW
+        moments warm up again, so a joiner's first steps are not full-size sign steps into the swarm."""
+        self.steps = self.warm_from = steps
+
     def finish_round(self, offer: Offer, result: ExchangeResult | None) -> None:
         started = time.perf_counter()
         self.outer.apply(offer, result)
@@ -171,6 +177,7 @@ class Trainer:
             "inner": self.inner.state_dict(),
             "outer": self.outer.state_dict(),
             "steps": self.steps,
+            "warm_from": self.warm_from,
             "samples": self.samples,
             "compute_seconds": self.compute_seconds,
             "batches_drawn": self.batches_drawn,
@@ -181,6 +188,9 @@ class Trainer:
         if not isinstance(state, Mapping):
             raise CheckpointError("trainer state is not a dict")
         counters = {k: check_count(state.get(k), k) for k in ("steps", "samples", "batches_drawn")}
+        warm_from = check_count(state.get("warm_from", 0), "warm_from")  # absent in older checkpoints
+        if warm_from > counters["steps"]:
+            raise CheckpointError(f"warm_from {warm_from} is past steps {counters['steps']}")
         compute_seconds = state.get("compute_seconds")
         if type(compute_seconds) is not float or not 0 <= compute_seconds < math.inf:
             raise CheckpointError(f"compute_seconds must be a finite non-negative float, got {compute_seconds!r}")
@@ -192,7 +202,7 @@ class Trainer:
         self.inner.load_state_dict(state["inner"])
         if scaler is not None:
             self.scaler.load_state_dict(scaler)
-        self.steps, self.samples = counters["steps"], counters["samples"]
+        self.steps, self.samples, self.warm_from = counters["steps"], counters["samples"], warm_from
         self.batches_drawn, self.compute_seconds = counters["batches_drawn"], compute_seconds
         self.batches = self._data_stream(skip=self.batches_drawn)
 

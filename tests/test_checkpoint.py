@@ -129,6 +129,8 @@ def test_an_unusable_state_is_rejected_and_changes_nothing(corpus, tmp_path):
             trainer["outer"]["error_feedback"]["nope"] = torch.zeros(1)
         elif where == "counter":
             trainer["steps"] = -1
+        elif where == "warmup start":
+            trainer["warm_from"] = trainer["steps"] + 1
         elif where == "adam moment":
             trainer["inner"]["state"][0]["exp_avg"] = torch.zeros(1)
         elif where == "warm start":
@@ -136,7 +138,7 @@ def test_an_unusable_state_is_rejected_and_changes_nothing(corpus, tmp_path):
 
     fresh = Trainer(CONFIG, corpus, data_seed=1)
     before = {n: p.clone() for n, p in fresh.model.named_parameters()}
-    damages = ["nan model", "anchor shape", "unknown residual", "counter", "adam moment", "warm start"]
+    damages = ["nan model", "anchor shape", "unknown residual", "counter", "warmup start", "adam moment", "warm start"]
     for step, where in enumerate(damages, 100):
         bad = checkpoint_state(RUN, a, ca) | {"step": step}
         tamper(bad, where)

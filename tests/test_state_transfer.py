@@ -29,7 +29,7 @@ from peer.config import TrainConfig
 from peer.data import DataConfig, load_corpus
 from peer.runner import PeerOptions, VolunteerPeer
 from peer.state import AHEAD, StateSharing, apply_training_state, catch_up, expected_layout, training_state
-from peer.trainer import Trainer
+from peer.trainer import Trainer, warmup_lr
 
 CONFIG = TransferConfig(chunk_size=1024, message_timeout=0.3, deadline=5.0)
 SHAPES = {"anchor/w": (40, 24), "anchor/b": (24,), "momentum/w": (40, 24), "momentum/b": (24,)}
@@ -318,12 +318,16 @@ def test_a_joiner_trainer_takes_the_donors_anchor_momentum_and_counters(corpus):
         assert torch.equal(p, before[name])
     assert set(expected_layout(joiner)) == set(state.tensors)
     apply_training_state(joiner, state)
-    assert (joiner.outer.step, joiner.steps, joiner.samples) == (2, donor.steps, 0)
+    assert (joiner.outer.step, joiner.steps, joiner.samples, joiner.warm_from) == (2, donor.steps, 0, donor.steps)
     for name, p in joiner.model.named_parameters():
         assert torch.equal(p, donor.outer.anchor[name]) and torch.equal(joiner.outer.anchor[name], p)
         assert torch.equal(joiner.outer.momentum[name], donor.outer.momentum[name])
         assert not torch.equal(p, before[name])
     assert joiner.evaluate() == pytest.approx(donor.evaluate())
+    joiner.inner_phase()  # fresh AdamW moments: the learning rate warms up again from the swarm's step
+    last = joiner.inner.param_groups[0]["lr"]
+    assert last == pytest.approx(warmup_lr(config.inner_lr, config.inner_steps - 1, config.warmup_steps))
+    assert last < warmup_lr(config.inner_lr, joiner.steps - 1, config.warmup_steps)  # not the swarm's own schedule
 
 
 class FakeRecords:
