@@ -23,7 +23,36 @@ __all__ = ["ConfigKeeper", "Heartbeat"]
 logger = logging.getLogger(__name__)
 
 
-class Heartbeat:
+class _Background:
+    """A daemon thread running `_run` until `_stopping` is set; started once."""
+
+    thread_name = "murmur-background"
+
+    def __init__(self) -> None:
+        self._stopping = threading.Event()
+        self._thread: threading.Thread | None = None
+
+    def _start_thread(self) -> None:
+        self._thread = threading.Thread(target=self._run, name=self.thread_name, daemon=True)
+        self._thread.start()
+
+    def _check_not_started(self) -> None:
+        if self._thread is not None:
+            raise RuntimeError(f"a {type(self).__name__} can only be started once")
+
+    def _stop_thread(self, timeout: float) -> bool:
+        """Stop the thread, waiting up to `timeout`; False if it is still busy."""
+        self._stopping.set()
+        if self._thread is not None:
+            self._thread.join(timeout)
+            return not self._thread.is_alive()
+        return True
+
+    def _run(self) -> None:
+        raise NotImplementedError
+
+
+class Heartbeat(_Background):
     """Announce ``current()`` now and every ``period`` seconds (default: a third of the ttl).
 
     ``start()`` starts the thread, ``stop()`` joins it and withdraws the peer; use it as a context
@@ -38,6 +67,7 @@ class Heartbeat:
         *,
         keep_config: bool = False,
     ) -> None:
+        super().__init__()
         self.records = records
         self.keep_config = keep_config
         self._config_due = 0.0  # monotonic time of the next config republish
@@ -45,25 +75,20 @@ class Heartbeat:
         self.period = records.announce_ttl / 3 if period is None else period
         if not self.period > 0:
             raise ValueError(f"period must be positive, got {self.period!r}")
-        self._stopping = threading.Event()
-        self._thread: threading.Thread | None = None
         self._announced: str | None = None  # peer id of the last successful announcement
         self.beats = 0  # successful announcements so far
 
+    thread_name = "murmur-heartbeat"
+
     def start(self) -> Heartbeat:
-        if self._thread is not None:
-            raise RuntimeError("a Heartbeat can only be started once")
-        self._thread = threading.Thread(target=self._run, name="murmur-heartbeat", daemon=True)
-        self._thread.start()
+        self._check_not_started()
+        self._start_thread()
         return self
 
     def stop(self, timeout: float = 10.0) -> None:
         """Stop beating (waiting up to ``timeout`` for the thread), then withdraw the announcement."""
-        self._stopping.set()
-        if self._thread is not None:
-            self._thread.join(timeout)
-            if self._thread.is_alive():
-                logger.warning("heartbeat thread still busy after %.1f s; withdrawing anyway", timeout)
+        if not self._stop_thread(timeout):
+            logger.warning("heartbeat thread still busy after %.1f s; withdrawing anyway", timeout)
         if self._announced is not None:
             try:
                 self.records.withdraw(self._announced)
@@ -102,28 +127,25 @@ class Heartbeat:
             logger.warning("could not republish the run config: %s", " ".join(str(e).split()))
 
 
-class ConfigKeeper:
+class ConfigKeeper(_Background):
     """Publish the run's config record now and every third of ``config_ttl`` on a daemon thread until stopped."""
 
+    thread_name = "murmur-config"
+
     def __init__(self, records: RunRecords, record: RunRecord) -> None:
+        super().__init__()
         self.records, self.record = records, record
-        self._stopping = threading.Event()
-        self._thread: threading.Thread | None = None
 
     def start(self) -> ConfigKeeper:
         """Store the record (RuntimeError if the DHT does not take it), then keep it stored."""
-        if self._thread is not None:
-            raise RuntimeError("a ConfigKeeper can only be started once")
+        self._check_not_started()
         if not self.records.publish_config(self.record):
             raise RuntimeError(f"run '{self.record.run_id}': config not stored")
-        self._thread = threading.Thread(target=self._run, name="murmur-config", daemon=True)
-        self._thread.start()
+        self._start_thread()
         return self
 
     def stop(self, timeout: float = 10.0) -> None:
-        self._stopping.set()
-        if self._thread is not None:
-            self._thread.join(timeout)
+        self._stop_thread(timeout)
 
     def _run(self) -> None:
         while not self._stopping.wait(self.records.config_ttl / 3):
