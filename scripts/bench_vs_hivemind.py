@@ -13,10 +13,13 @@ Both stacks train the same `TrainConfig` (model `gpt-tiny`, init seed, batch siz
 rate and weight decay, warmup, gradient clipping), on the same per-peer data seeds (peer K: seed
 K + 1) and are evaluated on the same held-out batches. A Murmur peer is a real `murmur join`
 process (gossip DiLoCo: H local steps, then a compressed exchange with one partner). A hivemind peer
-is `hivemind_worker.py peer`: `hivemind.Optimizer` with the preset chosen by `--preset`; the default
-`local-sgd` (local AdamW steps, parameters averaged in the background once the swarm has done
-peers x batch x H samples, i.e. once per H steps of every peer as in Murmur, fp16 on the wire, tight
-timeouts) came out best of the presets in `hivemind_worker.PRESETS` (see `--tune`).
+is `hivemind_worker.py peer`: `hivemind.Optimizer` with the preset chosen by `--preset`. The default,
+`local-sgd-fast-2h` (local AdamW steps, `use_local_updates=True`; parameters averaged with
+`delay_state_averaging=True` once the swarm has done 2 x peers x batch x H samples, i.e. about once
+per 2H steps of every peer; fp16 on the wire; matchmaking 1 s, averaging timeout 10 s, next-chunk
+timeout 2 s), had the lowest held-out loss at equal wall-clock of the presets in
+`hivemind_worker.PRESETS` on the clean scenario (`--tune`, results in
+`results/bench_vs_hivemind_tuning.json`).
 
 What is measured, per stack and scenario, over the budget window (it starts once every peer has
 logged progress: a hivemind peer its first step, a Murmur peer its first round):
@@ -79,7 +82,7 @@ class BenchConfig:
     budget: float = 90.0  # seconds of the measured window, per stack and scenario
     scenarios: tuple[str, ...] = SCENARIOS
     rate_mbit: float = 20.0  # the shaped scenario's cap, each direction of each peer's link
-    preset: str = "local-sgd"  # hivemind_worker.PRESETS
+    preset: str = "local-sgd-fast-2h"  # hivemind_worker.PRESETS: the best of the tuning pass
     window: float = ExchangeConfig().window
     exchange_timeout: float = ExchangeConfig().exchange_timeout
     train: TrainConfig = field(default_factory=TrainConfig)
@@ -377,7 +380,7 @@ def main() -> None:
     parser.add_argument("--peers", type=int, help="peers per swarm (default 4, quick 2)")
     parser.add_argument("--budget", type=float, help="seconds measured per stack and scenario (default 90, quick 15)")
     parser.add_argument("--scenarios", nargs="+", choices=SCENARIOS, help="default: all three (quick: clean kill)")
-    parser.add_argument("--preset", choices=sorted(PRESETS), help="hivemind.Optimizer preset (default local-sgd)")
+    parser.add_argument("--preset", choices=sorted(PRESETS), help="hivemind.Optimizer preset (default: the tuned best)")
     parser.add_argument("--loopback", action="store_true", help="no namespaces even as root (bytes from ss)")
     parser.add_argument("--out", type=Path, default=RESULTS, help="folder for the JSON (default: %(default)s)")
     parser.add_argument("--runs", type=Path, default=Path("runs/bench_vs_hivemind"), help="folder for peer logs")

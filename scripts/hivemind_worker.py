@@ -79,6 +79,9 @@ PRESETS = {
     "local-sgd-fast-2h": Preset(description="local-sgd-fast averaging half as often (every 2 x peers x batch x H "
                                 "samples)", matchmaking_time=1.0, averaging_timeout=10.0, next_chunk_timeout=2.0,
                                 rounds_per_average=2),
+    "local-sgd-fast-4h": Preset(description="local-sgd-fast averaging a quarter as often (every 4 x peers x batch "
+                                "x H samples)", matchmaking_time=1.0, averaging_timeout=10.0, next_chunk_timeout=2.0,
+                                rounds_per_average=4),
     "local-sgd-defaults": Preset(description="the same with hivemind's default timeouts (matchmaking 15 s, "
                                  "averaging 60 s, chunk = matchmaking)", matchmaking_time=15.0,
                                  averaging_timeout=60.0, next_chunk_timeout=None),
