@@ -16,7 +16,8 @@ from tests.test_swarm import tagged_processes
 SCRIPTS = Path(__file__).resolve().parent.parent / "scripts"
 sys.path.insert(0, str(SCRIPTS))  # the benchmark's modules import each other as scripts do
 
-from bench_vs_hivemind import SocketMeter  # noqa: E402
+import bench_vs_hivemind  # noqa: E402
+from bench_vs_hivemind import BenchConfig, SocketMeter, bench  # noqa: E402
 from netlab import namespaces  # noqa: E402
 
 
@@ -50,6 +51,17 @@ def test_socket_meter_counts_the_bytes_of_a_process_tree_socket_both_ways():
     # both ends belong to this process: each direction is counted once as sent and once as received
     assert sent == rcvd == 350_000, (sent, rcvd)
     assert received == [300_000]
+
+
+def test_without_root_the_shaped_scenario_is_skipped_with_a_message_and_bytes_come_from_sockets(
+    tmp_path, monkeypatch, capsys
+):
+    monkeypatch.setattr(bench_vs_hivemind, "is_root", lambda: False)
+    result = bench(BenchConfig(scenarios=("shaped",)), tmp_path)
+    assert result["scenarios"] == {"shaped": {"skipped": "needs root: network namespaces and tc qdiscs"}}
+    assert result["bytes_method"].startswith("ss -tinp")
+    assert "shaped scenario skipped: it needs root" in capsys.readouterr().out
+    assert not any(tmp_path.iterdir())  # nothing was started
 
 
 @pytest.mark.slow
