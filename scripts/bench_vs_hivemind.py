@@ -90,6 +90,14 @@ class BenchConfig:
     startup_grace: float = 180.0
     stop_grace: float = 40.0  # SIGTERM to SIGKILL: a Murmur peer finishes its round first
 
+    def __post_init__(self) -> None:
+        if not 2 <= self.peers <= 250:  # a swarm, and what a NetLab's /24 holds
+            raise ValueError(f"--peers must be between 2 and 250, got {self.peers}")
+        if not (self.budget > 0 and self.rate_mbit > 0):
+            raise ValueError(f"--budget and the rate must be positive, got {self.budget} and {self.rate_mbit}")
+        if self.preset not in PRESETS or not set(self.scenarios) <= set(SCENARIOS):
+            raise ValueError(f"unknown preset {self.preset!r} or scenarios {self.scenarios}")
+
 
 @dataclass
 class Trace:
@@ -389,10 +397,20 @@ def main() -> None:
              "train": TrainConfig(inner_steps=10, batch_size=8, eval_batches=4)}  # fmt: skip
     chosen = {"peers": args.peers, "budget": args.budget, "preset": args.preset,
               "scenarios": tuple(args.scenarios) if args.scenarios else None}  # fmt: skip
-    config = BenchConfig(**(quick if args.quick else {}) | {k: v for k, v in chosen.items() if v is not None},
-                         namespaces=not args.loopback)  # fmt: skip
+    try:
+        config = BenchConfig(**(quick if args.quick else {}) | {k: v for k, v in chosen.items() if v is not None},
+                             namespaces=not args.loopback)  # fmt: skip
+    except ValueError as e:
+        parser.error(str(e))
     signal.signal(signal.SIGTERM, lambda *_: sys.exit(143))  # unwinds through every `finally`: namespaces go
     args.out.mkdir(parents=True, exist_ok=True)
+    try:
+        execute(config, args)
+    except RuntimeError as e:  # a swarm that did not start: its logs are named in the message
+        sys.exit(f"bench_vs_hivemind: {e}")
+
+
+def execute(config: BenchConfig, args: argparse.Namespace) -> None:
     if args.tune:  # --preset tunes that one alone, added to the presets already in the file
         path = args.out / "bench_vs_hivemind_tuning.json"
         result = tune(config, args.runs, [args.preset] if args.preset else list(PRESETS))
