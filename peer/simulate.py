@@ -78,9 +78,10 @@ def launch(command: list[str], log: Path) -> subprocess.Popen:
         return subprocess.Popen(command, stdout=out, stderr=subprocess.STDOUT, start_new_session=True, env=env)
 
 
-def start_bootstrap(run_id: str, train: TrainConfig):
+def start_bootstrap(run_id: str, train: TrainConfig, host: str = "127.0.0.1"):
     """An in-process bootstrap node that has published the run's config; returns it and its multiaddrs."""
-    boot = start_node(NodeConfig(run_id=run_id))  # signs the config, as every node of the run signs its records
+    # signs the config, as every node of the run signs its records
+    boot = start_node(NodeConfig(run_id=run_id, host=host))
     try:
         RunRecords(boot, run_id).publish_config(
             RunRecord(run_id=run_id, config=train.to_record(), created_by=boot.peer_id.to_base58())

@@ -1,0 +1,92 @@
+"""`scripts/bench_vs_hivemind.py`: the socket byte meter, and the quick kill scenario end to end."""
+
+import json
+import os
+import socket
+import subprocess
+import sys
+import threading
+import uuid
+from pathlib import Path
+
+import pytest
+
+from tests.test_swarm import tagged_processes
+
+SCRIPTS = Path(__file__).resolve().parent.parent / "scripts"
+sys.path.insert(0, str(SCRIPTS))  # the benchmark's modules import each other as scripts do
+
+import bench_vs_hivemind  # noqa: E402
+from bench_vs_hivemind import BenchConfig, SocketMeter, bench  # noqa: E402
+from netlab import namespaces  # noqa: E402
+
+
+def test_socket_meter_counts_the_bytes_of_a_process_tree_socket_both_ways():
+    """What the loopback (non-root) run measures with: tcp_info counters of a real socket of this process."""
+    server = socket.create_server(("127.0.0.1", 0))
+    counted, received = threading.Event(), []
+
+    def serve() -> None:
+        conn, _ = server.accept()
+        with conn:
+            got = 0
+            while got < 300_000:
+                got += len(conn.recv(65536))
+            conn.sendall(b"y" * 50_000)
+            received.append(got)
+            counted.wait(timeout=10)  # both sockets open while the meter reads them
+
+    thread = threading.Thread(target=serve)
+    thread.start()
+    meter = SocketMeter([os.getpid()])
+    with socket.create_connection(server.getsockname()) as client:
+        client.sendall(b"x" * 300_000)
+        got = 0
+        while got < 50_000:
+            got += len(client.recv(65536))
+        sent, rcvd = meter.counters(0)
+        counted.set()
+        thread.join(timeout=10)
+    server.close()
+    # both ends belong to this process: each direction is counted once as sent and once as received
+    assert sent == rcvd == 350_000, (sent, rcvd)
+    assert received == [300_000]
+
+
+def test_without_root_the_shaped_scenario_is_skipped_with_a_message_and_bytes_come_from_sockets(
+    tmp_path, monkeypatch, capsys
+):
+    monkeypatch.setattr(bench_vs_hivemind, "is_root", lambda: False)
+    result = bench(BenchConfig(scenarios=("shaped",)), tmp_path)
+    assert result["scenarios"] == {"shaped": {"skipped": "needs root: network namespaces and tc qdiscs"}}
+    assert result["bytes_method"].startswith("ss -tinp")
+    assert "shaped scenario skipped: it needs root" in capsys.readouterr().out
+    assert not any(tmp_path.iterdir())  # nothing was started
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(400)
+def test_quick_kill_scenario_trains_both_stacks_measures_bytes_and_reaps_everything(tmp_path):
+    tag = f"bench-vs-hivemind-{uuid.uuid4()}"
+    env = {**os.environ, "MURMUR_TEST_TAG": tag, "PYTHONPATH": str(SCRIPTS.parent)}
+    cmd = [sys.executable, str(SCRIPTS / "bench_vs_hivemind.py"), "--quick", "--scenarios", "kill",
+           "--out", str(tmp_path), "--runs", str(tmp_path / "runs")]  # fmt: skip
+    proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=env)
+    out, err = proc.communicate(timeout=360)
+    assert proc.returncode == 0, out[-2000:] + err[-2000:]
+    result = json.loads((tmp_path / "bench_vs_hivemind.json").read_text())
+    assert result["config"]["peers"] == 2 and list(result["scenarios"]) == ["kill"]
+    kill = result["scenarios"]["kill"]
+    for stack in ("hivemind", "murmur"):
+        r = kill[stack]
+        assert r["killed_peer"] == 1 and r["crashed_peers"] == [], r
+        assert r["samples"] > 0 and r["samples_per_second"] > 0
+        assert r["peers_evaluated"] == 1 and 0 < r["eval_loss_mean"] == r["eval_loss_worst"] < 6
+        assert len(r["bytes_sent_per_peer"]) == 2 and min(r["bytes_sent_per_peer"] + r["bytes_received_per_peer"]) > 0
+        assert 0 <= r["longest_stall_seconds"] and 0 < r["longest_progress_gap_seconds"] <= r["seconds"] + 60
+    assert kill["samples_per_second_ratio"] > 0 and isinstance(kill["loss_no_worse"], bool)
+    assert set(kill["targets"]) == {"no Murmur survivor stalls > 11 s"}
+    assert "kill" in out and "Murmur/hivemind samples/s" in out
+    assert namespaces(f"mvh{proc.pid}") == []
+    left = tagged_processes(tag)
+    assert not left, f"the bench left processes running: {left}"
