@@ -98,6 +98,8 @@ class MethodResult:
     curve: Curve
     exchanges: int = 0
     lonely_rounds: int = 0
+    peer_losses: tuple[float, ...] = ()  # each peer's final held-out loss, in peer order
+    peer_non_finite: tuple[int, ...] = ()  # NaN/inf values in each peer's model, anchor and momentum
 
     def to_json(self) -> dict:
         out = {k: v for k, v in self.__dict__.items() if k != "curve"}
@@ -186,8 +188,15 @@ def _finish(
     return MethodResult(
         method=method, final_eval_loss=sum(losses) / len(losses), worst_peer_eval_loss=max(losses),
         bytes_sent_per_peer=sent, virtual_seconds=seconds, samples=samples, curve=evaluator.curve,
-        consensus_distance=consensus_distance([t.outer.anchor for t in trainers]) or 0.0, **extra,
+        consensus_distance=consensus_distance([t.outer.anchor for t in trainers]) or 0.0,
+        peer_losses=tuple(losses), peer_non_finite=tuple(non_finite(t) for t in trainers), **extra,
     )  # fmt: skip
+
+
+def non_finite(trainer: Trainer) -> int:
+    """How many NaN or inf values a peer holds in its model, anchor and outer momentum."""
+    tensors = [*trainer.model.parameters(), *trainer.outer.anchor.values(), *trainer.outer.momentum.values()]
+    return sum(int((~torch.isfinite(t)).sum()) for t in tensors)
 
 
 def run_diloco(config: TrainConfig, corpus: Corpus, scenario: Scenario) -> MethodResult:

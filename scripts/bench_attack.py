@@ -24,22 +24,18 @@ the non-finite values in honest peers' models (target: every ratio ≤ 1.05, zer
 from __future__ import annotations
 
 import argparse
-import contextlib
 import json
 import logging
 import math
 import time
-from collections.abc import Iterator
 from pathlib import Path
 
 import msgpack
 import torch
 
 from averaging import wire
-from peer import virtual
 from peer.config import TrainConfig
 from peer.data import DataConfig, load_corpus
-from peer.trainer import Trainer
 from peer.virtual import Scenario, run_murmur
 
 ATTACKS = ("scaled", "noise", "sign_flip", "nan", "replay")
@@ -106,28 +102,6 @@ class EventCounter(logging.Handler):
             self.counts[event] += marker in text
 
 
-@contextlib.contextmanager
-def capture_trainers() -> Iterator[list[Trainer]]:
-    """The harness's trainers, to judge the honest peers one by one (virtual.py reports aggregates)."""
-    made: list[Trainer] = []
-    original = virtual._trainers
-
-    def capturing(*args):
-        made.extend(original(*args))
-        return made
-
-    virtual._trainers = capturing
-    try:
-        yield made
-    finally:
-        virtual._trainers = original
-
-
-def non_finite(trainer: Trainer) -> int:
-    tensors = [*trainer.model.parameters(), *trainer.outer.anchor.values(), *trainer.outer.momentum.values()]
-    return sum(int((~torch.isfinite(t)).sum()) for t in tensors)
-
-
 def run(attack: str | None, config: TrainConfig, corpus, scenario: Scenario, attacker: int) -> dict:
     hook = None if attack is None else Attacker(attack, f"p{attacker}", seed=scenario.seed)
     started = time.monotonic()
@@ -135,16 +109,15 @@ def run(attack: str | None, config: TrainConfig, corpus, scenario: Scenario, att
     averaging_log = logging.getLogger("murmur.averaging")
     averaging_log.addHandler(events)
     try:
-        with capture_trainers() as trainers:
-            result = run_murmur(config, corpus, scenario, name=attack or "clean", tamper=hook)
+        result = run_murmur(config, corpus, scenario, name=attack or "clean", tamper=hook)
     finally:
         averaging_log.removeHandler(events)
-    honest = [t for i, t in enumerate(trainers) if attack is None or i != attacker]
-    losses = [t.evaluate() for t in honest]
+    honest = [i for i in range(scenario.peers) if attack is None or i != attacker]
+    losses = [result.peer_losses[i] for i in honest]
     return {
         "honest_mean_loss": sum(losses) / len(losses),
         "worst_honest_loss": max(losses),
-        "non_finite": sum(non_finite(t) for t in honest),
+        "non_finite": sum(result.peer_non_finite[i] for i in honest),
         "exchanges": result.exchanges,
         "lonely_rounds": result.lonely_rounds,
         "tampered_frames": 0 if hook is None else hook.tampered,

@@ -34,6 +34,10 @@ def test_every_method_lowers_the_loss(method, corpus):
     assert result.worst_peer_eval_loss >= result.final_eval_loss
     assert result.samples >= scenario.sample_budget
     assert result.virtual_seconds > 0 and result.bytes_sent_per_peer > 0
+    if method != "ddp":  # one model in ddp; every peer's own otherwise
+        assert len(result.peer_losses) == peers and result.peer_non_finite == (0,) * peers
+        assert max(result.peer_losses) == result.worst_peer_eval_loss
+        assert sum(result.peer_losses) / peers == pytest.approx(result.final_eval_loss)
     if method.startswith("murmur"):
         assert result.exchanges > 0
         assert result.bytes_sent_per_peer < run_diloco_bytes(corpus, scenario)
