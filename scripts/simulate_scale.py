@@ -32,7 +32,7 @@ from peer.scale import ScaleResult, ScaleSettings, simulate
 
 CONSENSUS_TARGET = 0.02  # at 1024 peers with churn
 LOSS_TARGET = 0.05  # held-out loss within 5% of the same method at 64 peers
-QUICK = ScaleSettings(rounds=8)
+QUICK = ScaleSettings(rounds=6)
 
 
 def measure_dht(nodes: int = 8, reads: int = 12) -> dict:
@@ -93,7 +93,7 @@ def dht_cost(dht: dict, peers: int) -> dict:
     return {"round_ms": ms, "ready_list_bytes": peers * dht["announcement_bytes"]}
 
 
-def verdict(results: dict[int, ScaleResult]) -> dict:
+def verdict(results: dict[int, ScaleResult], dht: dict | None = None) -> dict:
     """The two targets, and where scaling breaks (a metric growing with N), said plainly."""
     out: dict = {}
     if 1024 in results:
@@ -118,6 +118,13 @@ def verdict(results: dict[int, ScaleResult]) -> dict:
     unreached = [n for n in ns if results[n].spread_reached < results[n].spread_tags]
     if unreached:
         breaks.append(f"some tagged updates did not reach 99% of the peers before the run ended at N = {unreached}")
+    if dht is not None:  # every partner search reads the run's whole ready list, which names every peer
+        for n in ns:
+            ratio = dht_cost(dht, n)["ready_list_bytes"] / results[n].bytes_per_peer_round
+            if ratio > 1:
+                breaks.append(f"at {n} peers one read of the DHT ready list ({n} announcements) is {ratio:.0f}x "
+                              f"a round's exchange bytes")  # fmt: skip
+                break
     out["scaling_breaks"] = breaks
     return out
 
@@ -165,19 +172,25 @@ def plot(results: dict[int, ScaleResult], path: Path) -> None:
     plt.close(fig)
 
 
-def run(peers: list[int], settings: ScaleSettings, *, dht: dict | None = None, save=None) -> dict:
+def run(
+    peers: list[int], settings: ScaleSettings, *, dht: dict | None = None, save=None, done: dict | None = None
+) -> dict:
     """Every swarm, the verdict and the DHT extrapolation as one JSON-able report; `save(report)` is
-    called after each swarm, so a long run that is stopped keeps what it finished."""
+    called after each swarm, so a long run that is stopped keeps what it finished. Swarms in `done`
+    (peer count -> ScaleResult, from an earlier run of the same settings) are taken as they are."""
     results: dict[int, ScaleResult] = {}
     report: dict = {}
     for n in peers:
+        if done and n in done:
+            results[n] = done[n]
+            continue
         results[n] = r = simulate(n, settings)
         print(f"{n} peers: loss {r.final_eval_loss:.4f} consensus {r.consensus_distance:.4f} "
               f"spread {r.spread_rounds} rounds ({r.wall_seconds:.0f} s)", flush=True)  # fmt: skip
         report = {
             "settings": asdict(settings),
             "results": {str(n): r.to_json() for n, r in results.items()},
-            "verdict": verdict(results),
+            "verdict": verdict(results, dht),
             "dht": None if dht is None else {**dht, "per_peer_count": {str(n): dht_cost(dht, n) for n in peers}},
         }
         if save is not None:
@@ -185,16 +198,35 @@ def run(peers: list[int], settings: ScaleSettings, *, dht: dict | None = None, s
     return report
 
 
+def reuse(paths: list[Path], settings: ScaleSettings) -> tuple[dict[int, ScaleResult], dict | None]:
+    """Swarms and the DHT measurement of earlier reports; SystemExit (one line) if their settings differ."""
+    done: dict[int, ScaleResult] = {}
+    dht = None
+    for path in paths:
+        try:
+            report = json.loads(path.read_text())
+        except (OSError, ValueError) as e:
+            raise SystemExit(f"--reuse {path}: {e}") from None
+        if report.get("settings") != json.loads(json.dumps(asdict(settings))):
+            raise SystemExit(f"--reuse {path}: it was run with other settings")
+        done |= {int(n): ScaleResult(**r) for n, r in report["results"].items()}
+        if report.get("dht"):
+            dht = {k: v for k, v in report["dht"].items() if k != "per_peer_count"}
+    return done, dht
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--peers", type=int, nargs="+", help="peer counts (default 64 256 1024 4096; quick 16 64)")
-    parser.add_argument("--quick", action="store_true", help="16 and 64 peers, 8 rounds, no DHT measurement")
-    parser.add_argument("--rounds", type=int, help="rounds of samples per peer (default 20, quick 8)")
+    parser.add_argument("--quick", action="store_true", help="16 and 64 peers, 6 rounds, no DHT measurement")
+    parser.add_argument("--rounds", type=int, help="rounds of samples per peer (default 16, quick 6)")
     parser.add_argument("--inner-lr", type=float, default=ScaleSettings.inner_lr)
     parser.add_argument("--no-churn", action="store_true", help="every peer stays for the whole run")
     parser.add_argument("--no-dht-measure", action="store_true", help="skip starting real DHT nodes")
     parser.add_argument("--dht-nodes", type=int, default=8, help="real DHT nodes to measure (default %(default)s)")
     parser.add_argument("--seed", type=int, default=0)
+    reuse_help = "earlier reports of the same settings: their swarms and DHT measurement are reused, not rerun"
+    parser.add_argument("--reuse", type=Path, nargs="+", default=[], help=reuse_help)
     parser.add_argument("--out", type=Path, default=Path("scripts/results"))
     parser.add_argument("--threads", type=int, default=1, help="torch threads (default %(default)s)")
     args = parser.parse_args()
@@ -206,7 +238,9 @@ def main() -> None:
         settings = replace(settings, rounds=args.rounds)
     if args.no_churn:
         settings = replace(settings, churn=None)
-    dht = None if args.no_dht_measure or args.quick else measure_dht(args.dht_nodes)
+    done, dht = reuse(args.reuse, settings)
+    if dht is None and not (args.no_dht_measure or args.quick):
+        dht = measure_dht(args.dht_nodes)
     started = time.monotonic()
 
     def save(report: dict, results: dict[int, ScaleResult]) -> None:
@@ -215,7 +249,7 @@ def main() -> None:
         (args.out / "simulate_scale.json").write_text(json.dumps(report, indent=2))
         plot(results, args.out / "simulate_scale.png")
 
-    report = run(peers, settings, dht=dht, save=save)
+    report = run(peers, settings, dht=dht, save=save, done=done)
     print_table({int(n): ScaleResult(**r) for n, r in report["results"].items()}, dht)
     for key, value in report["verdict"].items():
         print(f"{key}: {value}")
