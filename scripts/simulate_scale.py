@@ -141,7 +141,7 @@ def print_table(results: dict[int, ScaleResult], dht: dict | None) -> None:
               f"{r.departures:5d} {r.joins:6d} {cost} {r.wall_seconds:6.0f}")  # fmt: skip
 
 
-def plot(results: dict[int, ScaleResult], path: Path) -> None:
+def plot(results: dict[int, ScaleResult], path: Path, dht: dict | None = None) -> None:
     import matplotlib
 
     matplotlib.use("Agg")
@@ -153,7 +153,7 @@ def plot(results: dict[int, ScaleResult], path: Path) -> None:
     panels = [
         ("held-out loss", [("mean", [r.final_eval_loss for r in rs]), ("worst", [r.worst_peer_eval_loss for r in rs])]),
         ("consensus distance", [("final", [r.consensus_distance for r in rs])]),
-        ("bytes sent per peer per round", [("exchange", [r.bytes_per_peer_round for r in rs])]),
+        ("bytes per peer per round", [("exchanges sent", [r.bytes_per_peer_round for r in rs])]),
         ("rounds for an update to reach 99%", [("median", [r.spread_rounds or math.nan for r in rs])]),
     ]
     for ax, (title, lines) in zip(axes, panels, strict=True):
@@ -162,7 +162,12 @@ def plot(results: dict[int, ScaleResult], path: Path) -> None:
         ax.set_xscale("log", base=2)
         ax.set(xlabel="peers", title=title)
         ax.legend(fontsize=8)
-    axes[1].axhline(CONSENSUS_TARGET, color="grey", linestyle=":")
+    axes[1].axhline(CONSENSUS_TARGET, color="grey", linestyle=":", label="target at 1024")
+    axes[1].legend(fontsize=8)
+    if dht is not None:
+        axes[2].plot(ns, [dht_cost(dht, n)["ready_list_bytes"] for n in ns], "s--", label="one DHT ready-list read")
+        axes[2].legend(fontsize=8)
+    axes[2].set_yscale("log")
     spread = [r.spread_rounds for r in rs]
     if None not in spread:
         axes[3].plot(ns, [math.log2(n) for n in ns], "--", color="grey", label="log2 N")
@@ -182,9 +187,9 @@ def run(
     report: dict = {}
     for n in peers:
         if done and n in done:
-            results[n] = done[n]
-            continue
-        results[n] = r = simulate(n, settings)
+            results[n] = r = done[n]
+        else:
+            results[n] = r = simulate(n, settings)
         print(f"{n} peers: loss {r.final_eval_loss:.4f} consensus {r.consensus_distance:.4f} "
               f"spread {r.spread_rounds} rounds ({r.wall_seconds:.0f} s)", flush=True)  # fmt: skip
         report = {
@@ -247,7 +252,7 @@ def main() -> None:
         args.out.mkdir(parents=True, exist_ok=True)
         report["wall_seconds"] = time.monotonic() - started
         (args.out / "simulate_scale.json").write_text(json.dumps(report, indent=2))
-        plot(results, args.out / "simulate_scale.png")
+        plot(results, args.out / "simulate_scale.png", dht)
 
     report = run(peers, settings, dht=dht, save=save, done=done)
     print_table({int(n): ScaleResult(**r) for n, r in report["results"].items()}, dht)
