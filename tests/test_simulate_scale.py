@@ -117,3 +117,17 @@ def test_dht_measurement_uses_real_nodes_and_reaps_them():
     cost = script.dht_cost(dht, 1024)
     assert cost["ready_list_bytes"] == 1024 * dht["announcement_bytes"]
     assert {p.pid for p in psutil.Process().children(recursive=True)} <= before
+
+
+def test_verdict_names_the_ready_list_and_reuse_refuses_other_settings(quick):
+    report, out = quick
+    script = load_script()
+    results = {int(n): script.ScaleResult(**r) for n, r in report["results"].items()}
+    dht = {"round_ms_intercept": 5.0, "round_ms_per_doubling": 10.0, "announcement_bytes": 221}
+    breaks = script.verdict(results, dht)["scaling_breaks"]
+    assert any("DHT ready list" in b for b in breaks)  # 16 x 221 B already exceeds a round's ~2.6 kB of exchange
+    assert script.dht_cost(dht, 1024)["round_ms"] == pytest.approx(5.0 + 10.0 * 10)
+    done, reused_dht = script.reuse([out / "simulate_scale.json"], script.QUICK)
+    assert set(done) == {16, 64} and reused_dht is None and done[64].samples == report["results"]["64"]["samples"]
+    with pytest.raises(SystemExit, match="other settings"):
+        script.reuse([out / "simulate_scale.json"], ScaleSettings(rounds=99))
