@@ -378,6 +378,7 @@ def _group_exchange(loop, averagers, targets, offers: dict[int, Offer], link: Li
 
 
 async def run_stage(averagers, offers, pairs):
+    """Every pair's exchange at once, both sides running the real `average`: a list of (result_a, result_b)."""
     return await asyncio.gather(*(asyncio.gather(averagers[a].average(offers[a]), averagers[b].average(offers[b]))
                                   for a, b in pairs))  # fmt: skip
 
