@@ -7,10 +7,25 @@ The averager picks among them at random and skips any that just declined.
 
 from __future__ import annotations
 
-from collections.abc import Callable, Iterable
-from typing import Protocol
+import random
+from collections.abc import Callable, Collection, Iterable, Sequence
+from typing import Protocol, TypeVar
 
 from dht.records import PeerState, RunRecords
+
+P = TypeVar("P")
+
+
+def pick_partner(candidates: Sequence[P], recent: Collection[P], rng: random.Random, *, settle: bool) -> P | None:
+    """The partner policy of every ready peer: a random candidate that is not a recent partner, so the
+    swarm mixes; a recent one only once `settle` (the peer has waited its fresh patience); else None (wait).
+
+    `GossipAverager.average` calls it on the DHT's ready peers; the scale simulation (peer/scale.py)
+    on the peers waiting in virtual time."""
+    fresh = [p for p in candidates if p not in recent]
+    if not fresh and (not candidates or not settle):
+        return None
+    return rng.choice(fresh or candidates)
 
 
 class PartnerSource(Protocol):

@@ -40,7 +40,7 @@ from averaging.access import AccessPolicy
 from averaging.aggregation import AggregationConfig, Rejected, RobustAggregator
 from averaging.compression import SCALE_SUFFIX, LowRankCompressor, Mode, PairRound, Projection, Slot, code_spec
 from averaging.cooldown import Cooldown, CooldownConfig
-from averaging.partners import PartnerSource
+from averaging.partners import PartnerSource, pick_partner
 from averaging.transport import FrameTooLarge, Stream, Transport
 from averaging.wire import Kind, TensorSpec
 
@@ -227,11 +227,10 @@ class GossipAverager:
                     continue
                 now = loop.time()
                 candidates = [p for p in await self._candidates() if skip.get(p, 0.0) <= now]
-                fresh = [p for p in candidates if p not in self._recent]
-                if not fresh and (not candidates or now < patience):
+                partner = pick_partner(candidates, self._recent, self._rng, settle=now >= patience)
+                if partner is None:
                     await self._wait_result(min(deadline, now + self.config.poll_interval))
                     continue
-                partner = self._rng.choice(fresh or candidates)
                 async with self._busy:
                     if self._result.done():
                         break

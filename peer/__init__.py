@@ -13,6 +13,8 @@
 * ``progress``  the live progress line of a joined peer (``render_progress`` is pure)
 * ``api``       the Python API: ``Swarm`` (a run's bootstrap node) and ``Peer`` (any ``nn.Module``)
 * ``metrics``   the per-round metrics log, ``PeerReport`` / ``SwarmReport``, the consensus distance
+* ``virtual``   many peers in one process in virtual time: ddp, DiLoCo and gossip on one budget (benchmarks)
+* ``scale``     thousands of digits-MLP peers in virtual time: churn, consumer links, spread (simulate_scale)
 * ``simulate``  ``murmur simulate``: a bootstrap node and N peer processes on loopback, then a report
 * ``status``    ``murmur status``: a run's config and live peers (step, loss, last seen) read from the DHT
 * ``report``    ``murmur report``: a peer's or a simulation's metrics logs plotted to one PNG

@@ -262,21 +262,8 @@ def run_murmur(
     if tamper is not None:
         network.before_send = tamper
     targets: dict[int, list[str]] = {i: [] for i in range(scenario.peers)}
-    fast = ExchangeConfig(window=1.0, poll_interval=1e-3, retry_after=(0.0, 0.0), fresh_patience=0.0)
     loop = asyncio.new_event_loop()
-    averagers = [
-        GossipAverager(
-            network.transport(f"p{i}"),
-            LowRankCompressor(config.compression()),
-            StaticPartners(lambda i=i: targets[i]),
-            shapes=t.outer.shapes,
-            modes=t.outer.modes,
-            run_id="virtual",
-            config=fast,
-            seed=i,
-        )  # fmt: skip
-        for i, t in enumerate(trainers)
-    ]
+    averagers = [virtual_averager(network, i, t, config, targets) for i, t in enumerate(trainers)]
     for a in averagers:
         loop.run_until_complete(a.start())
     phase = [config.inner_steps * scenario.step_seconds / scenario.speed(i) for i in range(scenario.peers)]
@@ -355,6 +342,23 @@ def run_murmur(
     return at_budget
 
 
+def virtual_averager(
+    network: InMemoryNetwork,
+    i: int,
+    trainer: Trainer,
+    config: TrainConfig,
+    targets: dict[int, list[str]],
+    poll_interval: float = 1e-3,
+) -> GossipAverager:
+    """Peer `i`'s real averager on the in-memory network; it asks exactly the peers in `targets[i]`
+    (the harness's choice), and answers whoever asks it. Peer ids are `p{i}`."""
+    fast = ExchangeConfig(window=1.0, poll_interval=poll_interval, retry_after=(0.0, 0.0), fresh_patience=0.0)
+    return GossipAverager(
+        network.transport(f"p{i}"), LowRankCompressor(config.compression()), StaticPartners(lambda: targets[i]),
+        shapes=trainer.outer.shapes, modes=trainer.outer.modes, run_id="virtual", config=fast, seed=i,
+    )  # fmt: skip
+
+
 def _group_exchange(loop, averagers, targets, offers: dict[int, Offer], link: Link):
     """Average `offers` (2 or 4 peers) with the real protocol: one pair exchange, or a butterfly of two
     rounds of pair exchanges. Returns each member's combined result and the virtual seconds it took."""
@@ -369,7 +373,7 @@ def _group_exchange(loop, averagers, targets, offers: dict[int, Offer], link: Li
     for stage in stages:
         for a, b in stage:
             targets[a] = [f"p{b}"]
-        outcomes = loop.run_until_complete(_stage(averagers, current, stage))
+        outcomes = loop.run_until_complete(run_stage(averagers, current, stage))
         stage_bytes = 0
         for (a, b), (ra, rb) in zip(stage, outcomes, strict=True):
             targets[a] = []
@@ -382,7 +386,8 @@ def _group_exchange(loop, averagers, targets, offers: dict[int, Offer], link: Li
     return results, seconds
 
 
-async def _stage(averagers, offers, pairs):
+async def run_stage(averagers, offers, pairs):
+    """Every pair's exchange at once, both sides running the real `average`: a list of (result_a, result_b)."""
     return await asyncio.gather(*(asyncio.gather(averagers[a].average(offers[a]), averagers[b].average(offers[b]))
                                   for a, b in pairs))  # fmt: skip
 

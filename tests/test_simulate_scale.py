@@ -1,0 +1,133 @@
+"""scripts/simulate_scale.py and peer/scale.py: the quick mode's report, churn, gossip against none, seeds."""
+
+import dataclasses
+import importlib.util
+import json
+import math
+import random
+import statistics
+import sys
+from pathlib import Path
+
+import psutil
+import pytest
+
+from averaging.partners import pick_partner
+from peer.scale import Internet, Profile, ScaleSettings, simulate
+
+SCRIPT = Path(__file__).resolve().parent.parent / "scripts" / "simulate_scale.py"
+TINY = ScaleSettings(rounds=3, marks=1)
+
+
+def load_script():
+    spec = importlib.util.spec_from_file_location("simulate_scale", SCRIPT)
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module
+
+
+@pytest.fixture(scope="module")
+def quick(tmp_path_factory) -> tuple[dict, Path]:
+    out = tmp_path_factory.mktemp("scale")
+    argv = sys.argv
+    sys.argv = ["simulate_scale.py", "--quick", "--out", str(out)]
+    try:
+        load_script().main()
+    finally:
+        sys.argv = argv
+    return json.loads((out / "simulate_scale.json").read_text()), out
+
+
+def test_quick_mode_reports_every_metric_for_every_peer_count(quick):
+    report, out = quick
+    assert set(report["results"]) == {"16", "64"}
+    settings = report["settings"]
+    per_peer = settings["rounds"] * settings["inner_steps"] * settings["batch_size"]
+    for n, r in report["results"].items():
+        for key in ("final_eval_loss", "worst_peer_eval_loss", "consensus_distance", "bytes_per_peer_round",
+                    "bytes_per_peer", "mean_round_seconds", "virtual_seconds"):  # fmt: skip
+            assert math.isfinite(r[key]) and r[key] >= 0, (n, key, r[key])
+        assert r["bytes_per_peer_round"] > 0 and r["exchanges"] > 0
+        assert r["samples"] >= int(n) * per_peer  # equal samples per peer slot at every N
+        assert r["worst_peer_eval_loss"] >= r["final_eval_loss"]
+        assert r["curve"]["mean_loss"][-1] < r["curve"]["mean_loss"][0] - 0.3  # the swarm learns
+        assert r["live_peers"] > int(n) // 2
+    big = report["results"]["64"]
+    assert big["departures"] > 0 and big["joins"] > 0  # churn happened: peers left and new ones caught up
+    assert report["results"]["16"]["spread_reached"] >= 1 and report["results"]["16"]["spread_rounds"] > 0
+    assert isinstance(report["verdict"]["scaling_breaks"], list)
+    assert (out / "simulate_scale.png").stat().st_size > 10_000
+
+
+def test_gossip_pulls_the_peers_together_compared_with_none():
+    settings = dataclasses.replace(ScaleSettings(rounds=6, marks=1), churn=None)
+    gossip = simulate(16, settings)
+    alone = simulate(16, dataclasses.replace(settings, gossip=False))
+    assert alone.exchanges == 0 and alone.bytes_per_peer_round == 0 and alone.spread_reached == 0
+    assert gossip.consensus_distance < 0.6 * alone.consensus_distance
+    assert gossip.worst_peer_eval_loss < alone.worst_peer_eval_loss
+
+
+def test_same_seed_same_run_and_another_seed_another():
+    def fingerprint(seed: int) -> dict:
+        out = simulate(8, dataclasses.replace(TINY, seed=seed)).to_json()
+        out.pop("wall_seconds")
+        return out
+
+    first = fingerprint(3)
+    assert fingerprint(3) == first
+    assert fingerprint(4) != first
+
+
+def test_consumer_links_follow_the_stated_distribution():
+    internet = Internet()
+    rng = random.Random(0)
+    profiles = [internet.draw(rng) for _ in range(4000)]
+    assert statistics.median(p.down_bps for p in profiles) == pytest.approx(50e6, rel=0.1)
+    assert statistics.median(p.up_bps for p in profiles) == pytest.approx(10e6, rel=0.1)
+    assert all(0.01 <= p.latency_s <= 0.15 for p in profiles)
+    deciles = statistics.quantiles([p.speed for p in profiles], n=10)
+    assert deciles[-1] / deciles[0] == pytest.approx(4.0, rel=0.15)
+
+
+def test_an_exchange_pays_both_latencies_per_message_and_the_slower_link():
+    home = Profile(down_bps=50e6, up_bps=10e6, latency_s=0.02, speed=1.0)
+    far = Profile(down_bps=8e6, up_bps=100e6, latency_s=0.1, speed=1.0)
+    seconds = home.exchange_seconds(far, sent=10_000, received=20_000, messages=6)
+    assert seconds == pytest.approx(6 * 0.12 + 8 * 10_000 / 8e6 + 8 * 20_000 / 50e6)
+
+
+def test_partner_policy_avoids_the_last_partner_until_it_settles():
+    rng = random.Random(0)
+    assert pick_partner([], [], rng, settle=True) is None
+    assert pick_partner(["a"], ["a"], rng, settle=False) is None  # wait for someone fresh
+    assert pick_partner(["a"], ["a"], rng, settle=True) == "a"
+    assert {pick_partner(["a", "b", "c"], ["a"], rng, settle=False) for _ in range(50)} == {"b", "c"}
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(120)
+def test_dht_measurement_uses_real_nodes_and_reaps_them():
+    script = load_script()
+    before = {p.pid for p in psutil.Process().children(recursive=True)}
+    dht = script.measure_dht(nodes=2, reads=2)
+    (size,) = dht["sizes"]
+    assert size["nodes"] == 2 and size["listed"] == 2  # both announcements came back from the DHT
+    assert size["announce_ms"] > 0 and size["read_ms"] > 0 and dht["announcement_bytes"] > 50
+    cost = script.dht_cost(dht, 1024)
+    assert cost["ready_list_bytes"] == 1024 * dht["announcement_bytes"]
+    assert {p.pid for p in psutil.Process().children(recursive=True)} <= before
+
+
+def test_verdict_names_the_ready_list_and_reuse_refuses_other_settings(quick):
+    report, out = quick
+    script = load_script()
+    results = {int(n): script.ScaleResult(**r) for n, r in report["results"].items()}
+    dht = {"round_ms_intercept": 5.0, "round_ms_per_doubling": 10.0, "announcement_bytes": 221}
+    breaks = script.verdict(results, dht)["scaling_breaks"]
+    assert any("DHT ready list" in b for b in breaks)  # 16 x 221 B already exceeds a round's ~2.6 kB of exchange
+    assert script.dht_cost(dht, 1024)["round_ms"] == pytest.approx(5.0 + 10.0 * 10)
+    done, reused_dht = script.reuse([out / "simulate_scale.json"], script.QUICK)
+    assert set(done) == {16, 64} and reused_dht is None and done[64].samples == report["results"]["64"]["samples"]
+    with pytest.raises(SystemExit, match="other settings"):
+        script.reuse([out / "simulate_scale.json"], ScaleSettings(rounds=99))
