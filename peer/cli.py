@@ -101,6 +101,8 @@ def build_parser() -> argparse.ArgumentParser:
     join.add_argument("--resume", action="store_true", help="continue from the newest usable checkpoint")
     join.add_argument("--checkpoint-every", type=int, default=PeerOptions.checkpoint_every, metavar="N",
                       help="rounds between checkpoints (default: %(default)s)")  # fmt: skip
+    join.add_argument("--checkpoint-interval", type=float, default=PeerOptions.checkpoint_interval, metavar="SECONDS",
+                      help="and at least this many seconds apart (default: %(default)s)")  # fmt: skip
     join.add_argument("--checkpoint-dir", type=Path, metavar="DIR", help="default: OUT_DIR/checkpoints")
     _node_flags(join)
     join.add_argument("--client-mode", action="store_true",
@@ -178,7 +180,8 @@ def _join(args: argparse.Namespace) -> int:
         exchange=ExchangeConfig(window=args.window, exchange_timeout=args.exchange_timeout,
                                 access=load_policy(args.run_secret_file, args.allow_peers)),
         data_seed=args.data_seed, duration=args.duration, out_dir=args.out_dir, verbose=not args.quiet,
-        checkpoint_dir=args.checkpoint_dir, checkpoint_every=args.checkpoint_every, resume=args.resume,
+        checkpoint_dir=args.checkpoint_dir, checkpoint_every=args.checkpoint_every,
+        checkpoint_interval=args.checkpoint_interval, resume=args.resume,
     )  # fmt: skip
     stop = threading.Event()
     _stop_on_signals(stop)

@@ -5,13 +5,14 @@ down in `finally`: it withdraws its announcement, stops the averager and the eve
 shuts down its DHT node and `p2pd`. What it writes goes into `out_dir`: `metrics.jsonl` (a line
 per round), `report.json` and `anchor.pt` (the final model, for the consensus distance).
 
-Every `checkpoint_every` rounds (default: every round), and once more when it stops cleanly, a peer
-checkpoints its trainer and its compressor's warm starts (`peer.checkpoint`): the loop takes the
-snapshot, a writer thread hashes, writes and fsyncs it, so a SIGKILL loses at most the round in
-flight. With `resume` it starts from the newest usable checkpoint of its run. Without one, before it
-announces itself, it downloads a live peer's state (`peer.state`), or starts from the run's initial
-model if no live peer has one or every donor fails; with one, it still takes a live peer's state if
-the swarm has moved `AHEAD` outer steps past it.
+Every `checkpoint_every` rounds, at least `checkpoint_interval` seconds apart (default: every round,
+every 30 s), and once more when it stops cleanly, a peer checkpoints its trainer and its
+compressor's warm starts (`peer.checkpoint`): the loop takes the snapshot, a writer thread hashes,
+writes and fsyncs it, so a SIGKILL loses at most the work since. With `resume` it starts from the
+newest usable checkpoint of its run. Without one, before it announces itself, it downloads a live
+peer's state (`peer.state`), or starts from the run's initial model if no live peer has one or
+every donor fails; with one, it still takes a live peer's state if the swarm has moved `AHEAD`
+outer steps past it.
 """
 
 from __future__ import annotations
@@ -64,7 +65,12 @@ class PeerOptions:
     eval_every: int = 5  # rounds between held-out evaluations in the metrics log
     verbose: bool = False  # print a progress line every eval_every rounds
     checkpoint_dir: Path | None = None  # default: out_dir / "checkpoints"; neither: no checkpoints
-    checkpoint_every: int = 1  # rounds between checkpoints (and one more on a clean stop)
+    checkpoint_every: int = 1  # rounds between checkpoints (and one more on a clean stop)...
+    # ...and at least this many seconds. A checkpoint costs the training thread its snapshot (tens of ms
+    # for the built-in model on a CPU) and lost work costs what was trained since the last one; by
+    # Young's rule the best interval is about sqrt(2 x cost x mean time between crashes): half a
+    # minute for a machine that crashes every few hours, every round under bench_churn's kills.
+    checkpoint_interval: float = 30.0
     resume: bool = False  # start from the newest usable checkpoint in the checkpoint folder
     device: DeviceConfig = field(default_factory=DeviceConfig)
     workload: WorkloadSource = field(default_factory=WorkloadSpec)  # the built-in GPT unless told otherwise
@@ -74,6 +80,10 @@ class PeerOptions:
     def __post_init__(self) -> None:
         if self.checkpoint_every < 1:
             raise ValueError(f"checkpoint_every must be at least 1, got {self.checkpoint_every}")
+        if not self.checkpoint_interval >= 0:
+            raise ValueError(
+                f"checkpoint_interval must be a non-negative number of seconds, got {self.checkpoint_interval}"
+            )
         if self.resume and self.checkpoints is None:
             raise ValueError("resume needs a checkpoint folder: give --checkpoint-dir or --out-dir")
 
@@ -244,7 +254,8 @@ class VolunteerPeer:
         started = time.monotonic()
         deadline = started + options.duration if options.duration is not None else float("inf")
         initial_loss = eval_loss = trainer.evaluate()
-        rounds = 0
+        rounds = saved = 0  # rounds done, and done at the last checkpoint
+        saved_at = started
         while not stop.is_set() and time.monotonic() < deadline:
             round_start = time.monotonic()
             try:
@@ -266,9 +277,13 @@ class VolunteerPeer:
             if rounds % options.eval_every == 0:
                 eval_loss = trainer.evaluate()
             self._log_round(rounds, loss, eval_loss, result, blocked)
-            if rounds % options.checkpoint_every == 0:
+            if (
+                rounds - saved >= options.checkpoint_every
+                and time.monotonic() - saved_at >= options.checkpoint_interval
+            ):
                 self.checkpoint()
-        if rounds % options.checkpoint_every:  # a clean stop: keep the rounds since the last checkpoint
+                saved, saved_at = rounds, time.monotonic()
+        if rounds > saved:  # a clean stop: keep the rounds since the last checkpoint
             self.checkpoint()
         return self._report(started, rounds, initial_loss)
 

@@ -54,7 +54,7 @@ class BenchConfig:
     new_every: int = 3  # every this many kills, one brand-new peer joins too
     max_new: int = 3
     calm_tail: float = 15.0  # no kills this close to the end: a peer still importing cannot stop cleanly
-    checkpoint_every: int = 1  # rounds between a peer's checkpoints (written off the training thread)
+    checkpoint_every: int = 1  # rounds between a peer's checkpoints: with a kill every T s, every round (Young's rule)
     window: float = ExchangeConfig().window
     exchange_timeout: float = ExchangeConfig().exchange_timeout
     train: TrainConfig = field(default_factory=TrainConfig)
@@ -115,7 +115,7 @@ class Phase:
 
     def _launch(self, slot: Slot, maddrs: list[str], resume: bool) -> None:
         c = self.config
-        extra = ["--checkpoint-every", str(c.checkpoint_every), "--window", str(c.window),
+        extra = ["--checkpoint-every", str(c.checkpoint_every), "--checkpoint-interval", "0", "--window", str(c.window),
                  "--exchange-timeout", str(c.exchange_timeout), *(["--resume"] if resume else [])]  # fmt: skip
         slot.proc = launch(
             join_command(maddrs, self.run_id, slot.folder, slot.index + 1, *extra), self.out / f"{slot.folder.name}.log"

@@ -285,7 +285,8 @@ def test_checkpoint_options(tmp_path, capsys):
     )
     join = ["join", "--initial-peers", BOOTSTRAP, "--run", RUN]
     for flags, needle in [(["--resume"], "resume needs a checkpoint folder"),
-                          (["--checkpoint-every", "0"], "checkpoint_every must be at least 1")]:  # fmt: skip
+                          (["--checkpoint-every", "0"], "checkpoint_every must be at least 1"),
+                          (["--checkpoint-interval", "-1"], "checkpoint_interval must be a non-negative")]:  # fmt: skip
         assert main([*join, *flags]) == 1  # refused before any node starts
         err = capsys.readouterr().err
         assert needle in err and len(err.strip().splitlines()) == 1, err
@@ -301,7 +302,7 @@ def test_a_real_peer_checkpoints_and_resumes(tmp_path, caplog):
         node = NodeConfig(initial_peers=tuple(visible_addresses(boot)))
         options = PeerOptions(
             run_id=RUN, node=node, exchange=ExchangeConfig(window=0.3), duration=2.0, out_dir=tmp_path,
-            checkpoint_every=1000,
+            checkpoint_every=1, checkpoint_interval=3600,  # due every round, but not within the hour
         )  # fmt: skip
         first = run_peer(options, threading.Event())
         saved = sorted((tmp_path / "checkpoints").glob("ckpt-*.pt"))
