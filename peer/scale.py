@@ -258,7 +258,9 @@ class _Swarm:
         self.profiles[i] = self.s.internet.draw(self.rng)
         self.trainers[i] = Trainer(self.config, _workload(self.config), data_seed=i + 1)
         self.targets[i] = []
-        self.averagers[i] = virtual_averager(self.network, i, self.trainers[i], self.config, self.targets, 1e-4)
+        self.averagers[i] = virtual_averager(
+            self.network, i, self.trainers[i], self.config, self.targets, 1e-4, retry=False
+        )  # a refused pair fails once, whatever the machine's speed
         self.loop.run_until_complete(self.averagers[i].start())
         if (length := self.session()) < math.inf:
             self.push(at + length, _Kind.LEAVE, i)

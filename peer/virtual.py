@@ -349,10 +349,16 @@ def virtual_averager(
     config: TrainConfig,
     targets: dict[int, list[str]],
     poll_interval: float = 1e-3,
+    retry: bool = True,
 ) -> GossipAverager:
     """Peer `i`'s real averager on the in-memory network; it asks exactly the peers in `targets[i]`
-    (the harness's choice), and answers whoever asks it. Peer ids are `p{i}`."""
-    fast = ExchangeConfig(window=1.0, poll_interval=poll_interval, retry_after=(0.0, 0.0), fresh_patience=0.0)
+    (the harness's choice), and answers whoever asks it. Peer ids are `p{i}`.
+
+    With `retry` a failed exchange is tried again at once until the averager's window (1 wall-clock
+    second) runs out, so how often depends on the machine's speed; without it a failed pair fails once
+    and the round goes on without a partner, the same on any machine."""
+    retry_after = (0.0, 0.0) if retry else (1e9, 1e9)  # never again within the window
+    fast = ExchangeConfig(window=1.0, poll_interval=poll_interval, retry_after=retry_after, fresh_patience=0.0)
     return GossipAverager(
         network.transport(f"p{i}"), LowRankCompressor(config.compression()), StaticPartners(lambda: targets[i]),
         shapes=trainer.outer.shapes, modes=trainer.outer.modes, run_id="virtual", config=fast, seed=i,
