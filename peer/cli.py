@@ -1,7 +1,7 @@
 """The `murmur` command: parse, build, run, and close in `finally`.
 
     murmur bootstrap --run RUN             start a bootstrap node and print the join line
-    murmur join --initial-peers MADDR... --run RUN
+    murmur join --initial-peers MADDR... --run RUN [--resume] [--restart]
     murmur simulate --peers N --duration SECONDS --report PATH
     murmur status --initial-peers MADDR... --run RUN [--json]
     murmur report RUN_DIR [--out PNG]
@@ -36,9 +36,12 @@ from peer.report import write_report  # its ReportError is a ValueError
 from peer.runner import PeerError, PeerOptions, run_peer
 from peer.simulate import SimulationConfig, simulate
 from peer.status import RunNotFound, read_status, render_status
+from peer.supervise import SupervisorError, preload, supervise
 from peer.workload import WorkloadSpec, add_workload_flags
 
-EXPECTED_ERRORS = (AddressError, ConfigError, IdentityError, NodeError, PeerError, RunNotFound, ValueError, OSError)
+EXPECTED_ERRORS = (
+    AddressError, ConfigError, IdentityError, NodeError, PeerError, RunNotFound, SupervisorError, ValueError, OSError
+)  # fmt: skip
 
 
 class _Parser(argparse.ArgumentParser):
@@ -98,7 +101,12 @@ def build_parser() -> argparse.ArgumentParser:
     join.add_argument("--window", type=float, default=ExchangeConfig().window, help="seconds to look for a partner")
     join.add_argument("--exchange-timeout", type=float, default=ExchangeConfig().exchange_timeout)
     join.add_argument("--quiet", action="store_true", help="no per-round progress line")
+    join.add_argument("--eval-every", type=int, default=PeerOptions.eval_every, metavar="N",
+                      help="rounds between held-out evaluations, 0: at start and stop only "
+                           "(default: %(default)s)")  # fmt: skip
     join.add_argument("--resume", action="store_true", help="continue from the newest usable checkpoint")
+    join.add_argument("--restart", action="store_true",
+                      help="a warm parent restarts the peer with --resume if it is killed or crashes")  # fmt: skip
     join.add_argument("--checkpoint-every", type=int, default=PeerOptions.checkpoint_every, metavar="N",
                       help="rounds between checkpoints (default: %(default)s)")  # fmt: skip
     join.add_argument("--checkpoint-interval", type=float, default=PeerOptions.checkpoint_interval, metavar="SECONDS",
@@ -170,8 +178,9 @@ def _bootstrap(args: argparse.Namespace) -> int:
     return 0
 
 
-def _join(args: argparse.Namespace) -> int:
-    options = PeerOptions(
+def _join_options(args: argparse.Namespace) -> PeerOptions:
+    """Every join flag checked: a bad one raises one of EXPECTED_ERRORS before anything starts."""
+    return PeerOptions(
         run_id=args.run,
         node=NodeConfig(initial_peers=tuple(args.initial_peers), host=args.host, port=args.port,
                         identity_path=args.identity, client_mode=args.client_mode, use_relay=args.use_relay,
@@ -181,8 +190,12 @@ def _join(args: argparse.Namespace) -> int:
                                 access=load_policy(args.run_secret_file, args.allow_peers)),
         data_seed=args.data_seed, duration=args.duration, out_dir=args.out_dir, verbose=not args.quiet,
         checkpoint_dir=args.checkpoint_dir, checkpoint_every=args.checkpoint_every,
-        checkpoint_interval=args.checkpoint_interval, resume=args.resume,
+        checkpoint_interval=args.checkpoint_interval, resume=args.resume, eval_every=args.eval_every,
     )  # fmt: skip
+
+
+def _join(args: argparse.Namespace) -> int:
+    options = _join_options(args)
     stop = threading.Event()
     _stop_on_signals(stop)
     report = run_peer(options, stop, on_start=lambda peer: print(peer.join_line(), flush=True))
@@ -254,7 +267,12 @@ def main(argv: list[str] | None = None) -> int:
         "report": _report,
         "doctor": _doctor,
     }
-    command = commands[args.command]
+    if args.command == "join" and args.restart:
+        return _run(_supervised_join, args)
+    return _run(commands[args.command], args)
+
+
+def _run(command, args: argparse.Namespace) -> int:
     try:
         return command(args)
     except EXPECTED_ERRORS as e:
@@ -263,6 +281,18 @@ def main(argv: list[str] | None = None) -> int:
     except KeyboardInterrupt:
         print(f"murmur {args.command}: interrupted", file=sys.stderr)
         return 130
+
+
+def _supervised_join(args: argparse.Namespace) -> int:
+    """`murmur join --restart`: the peer runs in a forked child, restarted with --resume if it dies."""
+    _join_options(args)  # a bad flag is one line from the parent, before any fork
+    preload()
+
+    def child(resume: bool) -> int:
+        args.resume = resume
+        return _run(_join, args)  # an unexpected exception escapes: the supervisor restarts the peer
+
+    return supervise(child, resume=args.resume)
 
 
 if __name__ == "__main__":

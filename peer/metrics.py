@@ -78,10 +78,15 @@ def read_metrics(path: Path) -> list[dict]:
 
 def consensus_distance(anchors: list[Mapping[str, torch.Tensor]]) -> float | None:
     """max_i ‖φ_i − φ̄‖ / ‖φ̄‖ over the peers' anchors, every parameter flattened together."""
+    return max(anchor_distances(anchors), default=None)
+
+
+def anchor_distances(anchors: list[Mapping[str, torch.Tensor]]) -> list[float]:
+    """‖φ_i − φ̄‖ / ‖φ̄‖ for each peer's anchor, in order (φ̄: the mean over all of them)."""
     if not anchors:
-        return None
+        return []
     names = sorted(anchors[0])
     flat = torch.stack([torch.cat([a[n].reshape(-1).double() for n in names]) for a in anchors])  # (peers, params)
     mean = flat.mean(dim=0)
-    distance = max(float(torch.linalg.vector_norm(row - mean)) for row in flat)
-    return distance / max(float(torch.linalg.vector_norm(mean)), math.ulp(1.0))
+    scale = max(float(torch.linalg.vector_norm(mean)), math.ulp(1.0))
+    return [float(d) / scale for d in torch.linalg.vector_norm(flat - mean, dim=1)]

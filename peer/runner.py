@@ -18,6 +18,7 @@ outer steps past it.
 from __future__ import annotations
 
 import logging
+import math
 import threading
 import time
 from collections.abc import Callable, Mapping
@@ -62,8 +63,9 @@ class PeerOptions:
     duration: float | None = None  # seconds of training; None runs until stopped
     out_dir: Path | None = None
     config_wait: float = 20.0  # how long to look for the run's config on the DHT
-    eval_every: int = 5  # rounds between held-out evaluations in the metrics log
-    verbose: bool = False  # print a progress line every eval_every rounds
+    eval_every: int = 5  # rounds between held-out evaluations in the metrics log; 0: only at the start and stop
+    verbose: bool = False  # print a progress line every eval_every rounds (every 5 with eval_every 0)
+    metrics_interval: float = 10.0  # seconds between the metrics `murmur status` reads from the DHT (ttl 60 s)
     checkpoint_dir: Path | None = None  # default: out_dir / "checkpoints"; neither: no checkpoints
     checkpoint_every: int = 1  # rounds between checkpoints (and one more on a clean stop)...
     # ...and at least this many seconds. A checkpoint costs the training thread its snapshot (tens of ms
@@ -78,6 +80,9 @@ class PeerOptions:
     transfer: TransferConfig = field(default_factory=TransferConfig)
 
     def __post_init__(self) -> None:
+        if self.eval_every < 0 or not self.metrics_interval >= 0:
+            raise ValueError(f"eval_every and metrics_interval must not be negative, got {self.eval_every} and "
+                             f"{self.metrics_interval}")  # fmt: skip
         if self.checkpoint_every < 1:
             raise ValueError(f"checkpoint_every must be at least 1, got {self.checkpoint_every}")
         if not self.checkpoint_interval >= 0:
@@ -143,7 +148,8 @@ class VolunteerPeer:
         self.heartbeat: Heartbeat | None = None
         self.sharing: StateSharing | None = None
         self.metrics_log = MetricsLog(options.out_dir / "metrics.jsonl") if options.out_dir else None
-        self.progress = ProgressLine(every=options.eval_every) if options.verbose else None
+        self.progress = ProgressLine(every=options.eval_every or 5) if options.verbose else None
+        self._metrics_at = -math.inf  # when this peer's metrics were last published to the DHT
         directory = options.checkpoints
         self.writer = CheckpointWriter(directory) if directory is not None else None
 
@@ -274,7 +280,7 @@ class VolunteerPeer:
             elapsed = max(1e-9, time.monotonic() - round_start)
             self.samples_per_second = trainer.config.batch_size * trainer.config.inner_steps / elapsed
             rounds += 1
-            if rounds % options.eval_every == 0:
+            if options.eval_every and rounds % options.eval_every == 0:
                 eval_loss = trainer.evaluate()
             self._log_round(rounds, loss, eval_loss, result, blocked)
             if (
@@ -297,13 +303,15 @@ class VolunteerPeer:
                 exchanges_unreachable=stats.unreachable,
                 bytes_sent=traffic.bytes_sent, bytes_received=traffic.bytes_received, blocked=round(blocked, 3),
             )  # fmt: skip
-        self.records.publish_metrics(
-            Metrics(
-                peer_id=self.peer_id, step=trainer.steps, samples=trainer.samples, loss=loss,
-                exchanges_ok=stats.ok, exchanges_failed=stats.failed,
-                bytes_sent=traffic.bytes_sent, bytes_received=traffic.bytes_received,
-            )
-        )  # fmt: skip
+        if time.monotonic() - self._metrics_at >= self.options.metrics_interval:
+            self._metrics_at = time.monotonic()
+            self.records.publish_metrics(
+                Metrics(
+                    peer_id=self.peer_id, step=trainer.steps, samples=trainer.samples, loss=loss,
+                    exchanges_ok=stats.ok, exchanges_failed=stats.failed,
+                    bytes_sent=traffic.bytes_sent, bytes_received=traffic.bytes_received,
+                )
+            )  # fmt: skip
         if self.progress is not None:
             self.progress.exchanged(partner)
             last_partner, since = self.progress.last_exchange()

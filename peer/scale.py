@@ -47,7 +47,7 @@ from torch import Tensor, nn
 from averaging.partners import pick_partner
 from averaging.transport import InMemoryNetwork
 from peer.config import TrainConfig
-from peer.metrics import consensus_distance
+from peer.metrics import anchor_distances
 from peer.state import apply_training_state, training_state
 from peer.trainer import Trainer
 from peer.virtual import EXCHANGE_MESSAGES, run_stage, virtual_averager
@@ -173,7 +173,7 @@ class ScaleResult:
     peers: int
     final_eval_loss: float  # mean over the live peers at the end
     worst_peer_eval_loss: float
-    consensus_distance: float  # peer.metrics.consensus_distance of the live peers' anchors
+    consensus_distance: float  # peer.metrics.consensus_distance of the live peers' anchors (the farthest one's)
     bytes_per_peer_round: float  # exchange bytes sent, per completed round
     bytes_per_peer: float  # exchange and state-download bytes sent, per peer slot, whole run
     spread_seconds: float | None  # median over the tagged updates that reached `reach` of the live peers
@@ -191,6 +191,13 @@ class ScaleResult:
     live_peers: int
     curve: dict[str, list[float]]
     wall_seconds: float
+    # what makes the consensus distance (a max over peers): a slow peer's anchor is as old as its last outer
+    # step, and the swarm moved on since. "Current" peers took an outer step within the last mean round.
+    consensus_median: float | None = None  # the median peer's distance to the mean anchor
+    consensus_current: float | None = None  # the max over the current peers only
+    current_share: float | None = None  # of the live peers
+    worst_current_eval_loss: float | None = None
+    stalest_rounds: float | None = None  # how long ago (in mean rounds) the farthest peer took its last outer step
 
     def to_json(self) -> dict:
         return asdict(self)
@@ -238,6 +245,7 @@ class _Swarm:
         self.curve: dict[str, list[float]] = {"samples": [], "seconds": [], "consensus": [], "mean_loss": []}
         self.now = 0.0
         self.losses: list[float] = []
+        self.stepped_at: dict[int, float] = {}  # when each peer's anchor last moved (its outer step, or its join)
 
     # -- events --------------------------------------------------------------------------------------
     def push(self, at: float, kind: _Kind, peer: int, stamp: float = 0.0) -> None:
@@ -258,6 +266,7 @@ class _Swarm:
         self.profiles[i] = self.s.internet.draw(self.rng)
         self.trainers[i] = Trainer(self.config, _workload(self.config), data_seed=i + 1)
         self.targets[i] = []
+        self.stepped_at[i] = at
         self.averagers[i] = virtual_averager(
             self.network, i, self.trainers[i], self.config, self.targets, 1e-4, retry=False
         )  # a refused pair fails once, whatever the machine's speed
@@ -298,7 +307,8 @@ class _Swarm:
     def lonely_round(self, i: int) -> None:
         self.waiting.pop(i, None)
         trainer = self.trainers[i]
-        trainer.finish_round(trainer.outer.offer(), None)
+        if trainer.finish_round(trainer.outer.offer(), None):
+            self.stepped_at[i] = self.now
         self.lonely += 1
         self.rounds += 1
         self.start_phase(i, self.now)
@@ -311,7 +321,8 @@ class _Swarm:
         self.targets[a] = []
         seconds = self.profiles[a].exchange_seconds(self.profiles[b], ra.bytes_sent, ra.bytes_received) if ra else 0.0
         for j, r in ((a, ra), (b, rb)):
-            self.trainers[j].finish_round(offers[j], r)
+            if self.trainers[j].finish_round(offers[j], r):
+                self.stepped_at[j] = self.now
             self.rounds += 1
             self.start_phase(j, self.now + seconds)
         if ra is not None and rb is not None:
@@ -327,7 +338,7 @@ class _Swarm:
         averager = self.averagers.pop(i)
         self.loop.run_until_complete(averager.stop())
         self.exchange_bytes += averager.transport.traffic.bytes_sent
-        for table in (self.trainers, self.profiles, self.targets, self.last_partner):
+        for table in (self.trainers, self.profiles, self.targets, self.last_partner, self.stepped_at):
             table.pop(i, None)
         for tag in self.tags:
             tag.reached.discard(i)
@@ -343,6 +354,7 @@ class _Swarm:
         donor = self.rng.choice(donors)
         snapshot = training_state(self.trainers[donor])
         apply_training_state(self.trainers[i], snapshot)
+        self.stepped_at[i] = self.stepped_at.get(donor, 0.0)  # the donor's anchor, as old as the donor's
         nbytes = sum(t.numel() * t.element_size() for t in snapshot.tensors.values())
         self.state_bytes += nbytes
         for tag in self.tags:
@@ -360,9 +372,23 @@ class _Swarm:
     def measure(self) -> None:
         anchors = [t.outer.anchor for t in self.trainers.values()]
         self.losses = losses = [t.evaluate() for t in self.trainers.values()]
+        self.distances = anchor_distances(anchors)
         for key, value in (("samples", self.samples), ("seconds", self.now), ("mean_loss", statistics.fmean(losses)),
-                           ("consensus", consensus_distance(anchors) or 0.0)):  # fmt: skip
+                           ("consensus", max(self.distances))):  # fmt: skip
             self.curve[key].append(value)
+
+    def anatomy(self, round_seconds: float) -> dict:
+        """The last measurement's consensus and loss split by how stale each peer's anchor is."""
+        ages = [(self.now - self.stepped_at[i]) / round_seconds for i in self.trainers]
+        current = [k for k, age in enumerate(ages) if age <= 1.0]
+        farthest = max(range(len(ages)), key=self.distances.__getitem__)
+        return {
+            "consensus_median": statistics.median(self.distances),
+            "consensus_current": max((self.distances[k] for k in current), default=None),
+            "current_share": len(current) / len(ages),
+            "worst_current_eval_loss": max((self.losses[k] for k in current), default=None),
+            "stalest_rounds": ages[farthest],
+        }
 
     # -- the run ---------------------------------------------------------------------------------------
     def run(self) -> ScaleResult:
@@ -408,7 +434,7 @@ class _Swarm:
             spread_reached=len(spread), spread_tags=len(self.tags), mean_round_seconds=round_seconds,
             virtual_seconds=self.now, samples=self.samples, rounds_completed=self.rounds, exchanges=self.exchanges,
             lonely_rounds=self.lonely, departures=self.departures, joins=self.joins, live_peers=len(self.trainers),
-            curve=self.curve, wall_seconds=wall,
+            curve=self.curve, wall_seconds=wall, **self.anatomy(round_seconds),
         )  # fmt: skip
 
 

@@ -18,6 +18,7 @@ import time
 from dataclasses import dataclass, field
 from pathlib import Path
 
+import psutil
 import torch
 from rich.console import Console
 from rich.live import Live
@@ -96,8 +97,10 @@ def stop_processes(procs: list[subprocess.Popen], grace: float) -> None:
     """SIGTERM each peer, then SIGKILL its process group, whatever is left of it after `grace` seconds.
 
     Only the peer itself gets the SIGTERM: its clean stop (withdraw, checkpoint, report) still needs
-    its DHT worker and `p2pd`, which it then stops itself.
+    its DHT worker and `p2pd`, which it then stops itself. A peer that leads a group of its own below
+    (the child of `murmur join --restart`) has its group swept too.
     """
+    groups = [proc.pid for proc in procs] + [pid for proc in procs for pid in group_leaders_below(proc.pid)]
     for proc in procs:
         if proc.poll() is None:
             with contextlib.suppress(ProcessLookupError):
@@ -106,11 +109,26 @@ def stop_processes(procs: list[subprocess.Popen], grace: float) -> None:
     for proc in procs:
         with contextlib.suppress(subprocess.TimeoutExpired):
             proc.wait(timeout=max(0.0, deadline - time.monotonic()))
-    for proc in procs:  # the group may outlive its leader (a p2pd child): always sweep it
+    for group in groups:  # a group may outlive its leader (a p2pd child): always sweep it
         with contextlib.suppress(ProcessLookupError, PermissionError):
-            os.killpg(proc.pid, signal.SIGKILL)
+            os.killpg(group, signal.SIGKILL)
+    for proc in procs:
         with contextlib.suppress(subprocess.TimeoutExpired):
             proc.wait(timeout=5)
+
+
+def group_leaders_below(pid: int) -> list[int]:
+    """Live descendants of `pid` that lead their own process group (the peer of `murmur join --restart`)."""
+    try:
+        below = psutil.Process(pid).children(recursive=True)
+    except psutil.Error:
+        return []
+    leaders = []
+    for child in below:
+        with contextlib.suppress(psutil.Error, ProcessLookupError):
+            if child.status() != psutil.STATUS_ZOMBIE and os.getpgid(child.pid) == child.pid:
+                leaders.append(child.pid)
+    return leaders
 
 
 def _progress_table(config: SimulationConfig, elapsed: float) -> Table:

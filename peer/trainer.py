@@ -161,10 +161,12 @@ class Trainer:
         moments warm up again, so a joiner's first steps are not full-size sign steps into the swarm."""
         self.steps = self.warm_from = steps
 
-    def finish_round(self, offer: Offer, result: ExchangeResult | None) -> None:
+    def finish_round(self, offer: Offer, result: ExchangeResult | None) -> bool:
+        """The round's outer step (`OuterOptimizer.apply`); returns whether it took one."""
         started = time.perf_counter()
-        self.outer.apply(offer, result)
+        stepped = self.outer.apply(offer, result)
         self.compute_seconds += time.perf_counter() - started
+        return stepped
 
     def evaluate(self) -> float:
         """Held-out loss of the model this peer holds now (its anchor, right after an outer step), in fp32."""

@@ -1,12 +1,20 @@
 """Churn on loopback: real `murmur join` processes, SIGKILLed and restarted, against the same swarm left alone.
 
-Two phases run one after the other in one invocation, each with its own bootstrap node and run id,
+Phases run one after the other in one invocation, each with its own bootstrap node and run id,
 the same training config and the same data seeds:
 
 * no churn: N peers train for the set duration;
 * churn: the same, while a chaos loop SIGKILLs a random peer (its whole process group, p2pd
-  included) every T seconds and restarts it at once with `--resume`, and every few kills also
-  launches a brand-new peer, which catches up by downloading a live peer's state.
+  included) every T seconds. Every third kill is a departure: that peer does not come back, and a
+  brand-new peer joins in its place and catches up by downloading a live peer's state, so the swarm
+  keeps N peers on the same cores, like the no-churn phase (`--grow`: the victim comes back and the
+  new peer joins on top, so each peer's share of the cores shrinks). Any other killed peer comes back
+  with `--resume` in one of two ways, each a phase of its own (`--restart`, default both):
+  - warm: every peer runs `murmur join --restart` (peer/supervise.py), whose warm parent forks a new
+    peer that resumes from its checkpoint; the chaos loop only kills;
+  - cold: the chaos loop starts a fresh `murmur join --resume` process, imports and all.
+  On one machine a cold start's ~4 CPU-seconds of imports come out of every peer's training time;
+  on a volunteer's own machine they would cost only the restarted peer.
 
 The clock of a phase starts once every initial peer has logged a round. Peers are stopped with
 SIGTERM at the end (a clean stop writes report.json and anchor.pt), and everything is reaped by
@@ -17,8 +25,9 @@ spent looking for and exchanging with a partner), the final eval loss and the co
 of the live peers, the peers that died without being killed, and each new peer's time from launch
 to its first exchange.
 
-    .venv/bin/python scripts/bench_churn.py --quick     # 3 peers, 30 s a phase: about 2 minutes
+    .venv/bin/python scripts/bench_churn.py --quick     # 3 peers, 30 s a phase: about 3 minutes
     .venv/bin/python scripts/bench_churn.py             # 6 peers, 180 s a phase, a kill every 20 s
+    .venv/bin/python scripts/bench_churn.py --restart warm   # the no-churn and warm-restart phases only
 """
 
 from __future__ import annotations
@@ -41,7 +50,8 @@ from averaging.protocol import ExchangeConfig
 from dht.node import stop_node
 from peer.config import TrainConfig
 from peer.metrics import PeerReport, consensus_distance, read_metrics
-from peer.simulate import join_command, launch, start_bootstrap, stop_processes
+from peer.simulate import group_leaders_below, join_command, launch, start_bootstrap, stop_processes
+from peer.supervise import RESTARTED
 
 RESULTS = Path(__file__).resolve().parent / "results"
 
@@ -51,8 +61,12 @@ class BenchConfig:
     peers: int = 6
     duration: float = 180.0  # seconds a phase is measured, from the moment every initial peer has trained
     kill_every: float = 20.0  # T: seconds between SIGKILLs
-    new_every: int = 3  # every this many kills, one brand-new peer joins too
+    new_every: int = 3  # every this many kills, one brand-new peer joins...
     max_new: int = 3
+    # ...in place of the victim, which leaves for good: the swarm keeps `peers` peers on the same cores, as
+    # in the no-churn phase. With `grow` the victim comes back and the new peer joins on top: every peer then
+    # gets a smaller share of the two cores, which slows each one's steps whatever churn costs.
+    grow: bool = False
     calm_tail: float = 15.0  # no kills this close to the end: a peer still importing cannot stop cleanly
     checkpoint_every: int = 1  # rounds between a peer's checkpoints: with a kill every T s, every round (Young's rule)
     window: float = ExchangeConfig().window
@@ -61,6 +75,7 @@ class BenchConfig:
     startup_grace: float = 120.0
     stop_grace: float = 15.0
     seed: int = 0
+    restarts: tuple[str, ...] = ("warm", "cold")  # a churn phase each, against the same no-churn phase
 
 
 class CpuMeter:
@@ -103,11 +118,14 @@ class Slot:
     launched_at: float = 0.0  # wall time of the first launch
     new: bool = False  # a brand-new peer that joined during churn
     kills: int = 0
+    departed: bool = False  # killed for good: a brand-new peer took its place
 
 
 class Phase:
-    def __init__(self, config: BenchConfig, name: str, out: Path, churn: bool) -> None:
-        self.config, self.name, self.out, self.churn = config, name, out, churn
+    """`restart`: "warm" (every peer under `murmur join --restart`), "cold" (the chaos loop relaunches)."""
+
+    def __init__(self, config: BenchConfig, name: str, out: Path, churn: bool, restart: str = "warm") -> None:
+        self.config, self.name, self.out, self.churn, self.restart = config, name, out, churn, restart
         self.run_id = f"bench-{name}"
         self.slots: list[Slot] = []
         self.crashed: list[str] = []  # peers that exited without being killed or told to stop
@@ -116,7 +134,8 @@ class Phase:
     def _launch(self, slot: Slot, maddrs: list[str], resume: bool) -> None:
         c = self.config
         extra = ["--checkpoint-every", str(c.checkpoint_every), "--checkpoint-interval", "0", "--window", str(c.window),
-                 "--exchange-timeout", str(c.exchange_timeout), *(["--resume"] if resume else [])]  # fmt: skip
+                 "--exchange-timeout", str(c.exchange_timeout), *(["--resume"] if resume else []),
+                 *(["--restart"] if self.restart == "warm" else [])]  # fmt: skip
         slot.proc = launch(
             join_command(maddrs, self.run_id, slot.folder, slot.index + 1, *extra), self.out / f"{slot.folder.name}.log"
         )
@@ -127,11 +146,46 @@ class Phase:
         self._launch(slot, maddrs, resume=False)
         return slot
 
+    def _kill(self, victim: Slot, maddrs: list[str]) -> None:
+        """SIGKILL the peer's process group (the peer, its DHT worker and p2pd at once), then bring it back."""
+        if self.restart == "cold":
+            os.killpg(victim.proc.pid, signal.SIGKILL)
+            victim.proc.wait(timeout=10)
+            self._launch(victim, maddrs, resume=True)
+            return
+        deadline = time.monotonic() + 10
+        while not (peer := group_leaders_below(victim.proc.pid)):  # between a death and its restart: wait for it
+            if time.monotonic() > deadline:
+                raise RuntimeError(f"{victim.folder.name}: its supervisor has no peer to kill")
+            time.sleep(0.05)
+        os.killpg(peer[0], signal.SIGKILL)  # the supervisor outlives it and starts a new one with --resume
+
+    def _depart(self, victim: Slot) -> None:
+        """SIGKILL the peer for good: its process group, and its supervisor first, which would restart it."""
+        if self.restart == "warm":
+            os.kill(victim.proc.pid, signal.SIGSTOP)
+            for group in group_leaders_below(victim.proc.pid):
+                os.killpg(group, signal.SIGKILL)
+        os.killpg(victim.proc.pid, signal.SIGKILL)
+        victim.proc.wait(timeout=10)
+        victim.proc, victim.departed = None, True
+
     def _check_crashes(self) -> None:
         for slot in self.slots:
             if slot.proc is not None and slot.proc.poll() is not None:
                 self.crashed.append(f"{slot.folder.name} exited with {slot.proc.returncode}")
                 slot.proc = None
+
+    def _unexpected_restarts(self) -> list[str]:
+        """A supervisor's restart of a peer that the chaos loop did not kill is a crash."""
+        if self.restart != "warm":
+            return []
+        crashes = []
+        for slot in self.slots:
+            lines = [ln for ln in (self.out / f"{slot.folder.name}.log").read_text().splitlines() if RESTARTED in ln]
+            if len(lines) > slot.kills or any("killed by SIGKILL" not in ln for ln in lines):
+                crashes.append(f"{slot.folder.name}: {len(lines)} restarts for {slot.kills} kills: {lines[-1]}")
+        return crashes
 
     def run(self) -> dict:
         c = self.config
@@ -157,12 +211,14 @@ class Phase:
                 if self.churn and time.monotonic() >= next_kill and time.time() < start + c.duration - c.calm_tail:
                     victim = self.rng.choice([s for s in self.slots if s.proc is not None])
                     meter.sample([victim.proc.pid])
-                    os.killpg(victim.proc.pid, signal.SIGKILL)  # the peer, its DHT worker and p2pd at once
-                    victim.proc.wait(timeout=10)
-                    victim.kills += 1
-                    self._launch(victim, maddrs, resume=True)
                     kills += 1
-                    if kills % c.new_every == 0 and sum(s.new for s in self.slots) < c.max_new:
+                    joins = kills % c.new_every == 0 and sum(s.new for s in self.slots) < c.max_new
+                    if joins and not c.grow:
+                        self._depart(victim)
+                    else:
+                        self._kill(victim, maddrs)
+                    victim.kills += 1
+                    if joins:
                         self._add(maddrs, new=True)
                     next_kill += c.kill_every
                 ticks += 1
@@ -176,6 +232,7 @@ class Phase:
             live = [s for s in self.slots if s.proc is not None]
             stop_processes([s.proc for s in live], c.stop_grace)
             self.crashed += [f"{s.folder.name} stopped with {s.proc.returncode}" for s in live if s.proc.returncode]
+            self.crashed += self._unexpected_restarts()
         finally:
             stop_processes([s.proc for s in self.slots if s.proc is not None], c.stop_grace)
             stop_node(boot)
@@ -205,9 +262,11 @@ class Phase:
         anchors = [torch.load(s.folder / "anchor.pt", weights_only=True) for s in reported]
         losses = [r.final_eval_loss for r in reports]
         return {
+            "restart": self.restart if self.churn else None,
             "peers_live_at_end": len(live),
             "peers_still_starting_at_end": len(live) - len(reported),
             "kills": sum(s.kills for s in self.slots),
+            "departures": sum(s.departed for s in self.slots),  # kills for good, each replaced by a new peer
             "new_peers": sum(s.new for s in self.slots),
             "seconds": round(end - start, 1),
             "rounds": rounds,
@@ -228,16 +287,27 @@ class Phase:
 
 
 def bench(config: BenchConfig, runs: Path) -> dict:
+    """The no-churn phase, then one churn phase per restart kind; the first kind's ratios lead the result."""
     calm = Phase(config, "no-churn", runs / "no-churn", churn=False).run()
-    churn = Phase(config, "churn", runs / "churn", churn=True).run()
+    churned = {kind: Phase(config, f"churn-{kind}", runs / f"churn-{kind}", churn=True, restart=kind).run()
+               for kind in config.restarts}  # fmt: skip
+    verdicts = {kind: _verdict(config, calm, churn) for kind, churn in churned.items()}
+    first, *others = config.restarts
+    return {
+        "config": {**asdict(config), "train": config.train.to_record()},
+        "no_churn": calm,
+        "churn": churned[first],
+        **verdicts[first],
+        **{f"churn_{kind}_restart": {**churned[kind], **verdicts[kind]} for kind in others},
+    }
+
+
+def _verdict(config: BenchConfig, calm: dict, churn: dict) -> dict:
     throughput = churn["samples_per_second"] / calm["samples_per_second"]
     loss = churn["final_eval_loss_mean"] / calm["final_eval_loss_mean"]
     first = [t for t in churn["new_peer_first_exchange_seconds"] if t is not None]
     limit = config.exchange_timeout + 1
     return {
-        "config": {**asdict(config), "train": config.train.to_record()},
-        "no_churn": calm,
-        "churn": churn,
         "samples_per_second_ratio": round(throughput, 3),
         "final_eval_loss_ratio": round(loss, 4),
         "targets": {
@@ -258,18 +328,26 @@ def main() -> None:
     parser.add_argument("--kill-every", type=float, help="seconds between SIGKILLs (default 20, quick 6)")
     parser.add_argument("--out", type=Path, default=RESULTS, help="folder for bench_churn.json (default: %(default)s)")
     parser.add_argument("--runs", type=Path, default=Path("runs/bench_churn"), help="folder for the peers' logs")
+    parser.add_argument("--grow", action="store_true",
+                        help="new peers join on top instead of in place of a victim that leaves for good")  # fmt: skip
+    parser.add_argument("--restart", choices=("warm", "cold", "both"), default="both",
+                        help="how a killed peer comes back: its supervisor forks it warm, or a fresh process "
+                             "(default: both, a phase each; warm leads the result)")  # fmt: skip
     args = parser.parse_args()
     quick = {"peers": 3, "duration": 30.0, "kill_every": 6.0, "new_every": 2, "max_new": 1, "calm_tail": 8.0,
              "train": TrainConfig(inner_steps=10, batch_size=8, eval_batches=4)}  # fmt: skip
-    chosen = {"peers": args.peers, "duration": args.duration, "kill_every": args.kill_every}
+    chosen = {"peers": args.peers, "duration": args.duration, "kill_every": args.kill_every,
+              "restarts": ("warm", "cold") if args.restart == "both" else (args.restart,),
+              "grow": args.grow or None}  # fmt: skip
     config = BenchConfig(**(quick if args.quick else {}) | {k: v for k, v in chosen.items() if v is not None})
     args.out.mkdir(parents=True, exist_ok=True)
     result = bench(config, args.runs)
     path = args.out / "bench_churn.json"
     path.write_text(json.dumps(result, indent=2) + "\n")
-    print(
-        json.dumps({k: result[k] for k in ("samples_per_second_ratio", "final_eval_loss_ratio", "targets")}, indent=2)
-    )
+    keys = ("samples_per_second_ratio", "final_eval_loss_ratio", "targets")
+    print(f"{config.restarts[0]} restarts:", json.dumps({k: result[k] for k in keys}, indent=2))
+    for kind in config.restarts[1:]:
+        print(f"{kind} restarts:", json.dumps({k: result[f"churn_{kind}_restart"][k] for k in keys}, indent=2))
     print(f"written to {path}")
 
 

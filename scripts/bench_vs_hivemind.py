@@ -187,7 +187,9 @@ class SocketMeter:
 
 def peer_command(stack: str, config: BenchConfig, run_id: str, maddrs: list[str], out: Path, peer: int, host: str):
     if stack == "murmur":
-        extra = ("--host", host, "--window", str(config.window), "--exchange-timeout", str(config.exchange_timeout))
+        # like a hivemind worker, a Murmur peer evaluates on the held-out batches only when it stops
+        extra = ("--host", host, "--window", str(config.window), "--exchange-timeout", str(config.exchange_timeout),
+                 "--eval-every", "0")  # fmt: skip
         return join_command(maddrs, run_id, out / f"peer-{peer}", peer + 1, *extra)
     return [
         sys.executable, str(WORKER), "peer", "--initial-peers", *maddrs, "--host", host, "--run", run_id,

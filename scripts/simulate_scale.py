@@ -97,8 +97,14 @@ def verdict(results: dict[int, ScaleResult], dht: dict | None = None) -> dict:
     """The two targets, and where scaling breaks (a metric growing with N), said plainly."""
     out: dict = {}
     if 1024 in results:
-        out["consensus_at_1024"] = results[1024].consensus_distance
-        out["consensus_target_met"] = results[1024].consensus_distance <= CONSENSUS_TARGET
+        r = results[1024]
+        out["consensus_at_1024"] = r.consensus_distance
+        out["consensus_target_met"] = r.consensus_distance <= CONSENSUS_TARGET
+        if r.consensus_current is not None:  # what the distance is made of (see ScaleResult)
+            out["consensus_anatomy_at_1024"] = {
+                "median_peer": r.consensus_median, "current_peers_max": r.consensus_current,
+                "current_share": r.current_share, "farthest_peer_stale_rounds": r.stalest_rounds,
+            }  # fmt: skip
     if 64 in results:
         base = results[64].final_eval_loss
         out["loss_vs_64"] = {n: r.final_eval_loss / base for n, r in results.items()}
@@ -133,12 +139,25 @@ def print_table(results: dict[int, ScaleResult], dht: dict | None) -> None:
     head = f"{'peers':>6s} {'loss':>7s} {'worst':>7s} {'consensus':>9s} {'B/peer/round':>12s} {'kB/peer':>8s} "
     print(f"\n{head}{'spread s':>8s} {'rounds':>6s} {'left':>5s} {'joined':>6s} {'dht ms/round':>12s} {'wall s':>6s}")
     for n, r in sorted(results.items()):
-        spread = "-" if r.spread_seconds is None else f"{r.spread_seconds:8.1f}"
-        rounds = "-" if r.spread_rounds is None else f"{r.spread_rounds:6.2f}"
-        cost = f"{dht_cost(dht, n)['round_ms']:12.1f}" if dht else f"{'-':>12s}"
-        print(f"{n:6d} {r.final_eval_loss:7.4f} {r.worst_peer_eval_loss:7.4f} {r.consensus_distance:9.4f} "
-              f"{r.bytes_per_peer_round:12.0f} {r.bytes_per_peer / 1e3:8.1f} {spread:>8s} {rounds:>6s} "
-              f"{r.departures:5d} {r.joins:6d} {cost} {r.wall_seconds:6.0f}")  # fmt: skip
+        _row(n, r, dht)
+    anatomy = {n: r for n, r in sorted(results.items()) if r.consensus_current is not None}
+    if anatomy:
+        print("\nthe consensus distance is the farthest peer's; by how stale each peer's anchor is (current: an outer")
+        print("step within the last mean round):")
+        print(f"{'peers':>6s} {'median':>7s} {'current max':>11s} {'current %':>9s} {'farthest stale':>14s} "
+              f"{'worst current loss':>18s}")  # fmt: skip
+        for n, r in anatomy.items():
+            print(f"{n:6d} {r.consensus_median:7.4f} {r.consensus_current:11.4f} {100 * r.current_share:9.1f} "
+                  f"{r.stalest_rounds:14.2f} {r.worst_current_eval_loss:18.4f}")  # fmt: skip
+
+
+def _row(n: int, r: ScaleResult, dht: dict | None) -> None:
+    spread = "-" if r.spread_seconds is None else f"{r.spread_seconds:8.1f}"
+    rounds = "-" if r.spread_rounds is None else f"{r.spread_rounds:6.2f}"
+    cost = f"{dht_cost(dht, n)['round_ms']:12.1f}" if dht else f"{'-':>12s}"
+    print(f"{n:6d} {r.final_eval_loss:7.4f} {r.worst_peer_eval_loss:7.4f} {r.consensus_distance:9.4f} "
+          f"{r.bytes_per_peer_round:12.0f} {r.bytes_per_peer / 1e3:8.1f} {spread:>8s} {rounds:>6s} "
+          f"{r.departures:5d} {r.joins:6d} {cost} {r.wall_seconds:6.0f}")  # fmt: skip
 
 
 def plot(results: dict[int, ScaleResult], path: Path, dht: dict | None = None) -> None:
@@ -152,7 +171,14 @@ def plot(results: dict[int, ScaleResult], path: Path, dht: dict | None = None) -
     fig, axes = plt.subplots(1, 4, figsize=(17, 4))
     panels = [
         ("held-out loss", [("mean", [r.final_eval_loss for r in rs]), ("worst", [r.worst_peer_eval_loss for r in rs])]),
-        ("consensus distance", [("final", [r.consensus_distance for r in rs])]),
+        (
+            "consensus distance",
+            [
+                ("farthest peer", [r.consensus_distance for r in rs]),
+                ("median peer", [r.consensus_median or math.nan for r in rs]),
+                ("farthest current peer", [r.consensus_current or math.nan for r in rs]),
+            ],
+        ),
         ("bytes per peer per round", [("exchanges sent", [r.bytes_per_peer_round for r in rs])]),
         ("rounds for an update to reach 99%", [("median", [r.spread_rounds or math.nan for r in rs])]),
     ]

@@ -35,6 +35,8 @@ def test_help_screens(command, capsys):
             "--use-relay",
             "--no-use-relay",
             "--use-auto-relay",
+            "--restart",
+            "--eval-every",
         ],
         "simulate": ["--peers", "--duration", "--report", "--device", "--precision"],
         "status": ["--initial-peers", "--run", "--json"],
@@ -72,6 +74,8 @@ def test_bad_flags_exit_2_with_one_line(argv, needle, capsys):
     [
         (["join", "--initial-peers", "not-a-multiaddr", "--run", "r"], "not-a-multiaddr"),
         (["join", "--initial-peers", "/ip4/127.0.0.1/tcp/1", "--run", "r"], "/p2p/"),
+        (["join", "--initial-peers", "not-a-multiaddr", "--run", "r", "--restart"], "not-a-multiaddr"),  # no fork
+        ([*JOIN, "--eval-every", "-1"], "eval_every and metrics_interval must not be negative"),
         (["join", "--initial-peers", "/ip4/127.0.0.1/tcp/99999/p2p/QmXyz", "--run", "r"], "99999"),
         (["simulate", "--rank", "0"], "rank must be at least 1"),
         (["simulate", "--model", "gpt-huge"], "unknown model 'gpt-huge'"),

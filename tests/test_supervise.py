@@ -1,0 +1,145 @@
+"""`murmur join --restart` (peer/supervise.py): a warm parent that restarts its peer with --resume.
+
+Each scenario runs `supervise` in a fresh interpreter (a fork needs a process with one thread, which a
+test runner's process does not promise); the child's behaviour is chosen per start by a small script,
+and every start records its pid and resume flag in a file.
+"""
+
+import json
+import os
+import signal
+import subprocess
+import sys
+import textwrap
+import time
+import uuid
+from pathlib import Path
+
+import psutil
+import pytest
+
+from peer.supervise import RestartPolicy, describe, exit_code, restartable
+from tests.test_swarm import tagged_processes
+
+ROOT = Path(__file__).resolve().parent.parent
+
+SCRIPT = textwrap.dedent(
+    """
+    import json, os, signal, sys, time
+    from pathlib import Path
+    from peer.supervise import RestartPolicy, SupervisorError, supervise
+
+    starts, plan = Path(sys.argv[1]), json.loads(sys.argv[2])
+
+    def run(resume):
+        n = len(starts.read_text().splitlines()) if starts.exists() else 0
+        with starts.open("a") as f:
+            f.write(json.dumps({"pid": os.getpid(), "resume": resume, "pgid": os.getpgid(0)}) + "\\n")
+        action = plan[min(n, len(plan) - 1)]
+        if action == "sigkill":
+            os.kill(os.getpid(), signal.SIGKILL)
+        if action == "raise":
+            raise RuntimeError("a bug in the peer")
+        if action == "wait":  # like a peer: a clean stop on SIGTERM
+            stop = []
+            signal.signal(signal.SIGTERM, lambda *a: stop.append(1))
+            while not stop:
+                time.sleep(0.05)
+            return 0
+        return int(action)
+
+    try:
+        code = supervise(run, resume=False, policy=RestartPolicy(max_restarts=2, max_backoff=0.0))
+    except SupervisorError as e:
+        print(f"gave up: {e}", file=sys.stderr)
+        code = 3
+    sys.exit(code)
+    """
+)
+
+
+def start(tmp_path: Path, plan: list, tag: str = "") -> tuple[subprocess.Popen, Path]:
+    script, starts = tmp_path / "supervised.py", tmp_path / "starts.jsonl"
+    script.write_text(SCRIPT)
+    env = {**os.environ, "PYTHONPATH": str(ROOT), "MURMUR_TEST_TAG": tag or str(uuid.uuid4())}
+    proc = subprocess.Popen(
+        [sys.executable, str(script), str(starts), json.dumps(plan)],
+        stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=env, start_new_session=True,
+    )  # fmt: skip
+    return proc, starts
+
+
+def records(starts: Path) -> list[dict]:
+    return [json.loads(line) for line in starts.read_text().splitlines()] if starts.exists() else []
+
+
+def finish(proc: subprocess.Popen) -> tuple[int, str]:
+    try:
+        _, err = proc.communicate(timeout=30)
+    finally:
+        if proc.poll() is None:
+            os.killpg(proc.pid, signal.SIGKILL)
+            proc.wait()
+    return proc.returncode, err
+
+
+def test_a_killed_peer_is_restarted_with_resume_in_its_own_group(tmp_path):
+    proc, starts = start(tmp_path, ["sigkill", "raise", "0"])
+    code, err = finish(proc)
+    runs = records(starts)
+    assert code == 0, err
+    assert [r["resume"] for r in runs] == [False, True, True]
+    assert len({r["pid"] for r in runs}) == 3 and all(r["pgid"] == r["pid"] for r in runs)  # each leads its group
+    lines = [line for line in err.splitlines() if line.startswith("murmur join:")]
+    assert len(lines) == 2 and "killed by SIGKILL" in lines[0] and "exited with code 70" in lines[1]
+    assert "RuntimeError: a bug in the peer" in err  # the crash's traceback is shown, then it restarts
+
+
+@pytest.mark.parametrize("code", [1, 2, 130])
+def test_an_expected_error_or_interrupt_is_not_restarted(tmp_path, code):
+    proc, starts = start(tmp_path, [str(code), "0"])
+    assert finish(proc)[0] == code
+    assert len(records(starts)) == 1
+
+
+def test_a_peer_that_keeps_dying_is_given_up_on(tmp_path):
+    proc, starts = start(tmp_path, ["sigkill"])
+    code, err = finish(proc)
+    assert code == 3 and len(records(starts)) == 3  # the first start and max_restarts=2 restarts
+    assert "gave up: the peer died 3 times in 600 s (last: killed by SIGKILL); giving up" in err
+
+
+def test_sigterm_is_forwarded_and_the_peer_stops_cleanly(tmp_path):
+    proc, starts = start(tmp_path, ["wait"])
+    deadline = time.monotonic() + 20
+    while not records(starts):
+        assert time.monotonic() < deadline and proc.poll() is None, "the peer never started"
+        time.sleep(0.05)
+    proc.send_signal(signal.SIGTERM)
+    assert finish(proc)[0] == 0
+    assert len(records(starts)) == 1  # a stop on request is not restarted
+    assert not psutil.pid_exists(records(starts)[0]["pid"])
+
+
+def test_the_peer_dies_with_its_supervisor(tmp_path):
+    tag = f"supervise-{uuid.uuid4()}"
+    proc, starts = start(tmp_path, ["wait"], tag=tag)
+    deadline = time.monotonic() + 20
+    while not records(starts):
+        assert time.monotonic() < deadline, "the peer never started"
+        time.sleep(0.05)
+    os.kill(proc.pid, signal.SIGKILL)  # the supervisor alone, not the peer's group
+    proc.wait(timeout=10)
+    assert not tagged_processes(tag)  # PR_SET_PDEATHSIG: the peer got SIGTERM and stopped
+
+
+def test_wait_statuses_in_words():
+    killed, crashed, clean = signal.SIGKILL, 70 << 8, 0
+    assert describe(killed) == "killed by SIGKILL" and describe(crashed) == "exited with code 70"
+    assert restartable(killed) and restartable(crashed) and not restartable(clean) and not restartable(1 << 8)
+    assert exit_code(killed) == 137 and exit_code(crashed) == 70
+
+
+def test_a_bad_policy_is_refused():
+    with pytest.raises(ValueError, match="restart policy"):
+        RestartPolicy(max_restarts=-1)
