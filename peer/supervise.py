@@ -87,6 +87,9 @@ def _die_with_parent() -> None:
 def _fork(run: Callable[[bool], int], resume: bool) -> int:
     if threading.active_count() != 1:  # a fork copies no other thread: whatever they held stays held
         raise SupervisorError("the supervisor started a thread before forking its peer; refusing to fork")
+    for stream in (sys.stdout, sys.stderr):  # or the child would print the parent's buffered lines again
+        stream.flush()
+    parent = os.getpid()
     pid = os.fork()
     if pid:
         return pid
@@ -94,6 +97,8 @@ def _fork(run: Callable[[bool], int], resume: bool) -> int:
     try:  # the child: never returns into the supervisor's code
         os.setsid()
         _die_with_parent()
+        if os.getppid() != parent:  # the supervisor died before the line above took effect: nobody to serve
+            os._exit(0)
         for signum in (signal.SIGINT, signal.SIGTERM):
             signal.signal(signum, signal.SIG_DFL)  # the peer installs its own
         code = run(resume)
