@@ -244,7 +244,8 @@ class _Swarm:
         self.tags: list[_Tag] = []
         self.curve: dict[str, list[float]] = {"samples": [], "seconds": [], "consensus": [], "mean_loss": []}
         self.now = 0.0
-        self.losses: list[float] = []
+        self.losses: list[float] = []  # of the last measurement, per live peer
+        self.distances: list[float] = []  # of the last measurement: each live peer's anchor to the mean
         self.stepped_at: dict[int, float] = {}  # when each peer's anchor last moved (its outer step, or its join)
 
     # -- events --------------------------------------------------------------------------------------

@@ -57,11 +57,8 @@ class RestartPolicy:
 def preload() -> None:
     """Import what a peer imports at start, so that every fork starts warm."""
     import hivemind  # noqa: F401  (with scipy, through hivemind.averaging)
-    import torch
     import torch._dynamo  # noqa: F401  (every torch optimizer imports it on construction)
     import torch.optim  # noqa: F401
-
-    del torch
 
 
 def describe(status: int) -> str:
@@ -143,12 +140,9 @@ def supervise(
         while True:
             started = time.monotonic()
             child = _fork(run, resume)
-            while True:
-                try:
-                    _, status = os.waitpid(child, 0)
-                    break
-                except InterruptedError:
-                    continue
+            if stopping.is_set():  # a stop that came between the fork and the line above
+                forward(signal.SIGTERM, None)
+            _, status = os.waitpid(child, 0)  # retried after a signal handler runs (PEP 475)
             lived = time.monotonic() - started
             child = 0
             if stopping.is_set() or not restartable(status):
