@@ -42,7 +42,7 @@ per row (``sign``, for "mean" tensors when the config asks for it), or as int8 w
 (``int8``, for "diff" tensors when the config asks for it)."""
 
 MeanCodec = Literal["lowrank", "sign"]
-DiffCodec = Literal["lowrank", "int8"]
+DiffCodec = Literal["lowrank", "int8", "dense"]
 
 SCALE_SUFFIX = "#scale"  # a sign-coded tensor's per-row scales travel under NAME#scale
 
@@ -63,8 +63,8 @@ class LowRankConfig:
             raise ValueError(f"rank must be between 1 and 1024, got {self.rank}")
         if self.mean_codec not in ("lowrank", "sign"):
             raise ValueError(f"mean_codec must be 'lowrank' or 'sign', got {self.mean_codec!r}")
-        if self.diff_codec not in ("lowrank", "int8"):
-            raise ValueError(f"diff_codec must be 'lowrank' or 'int8', got {self.diff_codec!r}")
+        if self.diff_codec not in ("lowrank", "int8", "dense"):
+            raise ValueError(f"diff_codec must be 'lowrank', 'int8' or 'dense', got {self.diff_codec!r}")
         for label, dtype in (("factor_dtype", self.factor_dtype), ("dense_dtype", self.dense_dtype)):
             if dtype not in WIRE_DTYPES:
                 raise ValueError(f"{label} must be float16, bfloat16 or float32, got {dtype}")
@@ -113,8 +113,8 @@ def plan(
         if len(shape) >= 2:
             rows, cols = shape[0], math.prod(shape[1:])
             r = min(rank, rows, cols)
-            if (rows + cols) * r < rows * cols:
-                codec = (codecs or {}).get(name, "lowrank")
+            codec = (codecs or {}).get(name, "lowrank")
+            if (rows + cols) * r < rows * cols and codec != "dense":
                 slots[name] = Slot(name, shape, rows, cols, r if codec == "lowrank" else 0, codec)
                 continue
         numel = math.prod(shape)

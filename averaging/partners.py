@@ -42,17 +42,19 @@ class StaticPartners:
 
 
 class DHTPartners:
-    """Peers whose announcement says ready, speak our protocol version and accept connections."""
+    """Peers whose announcement is in `state` (ready to average a training round, or finishing), speak our
+    protocol version and accept connections."""
 
-    def __init__(self, records: RunRecords, *, self_id: str, version: int) -> None:
+    def __init__(self, records: RunRecords, *, self_id: str, version: int, state: PeerState = PeerState.READY) -> None:
         self.records = records
         self.self_id = self_id
         self.version = version
+        self.state = state
 
     async def candidates(self) -> list[str]:
         peers = await self.records.a_peers()
         return sorted(
             pid
             for pid, a in peers.items()
-            if pid != self.self_id and a.state == PeerState.READY and a.version == self.version and not a.client_mode
+            if pid != self.self_id and a.state == self.state and a.version == self.version and not a.client_mode
         )

@@ -65,6 +65,7 @@ class _Record(BaseModel):
 class PeerState(StrEnum):
     TRAINING = "training"  # taking inner steps; do not ask it to exchange now
     READY = "ready"  # between inner phases; may be asked to exchange
+    FINISHING = "finishing"  # training is over; averaging anchors only (finish rounds) with other finishing peers
 
 
 class Announcement(_Record):

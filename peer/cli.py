@@ -59,12 +59,15 @@ def _train_flags(parser: argparse.ArgumentParser) -> None:
     group.add_argument("--inner-lr", type=float, help=f"AdamW learning rate (default: {defaults.inner_lr})")
     group.add_argument("--outer-lr", type=float, help=f"outer Nesterov learning rate (default: {defaults.outer_lr})")
     group.add_argument("--rank", type=int, help=f"low-rank compression rank (default: {defaults.rank})")
+    group.add_argument("--finish-rounds", type=int, metavar="K",
+                       help="when a peer's --duration is over: K rounds that only average anchors, so that the "
+                            f"final models agree (default: {defaults.finish_rounds})")  # fmt: skip
 
 
 def _train_config(args: argparse.Namespace) -> TrainConfig:
     return TrainConfig(model=args.model).with_overrides(
         seed=args.seed, batch_size=args.batch_size, inner_steps=args.inner_steps,
-        inner_lr=args.inner_lr, outer_lr=args.outer_lr, rank=args.rank,
+        inner_lr=args.inner_lr, outer_lr=args.outer_lr, rank=args.rank, finish_rounds=args.finish_rounds,
     )  # fmt: skip
 
 

@@ -49,6 +49,10 @@ class TrainConfig:
     consensus: bool = True
     error_feedback: bool = True
     solo_after: int = 4  # rounds without a partner before a peer takes an outer step alone
+    # when a peer's training ends (its --duration): rounds that average anchors only, so that the final models
+    # agree (scripts/simulate_scale.py measures how many a swarm needs); "dense" (fp16) or "int8" anchors
+    finish_rounds: int = 0
+    finish_codec: str = "dense"
     eval_batches: int = 8
     heldout_fraction: float = 0.1
 
@@ -64,11 +68,13 @@ class TrainConfig:
             value = getattr(self, name)
             if not (math.isfinite(value) and value > 0):
                 raise ConfigError(f"{name} must be a positive finite number, got {value}")
-        if self.warmup_steps < 0 or self.weight_decay < 0:
-            raise ConfigError("warmup_steps and weight_decay must not be negative")
+        if self.warmup_steps < 0 or self.weight_decay < 0 or self.finish_rounds < 0:
+            raise ConfigError("warmup_steps, weight_decay and finish_rounds must not be negative")
         try:
             self.outer()
             self.compression()
+            if self.finish_codec not in ("dense", "int8"):
+                raise ValueError(f"finish_codec must be 'dense' or 'int8', got {self.finish_codec!r}")
         except ValueError as e:
             raise ConfigError(str(e)) from None
 
@@ -85,6 +91,11 @@ class TrainConfig:
         return LowRankConfig(
             rank=self.rank, seed=self.seed, mean_codec=self.codec, diff_codec=self.consensus_codec
         )  # fmt: skip
+
+    def finish_compression(self) -> LowRankConfig:
+        """How a finish round's anchors travel: whole in fp16 ("dense"), or as int8 with a scale per row; a
+        low-rank pull would need many more rounds to agree."""
+        return LowRankConfig(rank=self.rank, seed=self.seed, mean_codec=self.codec, diff_codec=self.finish_codec)
 
     def to_record(self) -> dict[str, Any]:
         return dataclasses.asdict(self)

@@ -30,6 +30,7 @@ class PeerReport(BaseModel):
     exchanges_failed: int = Field(ge=0)
     exchanges_declined: int = Field(ge=0)
     rounds_alone: int = Field(ge=0)
+    finish_exchanges: int = Field(default=0, ge=0)  # finish rounds that found a partner (TrainConfig.finish_rounds)
     bytes_sent: int = Field(ge=0)
     bytes_received: int = Field(ge=0)
     compute_utilization: float = Field(ge=0, le=1)

@@ -17,6 +17,11 @@ the partner along the shared subspace (x ← x + mean − own). Then Nesterov: m
 Without a partner the round's work stays pending: no outer step, θ keeps training from where it
 is, and the next round's M holds every step since the last exchange. Only after `solo_after`
 lonely rounds in a row does the peer step alone (d = M, e ← 0), so a peer by itself still learns.
+
+When a run ends, its peers finish (the run config's `finish_rounds`): `flush()` takes whatever work
+is still pending as one outer step alone, so nothing trained is lost, and then every finish round
+averages the anchors only (`finish_offer` / `apply_finish`: the anchor group of the layout above,
+paired by its difference, and no inner steps), so that the peers' final models agree.
 """
 
 from __future__ import annotations
@@ -64,6 +69,12 @@ def offer_layout(model: nn.Module, config: OuterConfig) -> tuple[dict[str, tuple
     return shapes, modes
 
 
+def finish_layout(model: nn.Module) -> tuple[dict[str, tuple[int, ...]], dict[str, Mode]]:
+    """Names, shapes and pairing modes of a finish round's offer: the anchors only."""
+    shapes = {f"anchor/{name}": tuple(p.shape) for name, p in model.named_parameters()}
+    return shapes, dict.fromkeys(shapes, "diff")
+
+
 class OuterOptimizer:
     def __init__(self, model: nn.Module, config: OuterConfig = OuterConfig()) -> None:
         self.model = model
@@ -91,12 +102,13 @@ class OuterOptimizer:
         return Offer(step=self.step, tensors=tensors, modes=dict(self.modes))
 
     @torch.no_grad()
-    def apply(self, offer: Offer, result: ExchangeResult | None) -> bool:
+    def apply(self, offer: Offer, result: ExchangeResult | None, *, alone: bool = False) -> bool:
         """The round's outer step, if it takes one (returns whether it did).
 
-        After a step the model is reset to the new anchor; a lonely round leaves everything as is.
+        After a step the model is reset to the new anchor; a lonely round leaves everything as is,
+        unless it is the `solo_after`-th in a row or `alone` says to step alone now.
         """
-        if result is None:
+        if result is None and not alone:
             self.lonely_rounds += 1
             if self.lonely_rounds < self.config.solo_after:
                 return False
@@ -120,6 +132,31 @@ class OuterOptimizer:
             self.anchor[name] -= lr * (mu * m + d)
             p.copy_(self.anchor[name])
         self.step += 1
+        return True
+
+    def flush(self) -> bool:
+        """Take the work not yet applied (a lonely round's steps, the error-feedback residual) as an outer
+        step alone, and reset the model to the new anchor; False if there was nothing to take."""
+        offer = self.offer()
+        if not any(t.any() for name, t in offer.tensors.items() if name.startswith("delta/")):
+            return False
+        return self.apply(offer, None, alone=True)
+
+    @torch.no_grad()
+    def finish_offer(self) -> Offer:
+        """A finish round's offer: each anchor relative to the run's initial model (see `finish_layout`)."""
+        tensors = {f"anchor/{n}": self.anchor[n] - self.origin[n] for n in self.params}
+        return Offer(step=self.step, tensors=tensors, modes=dict.fromkeys(tensors, "diff"))
+
+    @torch.no_grad()
+    def apply_finish(self, offer: Offer, result: ExchangeResult | None) -> bool:
+        """Move the anchor to the pair's agreement (x ← x + mean − own) and the model with it; False alone."""
+        if result is None:
+            return False
+        for name, p in self.params.items():
+            projection = result.projections[f"anchor/{name}"]
+            self.anchor[name] += projection.mean - projection.own
+            p.copy_(self.anchor[name])
         return True
 
     def state_dict(self) -> dict:

@@ -42,6 +42,7 @@ from peer.checkpoint import CheckpointWriter, check_tensors, latest_checkpoint
 from peer.config import TrainConfig
 from peer.device import DeviceConfig, Runtime
 from peer.metrics import MetricsLog, PeerReport
+from peer.outer import finish_layout
 from peer.progress import Progress, ProgressLine
 from peer.state import StateSharing, catch_up
 from peer.trainer import NonFiniteLoss, Trainer
@@ -145,6 +146,7 @@ class VolunteerPeer:
         self.samples_per_second = 0.0
         self.loop = LoopThread()
         self.averager: GossipAverager | None = None
+        self.finisher: GossipAverager | None = None  # the averager of finish rounds, once training is over
         self.heartbeat: Heartbeat | None = None
         self.sharing: StateSharing | None = None
         self.metrics_log = MetricsLog(options.out_dir / "metrics.jsonl") if options.out_dir else None
@@ -184,14 +186,19 @@ class VolunteerPeer:
                 stop_node(dht)
             raise
 
-    async def _start_averager(self) -> GossipAverager:
+    async def _start_averager(self, *, finish: bool = False) -> GossipAverager:
+        """The averager of training rounds, or with `finish` of finish rounds (anchors only, fp16 or int8): the same
+        protocol name, so a training peer that asks a finishing one is declined (another layout), not lost."""
         p2p = await self.dht.replicate_p2p()
+        config, outer = self.trainer.config, self.trainer.outer
+        shapes, modes = finish_layout(self.trainer.model) if finish else (outer.shapes, outer.modes)
+        state = PeerState.FINISHING if finish else PeerState.READY
         averager = GossipAverager(
             P2PTransport(p2p, f"murmur/{self.options.run_id}/avg/{PROTOCOL_VERSION}"),
-            LowRankCompressor(self.trainer.config.compression()),
-            DHTPartners(self.records, self_id=self.peer_id, version=PROTOCOL_VERSION),
-            shapes=self.trainer.outer.shapes,
-            modes=self.trainer.outer.modes,
+            LowRankCompressor(config.finish_compression() if finish else config.compression()),
+            DHTPartners(self.records, self_id=self.peer_id, version=PROTOCOL_VERSION, state=state),
+            shapes=shapes,
+            modes=modes,
             run_id=self.options.run_id,
             config=self.options.exchange,
             seed=self.options.data_seed,
@@ -289,9 +296,32 @@ class VolunteerPeer:
             ):
                 self.checkpoint()
                 saved, saved_at = rounds, time.monotonic()
-        if rounds > saved:  # a clean stop: keep the rounds since the last checkpoint
+        finished = self.finish(stop) if not stop.is_set() else 0
+        if rounds > saved or finished:  # a clean stop: keep the rounds since the last checkpoint
             self.checkpoint()
-        return self._report(started, rounds, initial_loss)
+        return self._report(started, rounds, initial_loss, finished)
+
+    def finish(self, stop: threading.Event) -> int:
+        """The run config's finish rounds, once training is over: the work still pending becomes one outer
+        step alone (nothing trained is lost), then up to `finish_rounds` exchanges pull this peer's anchor
+        together with other finishing peers' (`OuterOptimizer.finish_offer`). Two rounds in a row without a
+        partner end it early: nobody is left to finish with. Returns the exchanges that completed."""
+        rounds, trainer = self.trainer.config.finish_rounds, self.trainer
+        if not rounds:
+            return 0
+        trainer.outer.flush()
+        self.loop.run(self.averager.stop(), timeout=15)  # its stats and bytes stay for the report
+        self.finisher = self.loop.run(self._start_averager(finish=True), timeout=30)
+        self._set_state(PeerState.FINISHING)
+        done = alone = 0
+        while rounds > 0 and alone < 2 and not stop.is_set():
+            offer = trainer.outer.finish_offer()
+            result = self.loop.run(self.finisher.average(offer))
+            ok = trainer.outer.apply_finish(offer, result)
+            done, alone, rounds = done + ok, 0 if ok else alone + 1, rounds - 1
+        self.sharing.publish(trainer)
+        self._log(logging.INFO, f"finished: {done} finish exchanges")
+        return done
 
     def _log_round(self, rounds: int, loss: float, eval_loss: float, result, blocked: float) -> None:
         stats, traffic, trainer = self.averager.stats, self.averager.transport.traffic, self.trainer
@@ -324,14 +354,17 @@ class VolunteerPeer:
                 )
             )  # fmt: skip
 
-    def _report(self, started: float, rounds: int, initial_loss: float) -> PeerReport:
+    def _report(self, started: float, rounds: int, initial_loss: float, finished: int = 0) -> PeerReport:
         stats, traffic, trainer = self.averager.stats, self.averager.transport.traffic, self.trainer
+        extra = self.finisher.transport.traffic if self.finisher is not None else None
         wall = time.monotonic() - started
         report = PeerReport(
             peer_id=self.peer_id, steps=trainer.steps, rounds=rounds, samples=trainer.samples,
             initial_eval_loss=initial_loss, final_eval_loss=trainer.evaluate(),
             exchanges_ok=stats.ok, exchanges_failed=stats.failed, exchanges_declined=stats.declined,
-            rounds_alone=stats.alone, bytes_sent=traffic.bytes_sent, bytes_received=traffic.bytes_received,
+            rounds_alone=stats.alone, finish_exchanges=finished,
+            bytes_sent=traffic.bytes_sent + (extra.bytes_sent if extra else 0),
+            bytes_received=traffic.bytes_received + (extra.bytes_received if extra else 0),
             compute_utilization=min(1.0, trainer.compute_seconds / max(wall, 1e-9)), wall_seconds=wall,
         )  # fmt: skip
         if self.options.out_dir is not None:
@@ -344,7 +377,7 @@ class VolunteerPeer:
         """Withdraw, stop the averager (an exchange in flight ends first), the loop and the DHT node."""
         if self.heartbeat is not None:
             self.heartbeat.stop()  # also withdraws the announcement
-        for part in (self.averager, self.sharing):
+        for part in (self.averager, self.finisher, self.sharing):
             if part is not None:
                 try:
                     self.loop.run(part.stop(), timeout=15)

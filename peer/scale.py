@@ -16,6 +16,11 @@ counters). Only the clock and the network are simulated:
   it (its round in flight is lost), and a new peer takes its slot after a short gap, catching up
   from a random live peer.
 
+Once the sample budget is spent the run is over, and its peers finish as real peers do at their
+deadline (`finish_rounds`, see `_Swarm.begin_finish`): they stop training, keep the steps of the
+round in flight, and average their anchors only (int8) up to `finish_rounds` times, a peer with
+nobody to pair with twice in a row stopping early. Peers may still leave then; nobody new joins.
+
 Partner choice is the real policy, `averaging.partners.pick_partner`, the very function
 `GossipAverager.average` calls: a peer that finishes its inner phase picks at random among the
 peers waiting to average, skipping its last partner until it has waited its fresh patience; with
@@ -155,13 +160,15 @@ class ScaleSettings:
     spread_at: tuple[float, ...] = (0.05, 0.1, 0.2)  # fractions of the sample budget at which an update is tagged
     reach: float = 0.99  # an update has spread once this share of the live peers has it
     marks: int = 4  # consensus and loss measured this many times along the run (and at the end)
+    finish_rounds: int = 24  # once the sample budget is spent: rounds of averaging only (0: none; see README)
+    finish_codec: str = "dense"  # how a finish round's anchors travel (TrainConfig.finish_codec)
     seed: int = 0
 
     def train_config(self) -> TrainConfig:
         return TrainConfig(
             model=DIGITS_MODEL, seed=self.seed, batch_size=self.batch_size, inner_steps=self.inner_steps,
             inner_lr=self.inner_lr, outer_lr=self.outer_lr, outer_momentum=self.outer_momentum, eval_batches=1,
-            solo_after=4 if self.gossip else 1,
+            solo_after=4 if self.gossip else 1, finish_rounds=self.finish_rounds, finish_codec=self.finish_codec,
         )  # fmt: skip
 
     def nominal_round(self) -> float:
@@ -183,8 +190,8 @@ class ScaleResult:
     mean_round_seconds: float
     virtual_seconds: float
     samples: int
-    rounds_completed: int
-    exchanges: int
+    rounds_completed: int  # training rounds (finish rounds not included)
+    exchanges: int  # pair exchanges that completed, finish rounds included
     lonely_rounds: int
     departures: int
     joins: int
@@ -198,6 +205,11 @@ class ScaleResult:
     current_share: float | None = None  # of the live peers
     worst_current_eval_loss: float | None = None
     stalest_rounds: float | None = None  # how long ago (in mean rounds) the farthest peer took its last outer step
+    # the finish phase (ScaleSettings.finish_rounds > 0): after the budget, rounds of averaging only
+    finish_rounds: int = 0
+    consensus_before_finish: float | None = None  # the consensus distance when the budget was spent
+    finish_seconds: float | None = None  # virtual seconds from the budget to the last peer's last finish round
+    finish_bytes_per_peer: float | None = None  # exchange bytes sent in the finish phase, per peer slot
 
     def to_json(self) -> dict:
         return asdict(self)
@@ -247,6 +259,9 @@ class _Swarm:
         self.losses: list[float] = []  # of the last measurement, per live peer
         self.distances: list[float] = []  # of the last measurement: each live peer's anchor to the mean
         self.stepped_at: dict[int, float] = {}  # when each peer's anchor last moved (its outer step, or its join)
+        self.finishing: dict[int, int] | None = None  # after the budget: each live peer's finish rounds left
+        self.phase: dict[int, tuple[float, float]] = {}  # a training peer's inner phase in flight: (start, end)
+        self.alone: dict[int, int] = {}  # a finishing peer's lonely finish rounds in a row
 
     # -- events --------------------------------------------------------------------------------------
     def push(self, at: float, kind: _Kind, peer: int, stamp: float = 0.0) -> None:
@@ -268,23 +283,37 @@ class _Swarm:
         self.trainers[i] = Trainer(self.config, _workload(self.config), data_seed=i + 1)
         self.targets[i] = []
         self.stepped_at[i] = at
-        self.averagers[i] = virtual_averager(
-            self.network, i, self.trainers[i], self.config, self.targets, 1e-4, retry=False
-        )  # a refused pair fails once, whatever the machine's speed
-        self.loop.run_until_complete(self.averagers[i].start())
+        self.start_averager(i)
         if (length := self.session()) < math.inf:
             self.push(at + length, _Kind.LEAVE, i)
         return i
 
+    def start_averager(self, i: int) -> None:
+        """Peer i's averager for training rounds, or for finish rounds once the budget is spent."""
+        finish = self.finishing is not None
+        self.averagers[i] = virtual_averager(
+            self.network, i, self.trainers[i], self.config, self.targets, 1e-4, retry=False, finish=finish
+        )  # a refused pair fails once, whatever the machine's speed
+        self.loop.run_until_complete(self.averagers[i].start())
+
     def start_phase(self, i: int, at: float) -> None:
+        if self.finishing is not None:  # averaging only: ready again as soon as the last exchange is over
+            if self.finishing[i] > 0:
+                self.push(at, _Kind.READY, i)
+            return
         self.trainers[i].inner_phase()  # computed now, counted when it completes (a leaver's is lost)
-        self.push(at + self.nominal / self.profiles[i].speed, _Kind.READY, i)
+        self.phase[i] = (at, at + self.nominal / self.profiles[i].speed)
+        self.push(self.phase[i][1], _Kind.READY, i, self.phase[i][1])
 
     def live(self, i: int) -> bool:
         return i in self.trainers
 
     # -- what happens ----------------------------------------------------------------------------------
     def ready(self, i: int) -> None:
+        if self.finishing is not None:
+            self.seek(i, settle=False)
+            return
+        self.phase.pop(i)
         self.samples += self.s.inner_steps * self.s.batch_size
         if self.s.spread_at[len(self.tags) :] and self.samples >= self.s.spread_at[len(self.tags)] * self.budget:
             self.tags.append(_Tag(origin=i, start=self.now, reached={i}))
@@ -308,23 +337,33 @@ class _Swarm:
     def lonely_round(self, i: int) -> None:
         self.waiting.pop(i, None)
         trainer = self.trainers[i]
-        if trainer.finish_round(trainer.outer.offer(), None):
+        if self.finishing is None and trainer.finish_round(trainer.outer.offer(), None):
             self.stepped_at[i] = self.now
         self.lonely += 1
-        self.rounds += 1
+        self.count_round(i, alone=True)
         self.start_phase(i, self.now)
+
+    def count_round(self, i: int, *, alone: bool = False) -> None:
+        if self.finishing is None:
+            self.rounds += 1
+            return
+        self.alone[i] = self.alone.get(i, 0) + 1 if alone else 0
+        # two lonely finish rounds in a row: nobody is left to finish with (as `VolunteerPeer.finish` stops)
+        self.finishing[i] = 0 if self.alone[i] >= 2 else self.finishing[i] - 1
 
     def exchange(self, a: int, b: int) -> None:
         self.waiting.pop(b)
-        offers = {j: self.trainers[j].outer.offer() for j in (a, b)}
+        finish = self.finishing is not None
+        outers = {j: self.trainers[j].outer for j in (a, b)}
+        offers = {j: outer.finish_offer() if finish else outer.offer() for j, outer in outers.items()}
         self.targets[a] = [f"p{b}"]
         ((ra, rb),) = self.loop.run_until_complete(run_stage(self.averagers, offers, [(a, b)]))
         self.targets[a] = []
         seconds = self.profiles[a].exchange_seconds(self.profiles[b], ra.bytes_sent, ra.bytes_received) if ra else 0.0
         for j, r in ((a, ra), (b, rb)):
-            if self.trainers[j].finish_round(offers[j], r):
+            if outers[j].apply_finish(offers[j], r) if finish else self.trainers[j].finish_round(offers[j], r):
                 self.stepped_at[j] = self.now
-            self.rounds += 1
+            self.count_round(j)
             self.start_phase(j, self.now + seconds)
         if ra is not None and rb is not None:
             self.exchanges += 1
@@ -339,7 +378,8 @@ class _Swarm:
         averager = self.averagers.pop(i)
         self.loop.run_until_complete(averager.stop())
         self.exchange_bytes += averager.transport.traffic.bytes_sent
-        for table in (self.trainers, self.profiles, self.targets, self.last_partner, self.stepped_at):
+        for table in (self.trainers, self.profiles, self.targets, self.last_partner, self.stepped_at, self.phase,
+                      self.alone, self.finishing or {}):  # fmt: skip
             table.pop(i, None)
         for tag in self.tags:
             tag.reached.discard(i)
@@ -364,6 +404,33 @@ class _Swarm:
         self.check_spread()
         seconds = self.profiles[donor].exchange_seconds(self.profiles[i], nbytes, 0, messages=STATE_MESSAGES)
         self.start_phase(i, self.now + seconds)
+
+    def begin_finish(self) -> None:
+        """The budget is spent, as at a run's end: every peer stops training at once. A round in flight keeps
+        the inner steps done by now (its samples counted; the phase was computed whole in advance, so it is
+        recomputed with that many steps), pending work becomes an outer step alone
+        (`OuterOptimizer.flush`), and from now on each peer averages its anchor only, `finish_rounds` times,
+        on a finish-round averager: what real peers do at their deadline."""
+        self.finishing = {}
+        self.waiting = {}
+        for i in sorted(self.trainers):
+            if i in self.phase:
+                start, end = self.phase.pop(i)
+                steps = int(self.s.inner_steps * (self.now - start) / (end - start))
+                self.trainers[i].discard_round()
+                self.trainers[i].inner_phase(steps)
+                self.samples += steps * self.s.batch_size
+            if self.trainers[i].outer.flush():
+                self.stepped_at[i] = self.now
+            averager = self.averagers[i]
+            self.loop.run_until_complete(averager.stop())
+            self.exchange_bytes += averager.transport.traffic.bytes_sent
+            self.finishing[i] = self.s.finish_rounds
+            self.start_averager(i)
+            self.start_phase(i, self.now)
+
+    def finished(self) -> bool:
+        return self.finishing is not None and not any(self.finishing.values())
 
     def check_spread(self) -> None:
         for tag in self.tags:
@@ -398,14 +465,26 @@ class _Swarm:
         try:
             for i in [self.add_peer(0.0) for _ in range(self.n)]:
                 self.start_phase(i, 0.0)
-            while self.samples < self.budget:
+            while True:
+                if self.finishing is None and self.samples >= self.budget:
+                    self.measure()
+                    self.budget_at, self.budget_bytes = self.now, self.exchange_bytes_sent()
+                    self.before_finish = self.curve["consensus"][-1]
+                    if not (self.s.finish_rounds and self.s.gossip):  # a swarm that never averages has no finish
+                        break
+                    self.begin_finish()
+                if self.finished():
+                    self.measure()
+                    break
                 self.now, _, kind, i, stamp = heapq.heappop(self.events)
                 if kind == _Kind.JOIN:
-                    self.join()
+                    if self.finishing is None:  # nobody new joins a run that is over; leavers still leave
+                        self.join()
                 elif not self.live(i):
                     continue  # an event of a peer that has left
                 elif kind == _Kind.READY:
-                    self.ready(i)
+                    if self.finishing is None or not stamp:  # a training phase's end after the budget: cut short
+                        self.ready(i)
                 elif kind == _Kind.LEAVE:
                     self.leave(i)
                 elif self.waiting.get(i) == stamp:  # SETTLE or EXPIRE of a peer still waiting since `stamp`
@@ -413,29 +492,36 @@ class _Swarm:
                 while marks and self.samples >= marks[0]:
                     marks.pop(0)
                     self.measure()
-            self.measure()
             return self.result(time.monotonic() - started)
         finally:
             for averager in self.averagers.values():
                 self.loop.run_until_complete(averager.stop())
             self.loop.close()
 
+    def exchange_bytes_sent(self) -> int:
+        """Exchange bytes sent so far: by peers that left, and by the live ones."""
+        return self.exchange_bytes + sum(a.transport.traffic.bytes_sent for a in self.averagers.values())
+
     def result(self, wall: float) -> ScaleResult:
         losses = self.losses  # of the last measurement, taken at the end
-        self.exchange_bytes += sum(a.transport.traffic.bytes_sent for a in self.averagers.values())
-        round_seconds = self.now * self.n / max(self.rounds, 1)  # a slot's mean round, waiting and exchanges included
+        total = self.exchange_bytes_sent()
+        round_seconds = self.budget_at * self.n / max(self.rounds, 1)  # a slot's mean round, waiting and exchanges
+        finish = {} if self.finishing is None else {
+            "consensus_before_finish": self.before_finish, "finish_rounds": self.s.finish_rounds,
+            "finish_seconds": self.now - self.budget_at, "finish_bytes_per_peer": (total - self.budget_bytes) / self.n,
+        }  # fmt: skip
         spread = [tag.done_at - tag.start for tag in self.tags if tag.done_at is not None]
         spread_seconds = statistics.median(spread) if spread else None
         return ScaleResult(
             peers=self.n, final_eval_loss=statistics.fmean(losses), worst_peer_eval_loss=max(losses),
             consensus_distance=self.curve["consensus"][-1],
-            bytes_per_peer_round=self.exchange_bytes / max(self.rounds, 1),
-            bytes_per_peer=(self.exchange_bytes + self.state_bytes) / self.n, spread_seconds=spread_seconds,
+            bytes_per_peer_round=self.budget_bytes / max(self.rounds, 1),
+            bytes_per_peer=(total + self.state_bytes) / self.n, spread_seconds=spread_seconds,
             spread_rounds=None if spread_seconds is None else spread_seconds / round_seconds,
             spread_reached=len(spread), spread_tags=len(self.tags), mean_round_seconds=round_seconds,
             virtual_seconds=self.now, samples=self.samples, rounds_completed=self.rounds, exchanges=self.exchanges,
             lonely_rounds=self.lonely, departures=self.departures, joins=self.joins, live_peers=len(self.trainers),
-            curve=self.curve, wall_seconds=wall, **self.anatomy(round_seconds),
+            curve=self.curve, wall_seconds=wall, **self.anatomy(round_seconds), **finish,
         )  # fmt: skip
 
 

@@ -30,7 +30,7 @@ class PeerStatus:
     """One live peer: its announcement, joined with its latest metrics record when there is one."""
 
     peer_id: str
-    state: str  # "training" or "ready"
+    state: str  # "training", "ready" or "finishing"
     outer_step: int  # from the announcement
     inner_steps: int | None  # from the metrics record (None: the peer has published none yet)
     samples: int | None  # from the metrics record

@@ -80,13 +80,15 @@ class Trainer:
     def dense_model_bytes(self) -> int:
         return sum(4 * p.numel() for p in self.model.parameters())
 
-    def inner_phase(self) -> float:
-        """H local steps, each on the run's batch size (in `grad_accum` micro-batches); returns the mean loss."""
+    def inner_phase(self, steps: int | None = None) -> float:
+        """H local steps (or `steps`), each on the run's batch size (in `grad_accum` micro-batches); returns
+        the mean loss."""
         started = time.perf_counter()
         self.model.train()
         total = 0.0
+        steps = self.config.inner_steps if steps is None else steps
         try:
-            for _ in range(self.config.inner_steps):
+            for _ in range(steps):
                 batch = next(self.batches)
                 self.batches_drawn += 1
                 for group, base in zip(self.inner.param_groups, self._base_lrs, strict=True):
@@ -102,7 +104,7 @@ class Trainer:
                 total += loss
         finally:
             self.compute_seconds += time.perf_counter() - started
-        self.last_loss = total / self.config.inner_steps
+        self.last_loss = total / max(steps, 1)
         return self.last_loss
 
     def _accumulate(self, batch: tuple[torch.Tensor, ...]) -> float:

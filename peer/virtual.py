@@ -35,6 +35,7 @@ from peer.config import TrainConfig
 from peer.data import Corpus, batches, eval_batches, evaluate
 from peer.metrics import consensus_distance
 from peer.model import build_model
+from peer.outer import finish_layout
 from peer.trainer import Trainer, warmup_lr
 
 EXCHANGE_MESSAGES = 6  # REQUEST, ACCEPT, PHASE1, PHASE2, COMMIT, ACK: strictly one after another
@@ -350,18 +351,22 @@ def virtual_averager(
     targets: dict[int, list[str]],
     poll_interval: float = 1e-3,
     retry: bool = True,
+    finish: bool = False,
 ) -> GossipAverager:
     """Peer `i`'s real averager on the in-memory network; it asks exactly the peers in `targets[i]`
     (the harness's choice), and answers whoever asks it. Peer ids are `p{i}`.
 
     With `retry` a failed exchange is tried again at once until the averager's window (1 wall-clock
     second) runs out, so how often depends on the machine's speed; without it a failed pair fails once
-    and the round goes on without a partner, the same on any machine."""
+    and the round goes on without a partner, the same on any machine. With `finish` it averages a
+    finish round's offer (the anchors only, `peer.outer.finish_layout`), as a finishing real peer does."""
     retry_after = (0.0, 0.0) if retry else (1e9, 1e9)  # never again within the window
     fast = ExchangeConfig(window=1.0, poll_interval=poll_interval, retry_after=retry_after, fresh_patience=0.0)
+    shapes, modes = finish_layout(trainer.model) if finish else (trainer.outer.shapes, trainer.outer.modes)
+    compression = config.finish_compression() if finish else config.compression()
     return GossipAverager(
-        network.transport(f"p{i}"), LowRankCompressor(config.compression()), StaticPartners(lambda: targets[i]),
-        shapes=trainer.outer.shapes, modes=trainer.outer.modes, run_id="virtual", config=fast, seed=i,
+        network.transport(f"p{i}"), LowRankCompressor(compression), StaticPartners(lambda: targets[i]),
+        shapes=shapes, modes=modes, run_id="virtual", config=fast, seed=i,
     )  # fmt: skip
 
 

@@ -2,10 +2,12 @@
 
 Each swarm runs peer/scale.py: real trainers, the real exchange protocol over the in-memory
 transport, the real partner policy and state download, with consumer-internet links, a compute
-spread and churn drawn from seeded distributions. Every swarm trains the same samples per peer.
-Per peer count it reports the final held-out loss (mean and worst live peer), the consensus
-distance, bytes sent per peer, and how long one peer's update takes to reach 99% of the live
-peers. Then it measures real hivemind DHT nodes on loopback (the per-round announce and
+spread and churn drawn from seeded distributions. Every swarm trains the same samples per peer,
+then finishes as real peers do at their deadline (`--finish-rounds`, the run config's
+finish_rounds: rounds that average anchors only). Per peer count it reports the final held-out
+loss (mean and worst live peer), the consensus distance when the budget was spent and after the
+finish, bytes sent per peer (training rounds, and the finish), and how long one peer's update
+takes to reach 99% of the live peers. Then it measures real hivemind DHT nodes on loopback (the per-round announce and
 ready-list read), fits a + b·log2(nodes), and adds the extrapolated cost at each N.
 
     .venv/bin/python scripts/simulate_scale.py --quick            # 16 and 64 peers, ~20 s
@@ -100,6 +102,13 @@ def verdict(results: dict[int, ScaleResult], dht: dict | None = None) -> dict:
         r = results[1024]
         out["consensus_at_1024"] = r.consensus_distance
         out["consensus_target_met"] = r.consensus_distance <= CONSENSUS_TARGET
+        if r.finish_rounds:  # the distance when the budget was spent, and what the finish cost
+            training = r.bytes_per_peer_round * r.rounds_completed / r.peers
+            out["finish_at_1024"] = {
+                "consensus_before": r.consensus_before_finish, "rounds": r.finish_rounds,
+                "bytes_vs_training": r.finish_bytes_per_peer / training,
+                "mean_rounds_of_time": r.finish_seconds / r.mean_round_seconds,
+            }  # fmt: skip
         if r.consensus_current is not None:  # what the distance is made of (see ScaleResult)
             out["consensus_anatomy_at_1024"] = {
                 "median_peer": r.consensus_median, "current_peers_max": r.consensus_current,
@@ -140,6 +149,18 @@ def print_table(results: dict[int, ScaleResult], dht: dict | None) -> None:
     print(f"\n{head}{'spread s':>8s} {'rounds':>6s} {'left':>5s} {'joined':>6s} {'dht ms/round':>12s} {'wall s':>6s}")
     for n, r in sorted(results.items()):
         _row(n, r, dht)
+    finished = {n: r for n, r in sorted(results.items()) if r.finish_rounds}
+    if finished:
+        first = next(iter(finished.values()))
+        print(f"\nthe finish: once the budget was spent, every peer averaged its anchor only, up to "
+              f"{first.finish_rounds} times:")  # fmt: skip
+        print(f"{'peers':>6s} {'consensus before':>16s} {'after':>7s} {'finish kB/peer':>14s} "
+              f"{'x training bytes':>16s} {'finish rounds of time':>21s}")  # fmt: skip
+        for n, r in finished.items():
+            training = r.bytes_per_peer_round * r.rounds_completed / n
+            print(f"{n:6d} {r.consensus_before_finish:16.4f} {r.consensus_distance:7.4f} "
+                  f"{r.finish_bytes_per_peer / 1e3:14.1f} {r.finish_bytes_per_peer / training:16.2f} "
+                  f"{r.finish_seconds / r.mean_round_seconds:21.2f}")  # fmt: skip
     anatomy = {n: r for n, r in sorted(results.items()) if r.consensus_current is not None}
     if anatomy:
         print("\nthe consensus distance is the farthest peer's; by how stale each peer's anchor is (current: an outer")
@@ -175,6 +196,7 @@ def plot(results: dict[int, ScaleResult], path: Path, dht: dict | None = None) -
             "consensus distance",
             [
                 ("farthest peer", [r.consensus_distance for r in rs]),
+                ("farthest, before the finish", [r.consensus_before_finish or math.nan for r in rs]),
                 ("median peer", [r.consensus_median or math.nan for r in rs]),
                 ("farthest current peer", [r.consensus_current or math.nan for r in rs]),
             ],
@@ -189,7 +211,8 @@ def plot(results: dict[int, ScaleResult], path: Path, dht: dict | None = None) -
         ax.set(xlabel="peers", title=title)
         ax.legend(fontsize=8)
     axes[1].axhline(CONSENSUS_TARGET, color="grey", linestyle=":", label="target at 1024")
-    axes[1].legend(fontsize=8)
+    axes[1].set_yscale("log")  # before the finish ~0.1-1, after it ~1e-4-1e-2
+    axes[1].legend(fontsize=7, loc="center left")
     if dht is not None:
         axes[2].plot(ns, [dht_cost(dht, n)["ready_list_bytes"] for n in ns], "s--", label="one DHT ready-list read")
         axes[2].legend(fontsize=8)
@@ -253,6 +276,8 @@ def main() -> None:
     parser.add_argument("--rounds", type=int, help="rounds of samples per peer (default 16, quick 6)")
     parser.add_argument("--inner-lr", type=float, default=ScaleSettings.inner_lr)
     parser.add_argument("--no-churn", action="store_true", help="every peer stays for the whole run")
+    parser.add_argument("--finish-rounds", type=int, default=ScaleSettings.finish_rounds,
+                        help="rounds of anchor averaging after the budget (default %(default)s; 0: none)")  # fmt: skip
     parser.add_argument("--no-dht-measure", action="store_true", help="skip starting real DHT nodes")
     parser.add_argument("--dht-nodes", type=int, default=8, help="real DHT nodes to measure (default %(default)s)")
     parser.add_argument("--seed", type=int, default=0)
@@ -264,7 +289,8 @@ def main() -> None:
     torch.set_num_threads(args.threads)
     logging.getLogger("murmur").setLevel(logging.ERROR)  # aborted exchanges are counted, not printed
     peers = args.peers or ([16, 64] if args.quick else [64, 256, 1024, 4096])
-    settings = replace(QUICK if args.quick else ScaleSettings(), seed=args.seed, inner_lr=args.inner_lr)
+    settings = replace(QUICK if args.quick else ScaleSettings(), seed=args.seed, inner_lr=args.inner_lr,
+                       finish_rounds=args.finish_rounds)  # fmt: skip
     if args.rounds:
         settings = replace(settings, rounds=args.rounds)
     if args.no_churn:
