@@ -2,6 +2,7 @@
 (int8, anchors only) until the peers' final models agree. The same code in the scale simulation."""
 
 import asyncio
+import dataclasses
 
 import pytest
 import torch
@@ -112,8 +113,8 @@ def test_the_scale_simulation_finishes_with_agreeing_peers_on_the_same_samples()
     """16 peers with churn, 4 rounds: the finish keeps each round in flight up to the step it had reached
     (so a peer trains at most one round more), shrinks the consensus distance, and the loss gets no worse
     (the average of one swarm's models, against models that also hold their whole round in flight)."""
-    base = ScaleSettings(rounds=4, marks=1)
-    plain, finished = simulate(16, base), simulate(16, ScaleSettings(rounds=4, marks=1, finish_rounds=6))
+    base = ScaleSettings(rounds=4, marks=1, finish_rounds=0)
+    plain, finished = simulate(16, base), simulate(16, dataclasses.replace(base, finish_rounds=6))
     one_round = base.inner_steps * base.batch_size
     assert plain.samples <= finished.samples < plain.samples + 16 * one_round
     assert finished.consensus_distance < 0.35 * plain.consensus_distance, (plain, finished)
