@@ -18,8 +18,9 @@ counters). Only the clock and the network are simulated:
 
 Once the sample budget is spent the run is over, and its peers finish as real peers do at their
 deadline (`finish_rounds`, see `_Swarm.begin_finish`): they stop training, keep the steps of the
-round in flight, and average their anchors only (int8) up to `finish_rounds` times, a peer with
-nobody to pair with twice in a row stopping early. Peers may still leave then; nobody new joins.
+round in flight, and average their anchors only (whole in fp16, or int8: `finish_codec`) up to
+`finish_rounds` times, a peer with nobody to pair with twice in a row stopping early. Peers may
+still leave then; nobody new joins.
 
 Partner choice is the real policy, `averaging.partners.pick_partner`, the very function
 `GossipAverager.average` calls: a peer that finishes its inner phase picks at random among the
@@ -296,6 +297,12 @@ class _Swarm:
         )  # a refused pair fails once, whatever the machine's speed
         self.loop.run_until_complete(self.averagers[i].start())
 
+    def stop_averager(self, i: int) -> None:
+        """Stop peer i's averager (a leaver's, or a training one at the finish), keeping the bytes it sent."""
+        averager = self.averagers.pop(i)
+        self.loop.run_until_complete(averager.stop())
+        self.exchange_bytes += averager.transport.traffic.bytes_sent
+
     def start_phase(self, i: int, at: float) -> None:
         if self.finishing is not None:  # averaging only: ready again as soon as the last exchange is over
             if self.finishing[i] > 0:
@@ -375,9 +382,7 @@ class _Swarm:
 
     def leave(self, i: int) -> None:
         self.waiting.pop(i, None)
-        averager = self.averagers.pop(i)
-        self.loop.run_until_complete(averager.stop())
-        self.exchange_bytes += averager.transport.traffic.bytes_sent
+        self.stop_averager(i)
         for table in (self.trainers, self.profiles, self.targets, self.last_partner, self.stepped_at, self.phase,
                       self.alone, self.finishing or {}):  # fmt: skip
             table.pop(i, None)
@@ -422,9 +427,7 @@ class _Swarm:
                 self.samples += steps * self.s.batch_size
             if self.trainers[i].outer.flush():
                 self.stepped_at[i] = self.now
-            averager = self.averagers[i]
-            self.loop.run_until_complete(averager.stop())
-            self.exchange_bytes += averager.transport.traffic.bytes_sent
+            self.stop_averager(i)
             self.finishing[i] = self.s.finish_rounds
             self.start_averager(i)
             self.start_phase(i, self.now)
