@@ -7,8 +7,9 @@ then finishes as real peers do at their deadline (`--finish-rounds`, the run con
 finish_rounds: rounds that average anchors only). Per peer count it reports the final held-out
 loss (mean and worst live peer), the consensus distance when the budget was spent and after the
 finish, bytes sent per peer (training rounds, and the finish), and how long one peer's update
-takes to reach 99% of the live peers. Then it measures real hivemind DHT nodes on loopback (the per-round announce and
-ready-list read), fits a + b·log2(nodes), and adds the extrapolated cost at each N.
+takes to reach 99% of the live peers. Then it measures real hivemind DHT nodes on loopback (the
+per-round announce and ready-list read), fits a + b·log2(nodes), and adds the extrapolated cost
+at each N.
 
     .venv/bin/python scripts/simulate_scale.py --quick            # 16 and 64 peers, ~20 s
     .venv/bin/python scripts/simulate_scale.py                    # 64, 256, 1024, 4096 peers
@@ -95,6 +96,13 @@ def dht_cost(dht: dict, peers: int) -> dict:
     return {"round_ms": ms, "ready_list_bytes": peers * dht["announcement_bytes"]}
 
 
+def finish_cost(r: ScaleResult) -> dict:
+    """A finished swarm's finish against its training: bytes per peer, and virtual time in mean rounds."""
+    training = r.bytes_per_peer_round * r.rounds_completed / r.peers  # exchange bytes a slot sent while training
+    return {"bytes_vs_training": r.finish_bytes_per_peer / training,
+            "mean_rounds_of_time": r.finish_seconds / r.mean_round_seconds}  # fmt: skip
+
+
 def verdict(results: dict[int, ScaleResult], dht: dict | None = None) -> dict:
     """The two targets, and where scaling breaks (a metric growing with N), said plainly."""
     out: dict = {}
@@ -103,12 +111,8 @@ def verdict(results: dict[int, ScaleResult], dht: dict | None = None) -> dict:
         out["consensus_at_1024"] = r.consensus_distance
         out["consensus_target_met"] = r.consensus_distance <= CONSENSUS_TARGET
         if r.finish_rounds:  # the distance when the budget was spent, and what the finish cost
-            training = r.bytes_per_peer_round * r.rounds_completed / r.peers
-            out["finish_at_1024"] = {
-                "consensus_before": r.consensus_before_finish, "rounds": r.finish_rounds,
-                "bytes_vs_training": r.finish_bytes_per_peer / training,
-                "mean_rounds_of_time": r.finish_seconds / r.mean_round_seconds,
-            }  # fmt: skip
+            out["finish_at_1024"] = {"consensus_before": r.consensus_before_finish, "rounds": r.finish_rounds,
+                                     **finish_cost(r)}  # fmt: skip
         if r.consensus_current is not None:  # what the distance is made of (see ScaleResult)
             out["consensus_anatomy_at_1024"] = {
                 "median_peer": r.consensus_median, "current_peers_max": r.consensus_current,
@@ -157,10 +161,10 @@ def print_table(results: dict[int, ScaleResult], dht: dict | None) -> None:
         print(f"{'peers':>6s} {'consensus before':>16s} {'after':>7s} {'finish kB/peer':>14s} "
               f"{'x training bytes':>16s} {'finish rounds of time':>21s}")  # fmt: skip
         for n, r in finished.items():
-            training = r.bytes_per_peer_round * r.rounds_completed / n
+            cost = finish_cost(r)
             print(f"{n:6d} {r.consensus_before_finish:16.4f} {r.consensus_distance:7.4f} "
-                  f"{r.finish_bytes_per_peer / 1e3:14.1f} {r.finish_bytes_per_peer / training:16.2f} "
-                  f"{r.finish_seconds / r.mean_round_seconds:21.2f}")  # fmt: skip
+                  f"{r.finish_bytes_per_peer / 1e3:14.1f} {cost['bytes_vs_training']:16.2f} "
+                  f"{cost['mean_rounds_of_time']:21.2f}")  # fmt: skip
     anatomy = {n: r for n, r in sorted(results.items()) if r.consensus_current is not None}
     if anatomy:
         print("\nthe consensus distance is the farthest peer's; by how stale each peer's anchor is (current: an outer")
