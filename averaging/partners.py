@@ -20,7 +20,7 @@ def pick_partner(candidates: Sequence[P], recent: Collection[P], rng: random.Ran
     """The partner policy of every ready peer: a random candidate that is not a recent partner, so the
     swarm mixes; a recent one only once `settle` (the peer has waited its fresh patience); else None (wait).
 
-    `GossipAverager.average` calls it on the DHT's ready peers; the scale simulation (peer/scale.py)
+    `GossipAverager.average` calls it on the DHT's ready peers; the scale simulation (peer/sim/scale.py)
     on the peers waiting in virtual time."""
     fresh = [p for p in candidates if p not in recent]
     if not fresh and (not candidates or not settle):

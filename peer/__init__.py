@@ -10,14 +10,9 @@
 * ``state``     state download on join: what a joiner takes (anchor, momentum, step counters) and ``StateSharing``
 * ``checkpoint`` checkpoint files: atomic writes, a header with a sha256, weights-only loads, fallback
 * ``runner``    ``VolunteerPeer``: a peer on the real network (DHT node, P2P, heartbeat, rounds, report)
-* ``progress``  the live progress line of a joined peer (``render_progress`` is pure)
 * ``api``       the Python API: ``Swarm`` (a run's bootstrap node) and ``Peer`` (any ``nn.Module``)
 * ``metrics``   the per-round metrics log, ``PeerReport`` / ``SwarmReport``, the consensus distance
-* ``virtual``   many peers in one process in virtual time: ddp, DiLoCo and gossip on one budget (benchmarks)
-* ``scale``     thousands of digits-MLP peers in virtual time: churn, consumer links, spread (simulate_scale)
-* ``simulate``  ``murmur simulate``: a bootstrap node and N peer processes on loopback, then a report
-* ``status``    ``murmur status``: a run's config and live peers (step, loss, last seen) read from the DHT
-* ``report``    ``murmur report``: a peer's or a simulation's metrics logs plotted to one PNG
-* ``doctor``    ``murmur doctor``: p2pd, the port, torch/CUDA and reachability, one verdict and fix per check
+* ``sim/``      the simulators (``virtual``, ``scale``, ``simulate``): many peers on one machine, the same code
+* ``ops/``      the operator's tools (``status``, ``report``, ``doctor``, ``progress``)
 * ``cli``       the ``murmur`` entry point: parse, build, run, close
 """

@@ -31,11 +31,11 @@ from dht.node import NodeConfig, NodeError, start_node, stop_node, visible_addre
 from dht.records import RunRecord, RunRecords, validate_run_id
 from peer.config import ConfigError, TrainConfig
 from peer.device import add_device_flags, device_config
-from peer.doctor import Level, run_checks
-from peer.report import write_report  # its ReportError is a ValueError
+from peer.ops.doctor import Level, run_checks
+from peer.ops.report import write_report  # its ReportError is a ValueError
+from peer.ops.status import RunNotFound, read_status, render_status
 from peer.runner import PeerError, PeerOptions, run_peer
-from peer.simulate import SimulationConfig, simulate
-from peer.status import RunNotFound, read_status, render_status
+from peer.sim.simulate import SimulationConfig, simulate
 from peer.supervise import SupervisorError, preload, supervise
 from peer.workload import WorkloadSpec, add_workload_flags
 

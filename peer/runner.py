@@ -42,8 +42,8 @@ from peer.checkpoint import CheckpointWriter, check_tensors, latest_checkpoint
 from peer.config import TrainConfig
 from peer.device import DeviceConfig, Runtime
 from peer.metrics import MetricsLog, PeerReport
+from peer.ops.progress import Progress, ProgressLine
 from peer.outer import finish_layout
-from peer.progress import Progress, ProgressLine
 from peer.state import StateSharing, catch_up
 from peer.trainer import NonFiniteLoss, Trainer
 from peer.workload import WorkloadSource, WorkloadSpec

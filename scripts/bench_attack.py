@@ -1,6 +1,6 @@
 """Byzantine attacks on gossip DiLoCo: can one bad peer out of 8 derail the honest ones?
 
-Runs the convergence benchmark's harness (`peer.virtual.run_murmur`, 8 peers, the real protocol over
+Runs the convergence benchmark's harness (`peer.sim.virtual.run_murmur`, 8 peers, the real protocol over
 the in-memory transport) once clean and once per attack. The attacker trains honestly but rewrites
 every frame it sends, at the wire level (`before_send`): it decodes the frame, changes the tensors
 and re-encodes it, so the honest peers' decoder, checks and robust aggregation see exactly what a
@@ -36,7 +36,7 @@ import torch
 from averaging import wire
 from peer.config import TrainConfig
 from peer.data import DataConfig, load_corpus
-from peer.virtual import Scenario, run_murmur
+from peer.sim.virtual import Scenario, run_murmur
 
 ATTACKS = ("scaled", "noise", "sign_flip", "nan", "replay")
 TARGET_RATIO = 1.05

@@ -18,7 +18,7 @@ the same training config and the same data seeds:
 
 The clock of a phase starts once every initial peer has logged a round. Peers are stopped with
 SIGTERM at the end (a clean stop writes report.json and anchor.pt), and everything is reaped by
-process group (`peer.simulate.stop_processes`). From the peers' metrics logs and reports it writes
+process group (`peer.sim.simulate.stop_processes`). From the peers' metrics logs and reports it writes
 `bench_churn.json`: swarm samples/s (rounds logged in the window × samples per round ÷ duration),
 exchanges ok and failed, the longest a peer was blocked in one round (the `blocked` field: time
 spent looking for and exchanging with a partner), the final eval loss and the consensus distance
@@ -50,7 +50,7 @@ from averaging.protocol import ExchangeConfig
 from dht.node import stop_node
 from peer.config import TrainConfig
 from peer.metrics import PeerReport, consensus_distance, read_metrics
-from peer.simulate import group_leaders_below, join_command, launch, start_bootstrap, stop_processes
+from peer.sim.simulate import group_leaders_below, join_command, launch, start_bootstrap, stop_processes
 from peer.supervise import RESTARTED
 
 RESULTS = Path(__file__).resolve().parent / "results"

@@ -1,6 +1,6 @@
 """Convergence per byte: ddp, synchronous DiLoCo and Murmur's gossip on one model, data and budget.
 
-N peers run in one process in virtual time (peer/virtual.py): each peer has a compute speed, each
+N peers run in one process in virtual time (peer/sim/virtual.py): each peer has a compute speed, each
 link a bandwidth and a latency, and waiting counts. Two scenarios: all peers equal, and one peer
 3x slower. Writes bench_convergence.json and bench_convergence.png (loss against samples and
 against virtual time) into --out.
@@ -23,7 +23,7 @@ import torch
 
 from peer.config import TrainConfig
 from peer.data import load_corpus
-from peer.virtual import Link, MethodResult, Scenario, run_ddp, run_diloco, run_murmur
+from peer.sim.virtual import Link, MethodResult, Scenario, run_ddp, run_diloco, run_murmur
 
 
 def variants(base: TrainConfig) -> dict[str, tuple[TrainConfig, dict]]:

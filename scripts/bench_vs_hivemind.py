@@ -68,7 +68,7 @@ from netlab import HUB_HOST, NetLab, is_root
 from averaging.protocol import ExchangeConfig
 from peer.config import TrainConfig
 from peer.metrics import PeerReport, read_metrics
-from peer.simulate import join_command, launch, stop_processes
+from peer.sim.simulate import join_command, launch, stop_processes
 
 RESULTS = Path(__file__).resolve().parent / "results"
 WORKER = Path(__file__).resolve().parent / "hivemind_worker.py"

@@ -4,7 +4,7 @@
     hivemind_worker.py peer --initial-peers MADDR... --host H --run R --train JSON --preset NAME ...
 
 A bootstrap prints one JSON line `{"maddrs": [...]}` and serves until SIGTERM. Murmur's publishes the
-run's config (`peer.simulate.start_bootstrap`); hivemind's is a plain DHT node.
+run's config (`peer.sim.simulate.start_bootstrap`); hivemind's is a plain DHT node.
 
 A hivemind peer trains exactly what a Murmur peer trains: the same `TrainConfig` (model, init seed,
 batch size, AdamW learning rate and weight decay, warmup, gradient clipping), the same data stream
@@ -37,7 +37,7 @@ from peer.config import TrainConfig
 from peer.data import evaluate
 from peer.metrics import MetricsLog
 from peer.model import loss_of
-from peer.simulate import start_bootstrap
+from peer.sim.simulate import start_bootstrap
 from peer.trainer import warmup_lr
 from peer.workload import WorkloadSpec
 

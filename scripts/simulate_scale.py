@@ -1,6 +1,6 @@
 """Gossip DiLoCo at internet scale, in virtual time: 64 to 4096 peers on a digits MLP.
 
-Each swarm runs peer/scale.py: real trainers, the real exchange protocol over the in-memory
+Each swarm runs peer/sim/scale.py: real trainers, the real exchange protocol over the in-memory
 transport, the real partner policy and state download, with consumer-internet links, a compute
 spread and churn drawn from seeded distributions. Every swarm trains the same samples per peer,
 then finishes as real peers do at their deadline (`--finish-rounds`, the run config's
@@ -31,7 +31,7 @@ from pathlib import Path
 
 import torch
 
-from peer.scale import ScaleResult, ScaleSettings, simulate
+from peer.sim.scale import ScaleResult, ScaleSettings, simulate
 
 CONSENSUS_TARGET = 0.02  # at 1024 peers with churn
 LOSS_TARGET = 0.05  # held-out loss within 5% of the same method at 64 peers

@@ -17,7 +17,7 @@ from dht.records import Announcement, PeerState
 from peer.config import ConfigError, TrainConfig
 from peer.metrics import consensus_distance
 from peer.outer import OuterConfig, OuterOptimizer, finish_layout
-from peer.scale import ScaleSettings, simulate
+from peer.sim.scale import ScaleSettings, simulate
 
 FAST = ExchangeConfig(window=1.0, exchange_timeout=2.0, message_timeout=0.5, poll_interval=0.05)
 

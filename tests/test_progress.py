@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import io
 
-from peer.progress import Progress, ProgressLine, render_progress
+from peer.ops.progress import Progress, ProgressLine, render_progress
 
 SNAPSHOT = Progress(
     round=12, step=240, loss=2.3456, eval_loss=2.5, samples_per_second=81.25, peers_seen=3, exchanges_ok=9,

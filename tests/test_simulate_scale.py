@@ -1,4 +1,4 @@
-"""scripts/simulate_scale.py and peer/scale.py: the quick mode's report, churn, gossip against none, seeds."""
+"""scripts/simulate_scale.py and peer/sim/scale.py: the quick mode's report, churn, gossip against none, seeds."""
 
 import dataclasses
 import importlib.util
@@ -13,7 +13,7 @@ import psutil
 import pytest
 
 from averaging.partners import pick_partner
-from peer.scale import Internet, Profile, ScaleSettings, simulate
+from peer.sim.scale import Internet, Profile, ScaleSettings, simulate
 
 SCRIPT = Path(__file__).resolve().parent.parent / "scripts" / "simulate_scale.py"
 TINY = ScaleSettings(rounds=3, marks=1)

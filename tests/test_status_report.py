@@ -25,8 +25,8 @@ from dht import (
 )
 from peer.cli import main
 from peer.config import TrainConfig
-from peer.report import PANEL_TITLES, alive_over_time, build_figure, load_logs
-from peer.status import PeerStatus, RunStatus, render_status
+from peer.ops.report import PANEL_TITLES, alive_over_time, build_figure, load_logs
+from peer.ops.status import PeerStatus, RunStatus, render_status
 
 PNG_SIGNATURE = b"\x89PNG\r\n\x1a\n"
 

@@ -24,7 +24,7 @@ from dht.node import NodeConfig, start_node, stop_node, visible_addresses
 from dht.records import Announcement, PeerState, RunRecords
 from peer.cli import main
 from peer.metrics import consensus_distance, read_metrics
-from peer.report import PANEL_TITLES, build_figure, load_logs
+from peer.ops.report import PANEL_TITLES, build_figure, load_logs
 
 pytestmark = pytest.mark.slow
 

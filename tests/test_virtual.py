@@ -6,7 +6,7 @@ import torch
 from peer.config import TrainConfig
 from peer.data import DataConfig, batches, evaluate, load_corpus
 from peer.model import build_model
-from peer.virtual import Curve, Link, Scenario, run_ddp, run_diloco, run_murmur
+from peer.sim.virtual import Curve, Link, Scenario, run_ddp, run_diloco, run_murmur
 
 TINY = TrainConfig(inner_steps=4, batch_size=8, eval_batches=2, warmup_steps=2, outer_lr=1.0, outer_momentum=0.0)
 

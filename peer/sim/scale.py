@@ -54,12 +54,12 @@ from averaging.partners import pick_partner
 from averaging.transport import InMemoryNetwork
 from peer.config import TrainConfig
 from peer.metrics import anchor_distances
+from peer.sim.virtual import EXCHANGE_MESSAGES, run_stage, virtual_averager
 from peer.state import apply_training_state, training_state
 from peer.trainer import Trainer
-from peer.virtual import EXCHANGE_MESSAGES, run_stage, virtual_averager
 from peer.workload import Workload, custom
 
-DIGITS_MODEL = "peer.scale:build_mlp"
+DIGITS_MODEL = "peer.sim.scale:build_mlp"
 HELDOUT = 360  # of the 1797 digits, held out once with a fixed seed; every peer evaluates on the same set
 HELDOUT_SEED = 1234
 STATE_MESSAGES = 4  # a state download: HELLO, MANIFEST, GET, CHUNK (the digits model is one chunk)
