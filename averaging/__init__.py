@@ -1,20 +1,25 @@
 """Everything that moves an update between peers. Knows nothing of the training loop or the CLI.
 
-* ``compression``  low-rank power iteration (``LowRankCompressor``: compress / decompress / ratio, exact
-  byte counts), the two-party round ``PairRound``, and explicit ``ErrorFeedback`` state. Pure torch.
+* ``compression``  the codecs (signs, int8, dense fp16, low-rank power iteration: ``LowRankCompressor`` with
+  compress / decompress / ratio, exact byte counts and warm starts, ``plan``) and explicit ``ErrorFeedback``
+  state. Pure torch.
 * ``wire``         the versioned msgpack message format: ``Kind``, ``Message``, ``encode``, ``decode`` with
   size caps, dtype/shape/finiteness checks. Never pickle.
-* ``protocol``     the pairwise exchange as a bounded, abortable sequence of messages: ``GossipAverager``
-  finds a ready partner within a window and returns an ``ExchangeResult`` or None
+* ``groups``       who averages with whom, and when: rounds on a shared clock (``Appointment``,
+  ``next_appointment``), groups planned from the roster (``plan_groups``, ``group_of``), ``should_seal``. Pure.
+* ``mixing``       the arithmetic of a group average: ``GroupRound`` (every member's own codes, all-gathered,
+  give one exact mean; PowerSGD/PowerGossip over a group for low-rank slots), ``local_round``. Pure torch
+* ``group``        the group exchange: ``GroupAverager`` joins a leader or leads (JOIN / ROSTER), returns a
+  ``GroupResult`` or None
+* ``exchange``     one sealed group's exchange: ``SealedExchange`` (pair streams, HAVE / PROCEED / COMMIT),
+  ``Messenger`` (typed, bounded messages), the errors
 * ``transport``    framed byte streams: ``P2PTransport`` over hivemind's libp2p daemon, and the
   ``InMemoryNetwork`` twin with fault hooks for tests
 * ``state_transfer``  a live peer's state for a late joiner: ``StateDonor`` serves a pinned ``StateSnapshot``
   in hashed chunks (at most ``max_uploads`` at once), ``StateDownloader`` fetches and verifies it, moving on to
   another donor when one dies, stalls or declines
-* ``partners``     who may be asked: ``DHTPartners`` (ready peers from the run's announcements) and
-  ``StaticPartners``
-* ``aggregation``  robust aggregation: ``RobustAggregator`` clips a partner's contribution against ours and
-  rejects absurd ones (too large, sign-flipped, non-finite) before anything is applied
+* ``aggregation``  robust aggregation: ``RobustAggregator`` clips each member's contribution (against ours, or
+  the group's median) and leaves out absurd ones (too large, sign-flipped, non-finite) before anything is applied
 * ``access``       private runs: ``AccessPolicy`` (a shared secret proven by HMAC, an allowlist of peer ids),
   checked before any model data moves; ``load_policy`` reads the CLI flags
 * ``cooldown``     ``Cooldown``: a peer that keeps sending bad messages is neither asked nor answered for a while

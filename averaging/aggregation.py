@@ -25,12 +25,14 @@ from __future__ import annotations
 
 import logging
 import math
-from collections.abc import Mapping
+import statistics
+from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 
 import torch
 
 from averaging.compression import Mode, Projection
+from averaging.mixing import group_mean
 
 logger = logging.getLogger("murmur.averaging")
 
@@ -120,47 +122,95 @@ class RobustAggregator:
         self.config = config
         self.clipped = 0  # groups clipped so far (honest runs keep this at 0)
 
-    def check(
-        self, projections: Mapping[str, Projection], modes: Mapping[str, Mode], offered: Mapping[str, torch.Tensor]
-    ) -> dict[str, Projection]:
-        """The projections to apply, the partner's contribution bounded; Rejected if it is absurd.
+    def check_group(
+        self,
+        contributions: Mapping[str, Sequence[torch.Tensor]],
+        me: int,
+        modes: Mapping[str, Mode],
+        offered: Mapping[str, torch.Tensor],
+    ) -> tuple[dict[str, Projection], dict[int, str]]:
+        """A group exchange's projections, each other member judged as a pair's partner would be.
 
-        `offered` are the tensors this side brought to the exchange (the scale of "diff" groups).
-        """
+        `contributions` holds, per tensor, every member's contribution in member order (`me`'s included).
+        A member whose contribution is absurd is left out (the returned dict maps its index to the reason);
+        one that is large is clipped. With nobody clipped or left out, the mean is the plain group mean, the
+        same bits on every member (`averaging.mixing.group_mean`)."""
+        if not contributions:  # nothing travelled (the group's states already agree)
+            return {}, {}
+        members = len(next(iter(contributions.values())))
+        reference = None
+        if members >= 3:  # the median member sets the scale: honest peers of unequal speed or age differ
+            norms = [group_norms({n: c[j] for n, c in contributions.items()}) for j in range(members)]
+            reference = {g: statistics.median(n[g] for n in norms) for g in norms[0]}
+        scales: dict[int, dict[str, float]] = {}
+        excluded: dict[int, str] = {}
+        for j in range(members):
+            if j == me:
+                continue
+            pair = {n: Projection(own=c[me], mean=(c[me] + c[j]) / 2) for n, c in contributions.items()}
+            try:
+                scales[j] = self._scales(pair, modes, offered, reference)
+            except Rejected as e:
+                excluded[j] = str(e)
+        clipped = any(s != 1.0 for js in scales.values() for s in js.values())
+        out = {}
+        for name, c in contributions.items():
+            own = c[me]
+            if not excluded and not clipped:
+                out[name] = Projection(own=own, mean=group_mean(c))
+                continue
+            count = members - len(excluded)
+            if modes[name] == "mean":
+                total = own.clone()
+                for j, js in scales.items():
+                    total += js[group_of(name)] * c[j]
+                out[name] = Projection(own=own, mean=total / count)
+            else:
+                pull = torch.zeros_like(own)
+                for j, js in scales.items():
+                    pull += js[group_of(name)] * (c[j] - own)
+                out[name] = Projection(own=own, mean=own + pull / count)
+        return out, excluded
+
+    def _scales(
+        self,
+        projections: Mapping[str, Projection],
+        modes: Mapping[str, Mode],
+        offered: Mapping[str, torch.Tensor],
+        reference: Mapping[str, float] | None = None,
+    ) -> dict[str, float]:
+        """The factor on the partner's contribution (or pull) per group; Rejected if it is absurd. A "mean"
+        group's contribution is judged against `reference[group]` if given (a group's median), else ours."""
         stats, states = group_stats(projections), group_norms(offered)
         group_modes = {group_of(n): modes[n] for n in projections}
         # a state offered relative to the run's start is ~0 until this peer's first outer steps, while an honest
         # partner may be a few steps ahead: until our state outgrows it, our own update sets the scale instead
         update = max((states[g] for g, m in group_modes.items() if m == "mean"), default=0.0)
-        scales = {}
-        for group, s in stats.items():
-            mode = group_modes[group]
-            scales[group] = self._scale(group, mode, s, states[group] if mode == "mean" else max(states[group], update))
         out = {}
-        for name, p in projections.items():
-            scale = scales[group_of(name)]
-            if scale == 1.0:
-                out[name] = p
-            elif modes[name] == "mean":  # shrink their contribution: mean = (own + s·theirs) / 2
-                out[name] = Projection(own=p.own, mean=(p.own + scale * (2 * p.mean - p.own)) / 2)
-            else:  # shrink the pull: mean = own + s·(mean − own)
-                out[name] = Projection(own=p.own, mean=p.own + scale * (p.mean - p.own))
+        for group, s in stats.items():
+            if group_modes[group] == "mean":
+                label = "the group's median" if reference else "ours"
+                out[group] = self._scale(group, "mean", s, reference[group] if reference else s.own, label)
+            else:  # a state that is young (near the run's start) is judged by the group's median state too
+                state = max(states[group], update, reference[group] if reference else 0.0)
+                out[group] = self._scale(group, "diff", s, state)
         return out
 
-    def _scale(self, group: str, mode: Mode, s: GroupStats, state: float) -> float:
-        """The factor on the partner's contribution (mean) or pull (diff): 1 unless clipped."""
+    def _scale(self, group: str, mode: Mode, s: GroupStats, scale: float, label: str = "ours") -> float:
+        """The factor on the partner's contribution (mean: against `scale`, an update's norm) or pull (diff:
+        against `scale`, our state's norm): 1 unless clipped."""
         cfg = self.config
         if not all(map(math.isfinite, (s.own, s.theirs, s.pull, s.cosine))):
             raise Rejected(f"group {group!r} has non-finite values after the exchange")
         if mode == "mean":
-            size, scale, limit, reject, what = s.theirs, s.own, cfg.clip, cfg.reject, "contribution"
+            size, limit, reject, what = s.theirs, cfg.clip, cfg.reject, "contribution"
         else:
-            size, scale, limit, reject, what = s.pull, state, cfg.diff_clip, cfg.diff_reject, "pull on our state"
+            size, limit, reject, what = s.pull, cfg.diff_clip, cfg.diff_reject, "pull on our state"
         if size == 0:
             return 1.0
         ratio = size / scale if scale > 0 else math.inf
         if ratio > reject:
-            raise Rejected(f"group {group!r}: partner's {what} is {ratio:.3g}x ours (limit {reject:g}x)")
+            raise Rejected(f"group {group!r}: partner's {what} is {ratio:.3g}x {label} (limit {reject:g}x)")
         if mode == "mean" and s.cosine < cfg.min_cosine:
             raise Rejected(f"group {group!r}: partner's update does not follow ours (cosine {s.cosine:.2f})")
         if mode == "diff" and s.cosine < 0 and s.pull > cfg.diff_flip * s.own:
@@ -168,5 +218,5 @@ class RobustAggregator:
         if ratio <= limit:
             return 1.0
         self.clipped += 1
-        logger.info("clipped partner's %s in group %r from %.3gx ours to %gx", what, group, ratio, limit)
+        logger.info("clipped partner's %s in group %r from %.3gx %s to %gx", what, group, ratio, label, limit)
         return limit / ratio

@@ -11,12 +11,10 @@ normalized steps make pseudo-gradients close to sign matrices whose spectrum is 
 keeps little of each, whereas signs keep every coordinate's direction; both peers decode both sides,
 so the pair mean is exact and error feedback keeps the rest.
 
-Two ways to use it:
-
-- alone, as a strategy with ``compress`` / ``decompress`` / ``ratio`` (one power iteration on one
-  peer's matrix), and
-- between two peers, with :class:`PairRound`: each side holds its own M, and both end with the same
-  subspace P̂ and projections of both matrices onto it, having sent only factors.
+Alone, it is a strategy with ``compress`` / ``decompress`` / ``ratio`` (one power iteration on one
+peer's matrix); between peers, `averaging.mixing.GroupRound` runs the same codecs over a group, each
+member's own codes gathered by all, and the members end with the same mean having sent only codes and
+factors.
 
 Error feedback is explicit state (:class:`ErrorFeedback`) so that it can be checkpointed. Pure
 torch, no network: the simulator and the real peers run this same code.
@@ -41,7 +39,7 @@ Codec = Literal["dense", "lowrank", "sign", "int8"]
 per row (``sign``, for "mean" tensors when the config asks for it), or as int8 with a scale per row
 (``int8``, for "diff" tensors when the config asks for it)."""
 
-MeanCodec = Literal["lowrank", "sign"]
+MeanCodec = Literal["lowrank", "sign", "dense"]
 DiffCodec = Literal["lowrank", "int8", "dense"]
 
 SCALE_SUFFIX = "#scale"  # a sign-coded tensor's per-row scales travel under NAME#scale
@@ -61,8 +59,8 @@ class LowRankConfig:
     def __post_init__(self) -> None:
         if not 1 <= self.rank <= 1024:
             raise ValueError(f"rank must be between 1 and 1024, got {self.rank}")
-        if self.mean_codec not in ("lowrank", "sign"):
-            raise ValueError(f"mean_codec must be 'lowrank' or 'sign', got {self.mean_codec!r}")
+        if self.mean_codec not in ("lowrank", "sign", "dense"):
+            raise ValueError(f"mean_codec must be 'lowrank', 'sign' or 'dense', got {self.mean_codec!r}")
         if self.diff_codec not in ("lowrank", "int8", "dense"):
             raise ValueError(f"diff_codec must be 'lowrank', 'int8' or 'dense', got {self.diff_codec!r}")
         for label, dtype in (("factor_dtype", self.factor_dtype), ("dense_dtype", self.dense_dtype)):
@@ -229,6 +227,11 @@ class LowRankCompressor:
         q = torch.randn(cols, rank, generator=gen)
         return q / torch.linalg.vector_norm(q, dim=0).clamp_min(1e-20)
 
+    def warm_starts(self, slots: Mapping[str, Slot]) -> dict[str, torch.Tensor]:
+        """The warm-start Q of every low-rank slot in the factor dtype: what a group's leader sends its members."""
+        dtype = self.config.factor_dtype
+        return {n: quantize(self.warm_q(s), dtype) for n, s in slots.items() if s.low_rank}
+
     def state_dict(self) -> dict[str, torch.Tensor]:
         return {name: q.clone() for name, q in self._q.items()}
 
@@ -290,128 +293,16 @@ def _scaled_nbytes(slot: Slot, scale_size: int) -> int:
 
 @dataclass(frozen=True)
 class Projection:
-    """One tensor's outcome of a pair round, float32 in the tensor's shape.
+    """One tensor's outcome of a group round, float32 in the tensor's shape.
 
-    own: this side's matrix as the pair sees it (its projection onto the shared subspace).
-    mean: the mean of both sides' projections; identical on the two peers.
+    own: this side's matrix as the round sees it (its code, or its projection onto the shared subspace).
+    mean: the mean of every side's; identical on all of them.
     The residual tensor − own is what compression left out of this side's matrix.
     """
 
     own: torch.Tensor
     mean: torch.Tensor
-
-
-class PairRound:
-    """One side of a two-party power iteration over named tensors.
-
-    Order of a round, the initiator's factors always first so both sides compute the same sums:
-    request_factors (initiator) → phase1 (both) → phase2 (both, after the other's phase1) →
-    finish (both, after the other's phase2) → commit (once the exchange is known to have gone
-    through). The caller moves the factors over the wire; nothing changes state before commit.
-    """
-
-    def __init__(
-        self,
-        compressor: LowRankCompressor,
-        slots: Mapping[str, Slot],
-        tensors: Mapping[str, torch.Tensor],
-        modes: Mapping[str, Mode],
-        q_init: Mapping[str, torch.Tensor],
-        *,
-        initiator: bool,
-    ) -> None:
-        self.compressor = compressor
-        self.slots = dict(slots)
-        self.tensors = dict(tensors)
-        self.modes = dict(modes)
-        self.q_init = {name: q.float() for name, q in q_init.items()}
-        self.initiator = initiator
-        self.device = next(iter(self.tensors.values())).device if self.tensors else torch.device("cpu")
-        self._mine1: dict[str, torch.Tensor] = {}
-        self._p_hat: dict[str, torch.Tensor] = {}
-        self._mine2: dict[str, torch.Tensor] = {}
-        self._other1: dict[str, torch.Tensor] = {}
-        self._next_q: dict[str, torch.Tensor] = {}
-
-    @staticmethod
-    def request_factors(compressor: LowRankCompressor, slots: Mapping[str, Slot]) -> dict[str, torch.Tensor]:
-        """The initiator's warm-start Q for every low-rank slot, as sent in the request."""
-        dtype = compressor.config.factor_dtype
-        return {n: quantize(compressor.warm_q(s), dtype) for n, s in slots.items() if s.low_rank}
-
-    def _matrix(self, name: str) -> torch.Tensor:
-        slot = self.slots[name]
-        return self.tensors[name].detach().reshape(slot.rows, slot.cols).float()  # (n, m)
-
-    def phase1(self) -> dict[str, torch.Tensor]:
-        """This side's P = M·Q for low-rank slots, codes and row scales for sign and int8 slots, and
-        dense tensors whole, in wire dtypes."""
-        cfg = self.compressor.config
-        for name, slot in self.slots.items():
-            if slot.dense:
-                self._mine1[name] = quantize(self.tensors[name], cfg.dense_dtype)
-            elif slot.scaled:
-                self._mine1[name], self._mine1[name + SCALE_SUFFIX] = scaled_encode(
-                    slot, self.tensors[name], cfg.dense_dtype
-                )
-            else:
-                m = self._matrix(name)
-                self._mine1[name] = quantize(m @ self.q_init[name].to(m.device), cfg.factor_dtype)  # (n, r)
-        return dict(self._mine1)
-
-    def phase2(self, other: Mapping[str, torch.Tensor]) -> dict[str, torch.Tensor]:
-        """Combine both P's into the shared P̂, and return this side's Q = Mᵀ·P̂ in wire dtype."""
-        self._other1 = dict(other)
-        for name, slot in self.slots.items():
-            if not slot.low_rank:
-                continue
-            first, second = self._ordered(self._mine1[name], self._local(other[name]))
-            sign = 1.0 if self.modes[name] == "mean" else -1.0
-            p = first.float() + sign * second.float()  # (n, r), bitwise the same on both sides
-            self._p_hat[name] = orthogonalize_(p)
-            m = self._matrix(name)
-            q = m.T @ self._p_hat[name].to(m.device)  # (m, r)
-            self._mine2[name] = quantize(q, self.compressor.config.factor_dtype)
-        return dict(self._mine2)
-
-    def finish(self, other: Mapping[str, torch.Tensor]) -> dict[str, Projection]:
-        """Both sides' projections; also keeps the combined Q as the next warm start."""
-        out = {}
-        for name, slot in self.slots.items():
-            if not slot.low_rank:  # both sides hold both tensors as sent: the mean is exact
-                own, theirs = (self._decoded(slot, sent) for sent in (self._mine1, self._other1))
-                first, second = self._ordered(own, theirs)
-                out[name] = Projection(own=own, mean=(first + second) / 2)
-                continue
-            p_hat = self._p_hat[name].float()
-            q_own, q_other = self._mine2[name].float(), self._local(other[name]).float()
-            first, second = self._ordered(q_own, q_other)
-            q_mean = (first + second) / 2  # (m, r), bitwise the same on both sides
-            out[name] = Projection(
-                own=(p_hat @ q_own.T).reshape(slot.shape), mean=(p_hat @ q_mean.T).reshape(slot.shape)
-            )
-            self._next_q[name] = first + second if self.modes[name] == "mean" else first - second
-        return out
-
-    def commit(self) -> None:
-        """The exchange went through: keep its combined Q factors as the next warm starts."""
-        for name, q in self._next_q.items():
-            self.compressor.set_warm_q(name, q)
-        self._next_q.clear()
-
-    def _decoded(self, slot: Slot, sent: Mapping[str, torch.Tensor]) -> torch.Tensor:
-        """A one-phase slot's tensor as sent (this side's or the partner's), on this side's device."""
-        if slot.scaled:
-            codes, scale = self._local(sent[slot.name]), self._local(sent[slot.name + SCALE_SUFFIX])
-            return scaled_decode(slot, codes, scale)
-        return self._local(sent[slot.name]).float().reshape(slot.shape)
-
-    def _local(self, theirs: torch.Tensor) -> torch.Tensor:
-        """A factor off the wire (on the CPU) moved to where this side's tensors live (the model's device)."""
-        return theirs.to(self.device)
-
-    def _ordered(self, mine: torch.Tensor, theirs: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-        return (mine, theirs) if self.initiator else (theirs, mine)
+    adopt: bool = False  # a state every member takes as is: the same bits on all of them (not own + mean − own)
 
 
 class ErrorFeedback:

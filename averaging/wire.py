@@ -1,4 +1,4 @@
-"""Versioned msgpack wire format for the messages of one pairwise gossip-averaging exchange.
+"""Versioned msgpack wire format for the messages of one group exchange (`averaging.group`).
 
 A message is a msgpack map ``{"v": version, "k": kind, "s": session, "t": step, "m": meta, "x": tensors}``
 where each tensor travels as ``[dtype_name, [shape...], raw_little_endian_bytes]``. Nothing is pickled.
@@ -19,7 +19,7 @@ import msgpack
 import numpy as np
 import torch
 
-PROTOCOL_VERSION: int = 1
+PROTOCOL_VERSION: int = 2
 
 _KEYS = frozenset({"v", "k", "s", "t", "m", "x"})
 _MAX_ID = 2**63  # session and step lie in [0, 2**63)
@@ -44,16 +44,19 @@ _INT_VIEWS: dict[torch.dtype, tuple[torch.dtype, str]] = {
 
 
 class Kind(enum.IntEnum):
-    """The messages of one exchange, in protocol order; DECLINE and ABORT end it early."""
+    """The messages of one group exchange (`averaging.group`), in protocol order; DECLINE and ABORT end it."""
 
-    REQUEST = 1  # initiator -> responder: asks to average; carries the initiator's warm-start Q factors
-    ACCEPT = 2  # responder -> initiator: agrees; carries responder's phase-1 P factors and its dense tensors
-    DECLINE = 3  # responder -> initiator: busy / not ready / incompatible; meta["reason"]
-    PHASE1 = 4  # initiator -> responder: initiator's phase-1 P factors and dense tensors
-    PHASE2 = 5  # responder -> initiator: responder's phase-2 Q factors
-    COMMIT = 6  # initiator -> responder: initiator's phase-2 Q factors; responder applies on receipt
-    ACK = 7  # responder -> initiator: responder applied; initiator applies on receipt
-    ABORT = 8  # either side: stop this exchange, apply nothing; meta["reason"]
+    JOIN = 1  # member -> leader: asks into the group of an appointment (key, layout signature, proof); no tensors
+    ROSTER = 2  # leader -> member: the sealed group (members in order, the leader's proof); warm-start Q factors
+    DECLINE = 3  # refused before anything was exchanged: full, sealed, not leading, incompatible; meta["reason"]
+    HELLO = 4  # member -> member: opens the pair's data stream (the session's proof); no tensors
+    PHASE1 = 5  # member <-> member: the sender's own phase-1 payload (codes, dense tensors, P factors)
+    HAVE = 6  # member -> leader: whose phase-1 payloads it holds (bitmask), its anchor digest
+    PROCEED = 7  # leader -> member: who goes on (bitmask), and whether phase 2 runs
+    PHASE2 = 8  # member <-> member: the sender's own phase-2 Q factors
+    DONE = 9  # member -> leader: it holds every phase-2 payload of the group
+    COMMIT = 10  # leader -> member: apply
+    ABORT = 11  # either side: stop this exchange, apply nothing; meta["reason"]
 
 
 class WireError(ValueError):

@@ -8,12 +8,13 @@
   ``RunRecord`` and ``RunRecords`` (blocking methods, each with an ``a_`` async twin)
 * ``signing``    ``RunValidator``: every node of a run signs its records with its identity key and refuses
   forged, foreign-subkey, schema-breaking and config-hijacking records (``NodeConfig.run_id`` installs it)
-* ``heartbeat``  ``Heartbeat`` re-announces a peer on a thread until stopped, then withdraws it
+* ``heartbeat``  ``Heartbeat`` re-announces a peer on a thread (now, and when poked) until stopped, then withdraws
+  it; ``RosterWatch`` keeps the latest read of the live announcements for a loop that must not wait
 * ``loop``       ``LoopThread``: the one sync/async bridge, an event loop (uvloop) on a background thread
 """
 
 from .addresses import AddressError, parse_host, parse_peer_multiaddr, parse_peer_multiaddrs
-from .heartbeat import ConfigKeeper, Heartbeat
+from .heartbeat import ConfigKeeper, Heartbeat, RosterWatch
 from .identity import IdentityError, ensure_identity, peer_id_of
 from .node import NodeConfig, NodeError, start_node, stop_node, visible_addresses
 from .records import (
@@ -32,6 +33,7 @@ __all__ = [
     "Announcement",
     "ConfigKeeper",
     "Heartbeat",
+    "RosterWatch",
     "IdentityError",
     "Metrics",
     "NodeConfig",

@@ -1,5 +1,7 @@
 """Keep a peer's announcement alive: re-announce on a daemon thread until stopped, then withdraw.
 
+``RosterWatch`` reads the run's live announcements on a thread of its own, for a loop that must not wait.
+
 With ``keep_config`` it also keeps the run's config record alive: on its first beat and then every
 third of ``config_ttl`` it stores again the identical record it reads, so the config outlives the
 node that created it, and a node that joins later finds a copy among the live peers.
@@ -18,7 +20,7 @@ from types import TracebackType
 
 from .records import Announcement, RunRecord, RunRecords
 
-__all__ = ["ConfigKeeper", "Heartbeat"]
+__all__ = ["ConfigKeeper", "Heartbeat", "RosterWatch"]
 
 logger = logging.getLogger(__name__)
 
@@ -53,10 +55,13 @@ class _Background:
 
 
 class Heartbeat(_Background):
-    """Announce ``current()`` now and every ``period`` seconds (default: a third of the ttl).
+    """Announce ``current()`` now, every ``period`` seconds (default: a third of the ttl), and whenever
+    ``poke()`` says it changed.
 
     ``start()`` starts the thread, ``stop()`` joins it and withdraws the peer; use it as a context
-    manager to do both. A failed announcement is logged and retried at the next beat.
+    manager to do both. A failed announcement is logged and retried at the next beat. Every announcement
+    goes out from this one thread, in order, so a later one always carries the later expiry and an older
+    state can never overwrite a newer one; the caller never waits on the DHT.
     """
 
     def __init__(
@@ -76,6 +81,7 @@ class Heartbeat(_Background):
         if not self.period > 0:
             raise ValueError(f"period must be positive, got {self.period!r}")
         self._announced: str | None = None  # peer id of the last successful announcement
+        self._poked = threading.Event()
         self.beats = 0  # successful announcements so far
 
     thread_name = "murmur-heartbeat"
@@ -85,8 +91,13 @@ class Heartbeat(_Background):
         self._start_thread()
         return self
 
+    def poke(self) -> None:
+        """Announce again soon: what ``current()`` returns has changed. Never blocks."""
+        self._poked.set()
+
     def stop(self, timeout: float = 10.0) -> None:
         """Stop beating (waiting up to ``timeout`` for the thread), then withdraw the announcement."""
+        self._poked.set()
         if not self._stop_thread(timeout):
             logger.warning("heartbeat thread still busy after %.1f s; withdrawing anyway", timeout)
         if self._announced is not None:
@@ -116,7 +127,8 @@ class Heartbeat(_Background):
                 logger.warning("heartbeat failed: %s", " ".join(str(e).split()))
             if self.keep_config and time.monotonic() >= self._config_due:
                 self._republish_config()
-            self._stopping.wait(self.period)
+            self._poked.wait(self.period)
+            self._poked.clear()
 
     def _republish_config(self) -> None:
         try:
@@ -154,3 +166,35 @@ class ConfigKeeper(_Background):
                     logger.warning("the run config was not stored; retrying in %.0f s", self.records.config_ttl / 3)
             except Exception as e:
                 logger.warning("could not republish the run config: %s", " ".join(str(e).split()))
+
+
+class RosterWatch(_Background):
+    """Read the run's live announcements every ``period`` seconds on a daemon thread; ``peers`` is the latest
+    read (an empty dict before the first), so a training loop reads the roster without waiting on the DHT."""
+
+    thread_name = "murmur-roster"
+
+    def __init__(self, records: RunRecords, period: float = 1.0) -> None:
+        super().__init__()
+        if not period > 0:
+            raise ValueError(f"period must be positive, got {period!r}")
+        self.records, self.period = records, period
+        self.peers: dict[str, Announcement] = {}
+        self.reads = 0
+
+    def start(self) -> RosterWatch:
+        self._check_not_started()
+        self._start_thread()
+        return self
+
+    def stop(self, timeout: float = 10.0) -> None:
+        self._stop_thread(timeout)
+
+    def _run(self) -> None:
+        while not self._stopping.is_set():
+            try:
+                self.peers = self.records.peers()
+                self.reads += 1
+            except Exception as e:
+                logger.warning("could not read the live peers: %s", " ".join(str(e).split()))
+            self._stopping.wait(self.period)

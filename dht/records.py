@@ -40,7 +40,7 @@ __all__ = [
 
 logger = logging.getLogger(__name__)
 
-PROTOCOL_VERSION = 1
+PROTOCOL_VERSION = 2  # the peers' protocol (averaging.wire's messages); peers of another version never meet
 _RUN_ID = re.compile(r"[A-Za-z0-9_.-]{1,64}")
 _MAX_ADDRESSES = 32
 _MAX_CONFIG_ITEMS = 256
@@ -63,9 +63,10 @@ class _Record(BaseModel):
 
 
 class PeerState(StrEnum):
-    TRAINING = "training"  # taking inner steps; do not ask it to exchange now
-    READY = "ready"  # between inner phases; may be asked to exchange
+    TRAINING = "training"  # taking inner steps toward its appointment
+    READY = "ready"  # at its appointment: gathering with the other peers of that round
     FINISHING = "finishing"  # training is over; averaging anchors only (finish rounds) with other finishing peers
+    DONE = "done"  # finished: no longer averaging
 
 
 class Announcement(_Record):
@@ -78,6 +79,10 @@ class Announcement(_Record):
     state: PeerState = Field(strict=False)  # accepts the wire value "ready" as well as PeerState.READY
     version: int = Field(default=PROTOCOL_VERSION, ge=1)  # protocol version the peer speaks
     client_mode: bool = False  # True: reachable only through relays or not at all
+    # the round it trains toward or gathers at (averaging.groups.Appointment.key), and its measured pace
+    appointment: str | None = Field(default=None, max_length=64)
+    step_seconds: float | None = Field(default=None, ge=0)
+    exchange_seconds: float | None = Field(default=None, ge=0)
 
     @field_validator("addresses")
     @classmethod

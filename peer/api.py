@@ -32,7 +32,7 @@ from types import TracebackType
 
 from torch import nn
 
-from averaging.protocol import ExchangeConfig
+from averaging.group import GroupConfig
 from dht.heartbeat import ConfigKeeper
 from dht.node import NodeConfig, start_node, stop_node, visible_addresses
 from dht.records import RunRecord, RunRecords
@@ -100,7 +100,7 @@ class Peer:
         client_mode: bool = False,
         data_seed: int = 0,
         out_dir: Path | None = None,
-        exchange: ExchangeConfig | None = None,
+        exchange: GroupConfig | None = None,
         verbose: bool = False,
     ) -> None:
         if (build_model is None) != (build_batches is None):
@@ -109,7 +109,7 @@ class Peer:
         self.options = PeerOptions(
             run_id=run,
             node=NodeConfig(initial_peers=tuple(initial_peers), client_mode=client_mode, run_id=run),
-            exchange=exchange or ExchangeConfig(),
+            exchange=exchange or GroupConfig(),
             data_seed=data_seed,
             duration=duration,
             out_dir=out_dir,

@@ -23,7 +23,7 @@ from pathlib import Path
 from rich.console import Console
 
 from averaging.access import load_policy
-from averaging.protocol import ExchangeConfig
+from averaging.group import GroupConfig
 from dht.addresses import AddressError
 from dht.heartbeat import ConfigKeeper
 from dht.identity import IdentityError
@@ -59,6 +59,21 @@ def _train_flags(parser: argparse.ArgumentParser) -> None:
     group.add_argument("--inner-lr", type=float, help=f"AdamW learning rate (default: {defaults.inner_lr})")
     group.add_argument("--outer-lr", type=float, help=f"outer Nesterov learning rate (default: {defaults.outer_lr})")
     group.add_argument("--rank", type=int, help=f"low-rank compression rank (default: {defaults.rank})")
+    group.add_argument(
+        "--round-seconds",
+        type=float,
+        metavar="SECONDS",
+        help="length of a round; 0: H steps and an exchange at the swarm's pace (default: 0)",
+    )
+    group.add_argument(
+        "--group-size",
+        type=int,
+        metavar="G",
+        help=f"the most peers averaged together in a round (default: {defaults.group_size})",
+    )
+    group.add_argument("--window", type=float, metavar="SHARE",
+                       help="share of a round a group's leader waits for late members "
+                            f"(default: {defaults.window})")  # fmt: skip
     group.add_argument("--finish-rounds", type=int, metavar="K",
                        help="when a peer's --duration is over: K rounds that only average anchors, so that the "
                             f"final models agree (default: {defaults.finish_rounds})")  # fmt: skip
@@ -68,6 +83,7 @@ def _train_config(args: argparse.Namespace) -> TrainConfig:
     return TrainConfig(model=args.model).with_overrides(
         seed=args.seed, batch_size=args.batch_size, inner_steps=args.inner_steps,
         inner_lr=args.inner_lr, outer_lr=args.outer_lr, rank=args.rank, finish_rounds=args.finish_rounds,
+        round_seconds=args.round_seconds, group_size=args.group_size, window=args.window,
     )  # fmt: skip
 
 
@@ -101,8 +117,13 @@ def build_parser() -> argparse.ArgumentParser:
     join.add_argument("--duration", type=float, help="seconds to train (default: until Ctrl-C)")
     join.add_argument("--out-dir", type=Path, help="folder for metrics.jsonl, report.json, anchor.pt, checkpoints/")
     join.add_argument("--data-seed", type=int, default=0, help="seed of this peer's data stream")
-    join.add_argument("--window", type=float, default=ExchangeConfig().window, help="seconds to look for a partner")
-    join.add_argument("--exchange-timeout", type=float, default=ExchangeConfig().exchange_timeout)
+    join.add_argument(
+        "--exchange-timeout",
+        type=float,
+        default=GroupConfig().exchange_timeout,
+        metavar="SECONDS",
+        help="bound on one group exchange once its group is sealed (default: %(default)s)",
+    )
     join.add_argument("--quiet", action="store_true", help="no per-round progress line")
     join.add_argument("--eval-every", type=int, default=PeerOptions.eval_every, metavar="N",
                       help="rounds between held-out evaluations, 0: at start and stop only "
@@ -189,8 +210,8 @@ def _join_options(args: argparse.Namespace) -> PeerOptions:
                         identity_path=args.identity, client_mode=args.client_mode, use_relay=args.use_relay,
                         use_auto_relay=args.use_auto_relay, run_id=args.run),
         device=device_config(args), workload=WorkloadSpec(model=args.model, data=args.data),
-        exchange=ExchangeConfig(window=args.window, exchange_timeout=args.exchange_timeout,
-                                access=load_policy(args.run_secret_file, args.allow_peers)),
+        exchange=GroupConfig(exchange_timeout=args.exchange_timeout,
+                             access=load_policy(args.run_secret_file, args.allow_peers)),
         data_seed=args.data_seed, duration=args.duration, out_dir=args.out_dir, verbose=not args.quiet,
         checkpoint_dir=args.checkpoint_dir, checkpoint_every=args.checkpoint_every,
         checkpoint_interval=args.checkpoint_interval, resume=args.resume, eval_every=args.eval_every,

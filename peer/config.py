@@ -14,8 +14,10 @@ from dataclasses import dataclass
 from typing import Any
 
 from averaging.compression import LowRankConfig
+from averaging.groups import ScheduleConfig
 from peer.model import DEFAULT_MODEL, MODELS
 from peer.outer import OuterConfig
+from peer.rounds import RoundConfig
 
 _SPEC = re.compile(r"[A-Za-z_][A-Za-z0-9_]*(\.[A-Za-z_][A-Za-z0-9_]*)*:[A-Za-z_][A-Za-z0-9_]*")
 
@@ -44,11 +46,19 @@ class TrainConfig:
     outer_lr: float = 1.0
     outer_momentum: float = 0.0
     rank: int = 4
-    codec: str = "sign"  # how the pseudo-gradient travels: "sign" (1 bit + row scales) or "lowrank" (rank-r factors)
-    consensus_codec: str = "lowrank"  # how anchors are pulled together: "lowrank" (rank-r difference) or "int8"
+    # how the pseudo-gradient travels: "sign" (1 bit + row scales), "lowrank" (rank-r factors) or "dense" (fp16)
+    codec: str = "sign"
+    # how anchors are pulled together when a group's differ: "int8" (a scale per row; all move to the same mean) or
+    # "lowrank" (a rank-r PowerGossip pull, a fraction of the bytes)
+    consensus_codec: str = "int8"
     consensus: bool = True
     error_feedback: bool = True
-    solo_after: int = 4  # rounds without a partner before a peer takes an outer step alone
+    solo_after: int = 4  # rounds without a group before a peer takes an outer step alone
+    # rounds on a shared clock (averaging.groups): a round lasts round_seconds (0: H x the swarm's median step
+    # time), peers average in groups of at most group_size, and a leader waits `window` of a round for late members
+    round_seconds: float = 0.0
+    group_size: int = 8
+    window: float = 0.25
     # when a peer's training ends (its --duration): rounds that average anchors only, so that the final models
     # agree (scripts/simulate_scale.py measures how many a swarm needs); "dense" (fp16) or "int8" anchors
     finish_rounds: int = 0
@@ -61,7 +71,7 @@ class TrainConfig:
             raise ConfigError(
                 f"unknown model '{self.model}'; choose one of: {', '.join(MODELS)}, or pkg.module:build_model"
             )
-        for name in ("batch_size", "inner_steps", "rank", "eval_batches", "solo_after"):
+        for name in ("batch_size", "inner_steps", "rank", "eval_batches", "solo_after", "group_size"):
             if getattr(self, name) < 1:
                 raise ConfigError(f"{name} must be at least 1, got {getattr(self, name)}")
         for name in ("inner_lr", "outer_lr", "grad_clip"):
@@ -73,6 +83,7 @@ class TrainConfig:
         try:
             self.outer()
             self.compression()
+            self.rounds()
             if self.finish_codec not in ("dense", "int8"):
                 raise ValueError(f"finish_codec must be 'dense' or 'int8', got {self.finish_codec!r}")
         except ValueError as e:
@@ -84,8 +95,12 @@ class TrainConfig:
             momentum=self.outer_momentum,
             consensus=self.consensus,
             error_feedback=self.error_feedback,
-            solo_after=self.solo_after,
         )
+
+    def rounds(self) -> RoundConfig:
+        schedule = ScheduleConfig(group_size=self.group_size, window=self.window)
+        return RoundConfig(inner_steps=self.inner_steps, round_seconds=self.round_seconds, solo_after=self.solo_after,
+                           finish_rounds=self.finish_rounds, schedule=schedule)  # fmt: skip
 
     def compression(self) -> LowRankConfig:
         return LowRankConfig(

@@ -14,9 +14,10 @@ e ← M − own(delta) keeps what compression left out (no work lost); φ and m 
 the partner along the shared subspace (x ← x + mean − own). Then Nesterov: m ← μ·m + d,
 φ ← φ − lr·(μ·m + d), and the model is reset to θ ← φ.
 
-Without a partner the round's work stays pending: no outer step, θ keeps training from where it
-is, and the next round's M holds every step since the last exchange. Only after `solo_after`
-lonely rounds in a row does the peer step alone (d = M, e ← 0), so a peer by itself still learns.
+Without a group the round's work stays pending: no outer step, θ keeps training from where it
+is, and the next round's M holds every step since the last exchange. When the round engine says so
+(`peer.rounds`: after `solo_after` lonely rounds in a row) the peer steps alone (d = M, e ← 0), so a
+peer by itself still learns.
 
 When a run ends, its peers finish (the run config's `finish_rounds`): `flush()` takes whatever work
 is still pending as one outer step alone, so nothing trained is lost, and then every finish round
@@ -33,8 +34,8 @@ from typing import Any
 import torch
 from torch import nn
 
-from averaging.compression import ErrorFeedback, Mode
-from averaging.protocol import ExchangeResult, Offer
+from averaging.compression import ErrorFeedback, Mode, Projection
+from averaging.group import GroupResult, Offer
 from peer.checkpoint import CheckpointError, check_count, check_tensors
 
 
@@ -44,13 +45,10 @@ class OuterConfig:
     momentum: float = 0.9
     consensus: bool = True  # pull anchors and momenta together in every exchange
     error_feedback: bool = True
-    solo_after: int = 4  # lonely rounds in a row before stepping alone
 
     def __post_init__(self) -> None:
         if not self.lr > 0 or not 0 <= self.momentum < 1:
             raise ValueError(f"outer lr must be > 0 and momentum in [0, 1), got {self.lr} and {self.momentum}")
-        if self.solo_after < 1:
-            raise ValueError(f"solo_after must be at least 1, got {self.solo_after}")
 
 
 def offer_layout(model: nn.Module, config: OuterConfig) -> tuple[dict[str, tuple[int, ...]], dict[str, Mode]]:
@@ -88,7 +86,6 @@ class OuterOptimizer:
         self.error_feedback = ErrorFeedback()
         self.shapes, self.modes = offer_layout(model, config)
         self.step = 0  # outer steps taken
-        self.lonely_rounds = 0  # rounds in a row without a partner
 
     @torch.no_grad()
     def offer(self) -> Offer:
@@ -102,17 +99,14 @@ class OuterOptimizer:
         return Offer(step=self.step, tensors=tensors, modes=dict(self.modes))
 
     @torch.no_grad()
-    def apply(self, offer: Offer, result: ExchangeResult | None, *, alone: bool = False) -> bool:
+    def apply(self, offer: Offer, result: GroupResult | None, *, alone: bool = False) -> bool:
         """The round's outer step, if it takes one (returns whether it did).
 
-        After a step the model is reset to the new anchor; a lonely round leaves everything as is,
-        unless it is the `solo_after`-th in a row or `alone` says to step alone now.
+        After a step the model is reset to the new anchor; a round without a result leaves everything as
+        is (the work stays pending), unless `alone` says to step alone now.
         """
         if result is None and not alone:
-            self.lonely_rounds += 1
-            if self.lonely_rounds < self.config.solo_after:
-                return False
-        self.lonely_rounds = 0
+            return False
         mu, lr = self.config.momentum, self.config.lr
         for name, p in self.params.items():
             delta = offer.tensors[f"delta/{name}"]
@@ -123,10 +117,9 @@ class OuterOptimizer:
                 proj = result.projections[f"delta/{name}"]
                 d = proj.mean
                 self.error_feedback.keep(name, delta - proj.own if self.config.error_feedback else None)
-                for group, state in (("anchor", self.anchor), ("momentum", self.momentum)):
+                for group in ("anchor", "momentum"):
                     if f"{group}/{name}" in offer.tensors:
-                        pr = result.projections[f"{group}/{name}"]
-                        state[name] += pr.mean - pr.own
+                        self._pull(group, name, result.projections[f"{group}/{name}"])
             m = self.momentum[name]
             m.mul_(mu).add_(d)
             self.anchor[name] -= lr * (mu * m + d)
@@ -149,20 +142,28 @@ class OuterOptimizer:
         return Offer(step=self.step, tensors=tensors, modes=dict.fromkeys(tensors, "diff"))
 
     @torch.no_grad()
-    def apply_finish(self, offer: Offer, result: ExchangeResult | None) -> bool:
+    def apply_finish(self, offer: Offer, result: GroupResult | None) -> bool:
         """Move the anchor to the pair's agreement (x ← x + mean − own) and the model with it; False alone."""
         if result is None:
             return False
         for name, p in self.params.items():
-            projection = result.projections[f"anchor/{name}"]
-            self.anchor[name] += projection.mean - projection.own
+            self._pull("anchor", name, result.projections[f"anchor/{name}"])
             p.copy_(self.anchor[name])
         return True
+
+    def _pull(self, group: str, name: str, projection: Projection) -> None:
+        """Move a state to the round's agreement: exactly to its mean (adopt: the same bits on every member), or
+        by mean − own (its part in a shared subspace). Anchors are offered relative to the run's start."""
+        state = self.anchor if group == "anchor" else self.momentum
+        if projection.adopt:
+            base = self.origin[name] if group == "anchor" else 0.0
+            state[name] = (base + projection.mean).to(state[name].dtype)
+        else:
+            state[name] += projection.mean - projection.own
 
     def state_dict(self) -> dict:
         return {
             "step": self.step,
-            "lonely_rounds": self.lonely_rounds,
             "anchor": {n: t.clone() for n, t in self.anchor.items()},
             "momentum": {n: t.clone() for n, t in self.momentum.items()},
             "error_feedback": self.error_feedback.state_dict(),
@@ -177,7 +178,6 @@ class OuterOptimizer:
             raise CheckpointError("outer optimizer state is not a dict")
         shapes = {n: tuple(p.shape) for n, p in self.params.items()}
         step = check_count(state.get("step"), "outer step")
-        lonely = check_count(state.get("lonely_rounds"), "outer lonely_rounds")
         anchor = check_tensors(state.get("anchor"), shapes, "outer anchor")
         momentum = check_tensors(state.get("momentum"), shapes, "outer momentum")
         residuals = check_tensors(state.get("error_feedback"), shapes, "error-feedback residual", partial=True)
@@ -187,4 +187,4 @@ class OuterOptimizer:
 
         self.anchor, self.momentum = own(anchor), own(momentum)
         self.error_feedback.load_state_dict(own(residuals))
-        self.step, self.lonely_rounds = step, lonely
+        self.step = step

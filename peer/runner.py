@@ -17,6 +17,7 @@ outer steps past it.
 
 from __future__ import annotations
 
+import asyncio
 import logging
 import math
 import threading
@@ -29,12 +30,11 @@ from typing import Any
 import torch
 
 from averaging.compression import LowRankCompressor
-from averaging.partners import DHTPartners
-from averaging.protocol import ExchangeConfig, GossipAverager
+from averaging.group import GroupAverager, GroupConfig, GroupPlan, GroupResult
 from averaging.state_transfer import TransferConfig
 from averaging.transport import P2PTransport
 from averaging.wire import PROTOCOL_VERSION
-from dht.heartbeat import Heartbeat
+from dht.heartbeat import Heartbeat, RosterWatch
 from dht.loop import LoopThread
 from dht.node import NodeConfig, start_node, stop_node, visible_addresses
 from dht.records import Announcement, Metrics, PeerState, RunRecords
@@ -44,6 +44,7 @@ from peer.device import DeviceConfig, Runtime
 from peer.metrics import MetricsLog, PeerReport
 from peer.ops.progress import Progress, ProgressLine
 from peer.outer import finish_layout
+from peer.rounds import Plan, RoundEngine, Seen, Step
 from peer.state import StateSharing, catch_up
 from peer.trainer import NonFiniteLoss, Trainer
 from peer.workload import WorkloadSource, WorkloadSpec
@@ -59,7 +60,7 @@ class PeerError(RuntimeError):
 class PeerOptions:
     run_id: str
     node: NodeConfig
-    exchange: ExchangeConfig = field(default_factory=ExchangeConfig)
+    exchange: GroupConfig = field(default_factory=GroupConfig)
     data_seed: int = 0
     duration: float | None = None  # seconds of training; None runs until stopped
     out_dir: Path | None = None
@@ -79,6 +80,7 @@ class PeerOptions:
     workload: WorkloadSource = field(default_factory=WorkloadSpec)  # the built-in GPT unless told otherwise
     state_download: bool = True  # without a checkpoint, start from a live peer's state (peer.state)
     transfer: TransferConfig = field(default_factory=TransferConfig)
+    trace_rounds: bool = False  # keep every input and decision of the round engine (`peer.rounds.replay`)
 
     def __post_init__(self) -> None:
         if self.eval_every < 0 or not self.metrics_interval >= 0:
@@ -133,7 +135,12 @@ def restore_state(state: Mapping[str, Any], trainer: Trainer, compressor: LowRan
 
 
 class VolunteerPeer:
-    """One peer on the real network. `create()` starts it, `run()` trains, `close()` tears down."""
+    """One peer on the real network. `create()` starts it, `run()` trains, `close()` tears down.
+
+    `run` is the round engine's wall-clock driver (`peer.rounds`): it feeds the engine the time and the
+    roster that `RosterWatch` keeps (the training thread never waits on the DHT; announcements go out
+    from the heartbeat's thread when poked), trains step by step while the engine lets a step fit before
+    the appointment, and runs the group exchange the engine plans on the event-loop thread."""
 
     def __init__(self, options: PeerOptions, dht, trainer: Trainer, records: RunRecords) -> None:
         self.options = options
@@ -142,12 +149,14 @@ class VolunteerPeer:
         self.records = records
         self.peer_id = dht.peer_id.to_base58()
         self.addresses = visible_addresses(dht)
-        self.state = PeerState.TRAINING
+        self.engine = RoundEngine(self.peer_id, trainer.config.rounds(), client=options.node.client_mode,
+                                  trace=options.trace_rounds)  # fmt: skip
         self.samples_per_second = 0.0
         self.loop = LoopThread()
-        self.averager: GossipAverager | None = None
-        self.finisher: GossipAverager | None = None  # the averager of finish rounds, once training is over
+        self.averager: GroupAverager | None = None
+        self.finisher: GroupAverager | None = None  # the averager of finish rounds, once training is over
         self.heartbeat: Heartbeat | None = None
+        self.watch = RosterWatch(records)
         self.sharing: StateSharing | None = None
         self.metrics_log = MetricsLog(options.out_dir / "metrics.jsonl") if options.out_dir else None
         self.progress = ProgressLine(every=options.eval_every or 5) if options.verbose else None
@@ -178,6 +187,7 @@ class VolunteerPeer:
                 peer._log(*catch_up(peer.loop.run, peer.sharing, peer.trainer, resumed=resumed))
             peer.sharing.publish(peer.trainer)
             peer.heartbeat = Heartbeat(records, peer.announcement, keep_config=True).start()
+            peer.watch.start()
             return peer
         except BaseException:
             if peer is not None:
@@ -186,22 +196,21 @@ class VolunteerPeer:
                 stop_node(dht)
             raise
 
-    async def _start_averager(self, *, finish: bool = False) -> GossipAverager:
+    async def _start_averager(self, *, finish: bool = False) -> GroupAverager:
         """The averager of training rounds, or with `finish` of finish rounds (anchors only, fp16 or int8): the same
-        protocol name, so a training peer that asks a finishing one is declined (another layout), not lost."""
+        protocol name, so a training peer that joins a finishing one is declined (another layout), not lost."""
         p2p = await self.dht.replicate_p2p()
         config, outer = self.trainer.config, self.trainer.outer
         shapes, modes = finish_layout(self.trainer.model) if finish else (outer.shapes, outer.modes)
-        state = PeerState.FINISHING if finish else PeerState.READY
-        averager = GossipAverager(
+        averager = GroupAverager(
             P2PTransport(p2p, f"murmur/{self.options.run_id}/avg/{PROTOCOL_VERSION}"),
             LowRankCompressor(config.finish_compression() if finish else config.compression()),
-            DHTPartners(self.records, self_id=self.peer_id, version=PROTOCOL_VERSION, state=state),
             shapes=shapes,
             modes=modes,
             run_id=self.options.run_id,
             config=self.options.exchange,
             seed=self.options.data_seed,
+            client_mode=self.options.node.client_mode,
         )
         await averager.start()
         return averager
@@ -234,15 +243,27 @@ class VolunteerPeer:
             logger.warning("checkpoint not taken: %s", e)
 
     def announcement(self) -> Announcement:
+        seen = self.engine.announced
         return Announcement(
             peer_id=self.peer_id,
             addresses=self.addresses,
             step=self.trainer.outer.step,
             version=PROTOCOL_VERSION,
             samples_per_second=self.samples_per_second,
-            state=self.state,
-            client_mode=self.options.node.client_mode,  # never dialled: partners leave it out
+            state=PeerState(seen.state),
+            client_mode=self.options.node.client_mode,  # never dialled: it joins groups and never leads one
+            appointment=seen.appointment,
+            step_seconds=seen.step_seconds,
+            exchange_seconds=seen.exchange_seconds,
         )
+
+    def roster(self) -> list[Seen]:
+        """The live peers as the last read of the DHT shows them (never waits)."""
+        return [
+            Seen(pid, str(a.state), a.appointment, a.step_seconds, a.exchange_seconds, a.client_mode)
+            for pid, a in self.watch.peers.items()
+            if a.version == PROTOCOL_VERSION
+        ]
 
     def join_line(self, others: int = 3) -> str:
         """A ready-to-paste command that joins this run through this peer or a few other live ones."""
@@ -257,13 +278,17 @@ class VolunteerPeer:
         addresses += [a.addresses[0] for a in live[:others]]
         return f"murmur join --initial-peers {' '.join(addresses)} --run {self.options.run_id}"
 
-    def _set_state(self, state: PeerState) -> None:
-        self.state = state
-        self.records.announce(self.announcement())
+    def _announce(self, averager: GroupAverager | None = None) -> None:
+        """Publish the engine's state (from the heartbeat's thread) and tell the averager what to expect."""
+        if self.heartbeat is not None:
+            self.heartbeat.poke()
+        averager = averager or self.averager
+        key = self.engine.appointment.key if self.engine.appointment is not None else None
+        self.loop.loop.call_soon_threadsafe(averager.expect, key)
 
     def run(self, stop: threading.Event) -> PeerReport:
         """Train round after round until the deadline or `stop`; returns the peer's report."""
-        trainer, averager, options = self.trainer, self.averager, self.options
+        trainer, options = self.trainer, self.options
         started = time.monotonic()
         deadline = started + options.duration if options.duration is not None else float("inf")
         initial_loss = eval_loss = trainer.evaluate()
@@ -272,20 +297,21 @@ class VolunteerPeer:
         while not stop.is_set() and time.monotonic() < deadline:
             round_start = time.monotonic()
             try:
-                loss = trainer.inner_phase()
+                loss, steps = self._inner_phase(stop)
             except NonFiniteLoss as e:
                 logger.warning("%s; round discarded", e)
                 continue
-            offer = trainer.outer.offer()
-            self._set_state(PeerState.READY)
+            if stop.is_set():
+                break
             waiting = time.monotonic()
-            result = self.loop.run(averager.average(offer))
-            blocked = time.monotonic() - waiting  # no compute while looking for and exchanging with a partner
-            self._set_state(PeerState.TRAINING)
-            trainer.finish_round(offer, result)
+            offer = trainer.outer.offer()
+            result = self._exchange(self.averager, offer)
+            blocked = time.monotonic() - waiting  # no compute while gathering and exchanging
+            step = self.engine.ended(time.time(), result.size if result is not None else None)
+            trainer.finish_round(offer, result, alone=step == Step.ALONE)
             self.sharing.publish(trainer)
             elapsed = max(1e-9, time.monotonic() - round_start)
-            self.samples_per_second = trainer.config.batch_size * trainer.config.inner_steps / elapsed
+            self.samples_per_second = trainer.config.batch_size * steps / elapsed
             rounds += 1
             if options.eval_every and rounds % options.eval_every == 0:
                 eval_loss = trainer.evaluate()
@@ -301,24 +327,51 @@ class VolunteerPeer:
             self.checkpoint()
         return self._report(started, rounds, initial_loss, finished)
 
+    def _inner_phase(self, stop: threading.Event) -> tuple[float, int]:
+        """A round's inner steps, one at a time while the engine lets one fit before the appointment: their
+        mean loss and how many. The appointment is announced as soon as it is known."""
+        engine, trainer = self.engine, self.trainer
+        engine.begin(time.time(), self.roster())
+        self._announce()
+        total, steps = 0.0, 0
+        fits = engine.step_fits(time.time())
+        while fits and not stop.is_set():
+            known = engine.appointment
+            started = time.perf_counter()
+            total += trainer.inner_phase(1)
+            steps += 1
+            fits = engine.step_fits(time.time(), time.perf_counter() - started)
+            if engine.appointment != known or steps == 1:  # its first step: the roster now shows its pace
+                self._announce()
+        return total / max(steps, 1), steps
+
+    def _exchange(self, averager: GroupAverager, offer) -> GroupResult | None:
+        """Gather at the appointment with the group the engine plans, on the event-loop thread."""
+        plan = self.engine.gather(time.time(), self.roster())
+        self._announce(averager)
+        return self.loop.run(_average(averager, offer, plan, self.trainer.config.group_size))
+
     def finish(self, stop: threading.Event) -> int:
         """The run config's finish rounds, once training is over: the work still pending becomes one outer
-        step alone (nothing trained is lost), then up to `finish_rounds` exchanges pull this peer's anchor
-        together with other finishing peers' (`OuterOptimizer.finish_offer`). Two rounds in a row without a
-        partner end it early: nobody is left to finish with. Returns the exchanges that completed."""
-        rounds, trainer = self.trainer.config.finish_rounds, self.trainer
-        if not rounds:
+        step alone (nothing trained is lost), then the engine's finish rounds pull this peer's anchor together
+        with other finishing peers' (`OuterOptimizer.finish_offer`), two rounds in a row without a group
+        ending it early. Returns the finish exchanges that completed."""
+        engine, trainer = self.engine, self.trainer
+        if not engine.finish(time.time()):
             return 0
         trainer.outer.flush()
         self.loop.run(self.averager.stop(), timeout=15)  # its stats and bytes stay for the report
         self.finisher = self.loop.run(self._start_averager(finish=True), timeout=30)
-        self._set_state(PeerState.FINISHING)
-        done = alone = 0
-        while rounds > 0 and alone < 2 and not stop.is_set():
+        done = 0
+        while not stop.is_set() and (appointment := engine.next_finish(time.time(), self.roster())) is not None:
+            self._announce(self.finisher)
+            if stop.wait(max(0.0, appointment.at - time.time())):
+                break
             offer = trainer.outer.finish_offer()
-            result = self.loop.run(self.finisher.average(offer))
-            ok = trainer.outer.apply_finish(offer, result)
-            done, alone, rounds = done + ok, 0 if ok else alone + 1, rounds - 1
+            result = self._exchange(self.finisher, offer)
+            done += trainer.outer.apply_finish(offer, result)
+            engine.ended(time.time(), result.size if result is not None else None)
+        self.heartbeat.poke()
         self.sharing.publish(trainer)
         self._log(logging.INFO, f"finished: {done} finish exchanges")
         return done
@@ -335,20 +388,19 @@ class VolunteerPeer:
             )  # fmt: skip
         if time.monotonic() - self._metrics_at >= self.options.metrics_interval:
             self._metrics_at = time.monotonic()
-            self.records.publish_metrics(
-                Metrics(
-                    peer_id=self.peer_id, step=trainer.steps, samples=trainer.samples, loss=loss,
-                    exchanges_ok=stats.ok, exchanges_failed=stats.failed,
-                    bytes_sent=traffic.bytes_sent, bytes_received=traffic.bytes_received,
-                )
+            metrics = Metrics(
+                peer_id=self.peer_id, step=trainer.steps, samples=trainer.samples, loss=loss,
+                exchanges_ok=stats.ok, exchanges_failed=stats.failed,
+                bytes_sent=traffic.bytes_sent, bytes_received=traffic.bytes_received,
             )  # fmt: skip
+            self.loop.submit(self.records.a_publish_metrics(metrics)).add_done_callback(_log_failure)
         if self.progress is not None:
             self.progress.exchanged(partner)
             last_partner, since = self.progress.last_exchange()
             self.progress.show(
                 Progress(
                     round=rounds, step=trainer.steps, loss=loss, eval_loss=eval_loss,
-                    samples_per_second=self.samples_per_second, peers_seen=len(self.records.peers()),
+                    samples_per_second=self.samples_per_second, peers_seen=len(self.watch.peers),
                     exchanges_ok=stats.ok, exchanges_failed=stats.failed, partner=last_partner,
                     seconds_since_exchange=since, bytes_sent=traffic.bytes_sent, bytes_received=traffic.bytes_received,
                 )
@@ -375,6 +427,7 @@ class VolunteerPeer:
 
     def close(self) -> None:
         """Withdraw, stop the averager (an exchange in flight ends first), the loop and the DHT node."""
+        self.watch.stop()
         if self.heartbeat is not None:
             self.heartbeat.stop()  # also withdraws the announcement
         for part in (self.averager, self.finisher, self.sharing):
@@ -391,6 +444,22 @@ class VolunteerPeer:
         if self.metrics_log is not None:
             self.metrics_log.close()
         stop_node(self.dht)
+
+
+def _log_failure(future) -> None:
+    """A background DHT store's outcome: a failure is logged, never raised into the training loop."""
+    if not future.cancelled() and future.exception() is not None:
+        logger.warning("could not publish metrics: %s", " ".join(str(future.exception()).split()))
+
+
+async def _average(averager: GroupAverager, offer, plan: Plan, group_size: int) -> GroupResult | None:
+    """The engine's plan (times on the wall clock) as the averager's (times on the event loop's clock)."""
+    loop, now = asyncio.get_running_loop(), time.time()
+    group = GroupPlan(
+        key=plan.appointment.key, candidates=plan.candidates, planned=plan.planned, group_size=group_size,
+        deadline=loop.time() + plan.deadline - now, not_before=loop.time() + plan.appointment.at - now,
+    )  # fmt: skip
+    return await averager.average(offer, group)
 
 
 def run_peer(

@@ -72,7 +72,6 @@ def apply_training_state(trainer: Trainer, snapshot: StateSnapshot, *, keep_resi
     trainer.outer.load_state_dict(
         {
             "step": counters["outer_step"],
-            "lonely_rounds": 0,
             "anchor": {n: snapshot.tensors.get(f"anchor/{n}") for n in names},
             "momentum": {n: snapshot.tensors.get(f"momentum/{n}") for n in names},
             # the donor's residual is its own unsent work, never ours

@@ -1,10 +1,11 @@
 """The inner loop: a model, its AdamW optimizer, its data stream and its outer optimizer.
 
-`Trainer` knows nothing of the network. A round is `inner_phase()` (H local steps), then
-`outer.offer()` goes to whatever averages it (a `GossipAverager` on real peers, or the in-process
-simulator), and `finish_round(offer, result)` takes the outer step. The trainer counts its own
-compute time, so a peer can report the share of wall time it spent training. `state_dict()` holds
-everything a resumed trainer needs to continue bit for bit, data stream position included.
+`Trainer` knows nothing of the network. A round is `inner_phase()` (H local steps, or as many as the
+round engine lets fit), then `outer.offer()` goes to whatever averages it (a `GroupAverager`, on real
+peers and in the simulators alike), and `finish_round(offer, result)` takes the outer step. The
+trainer counts its own compute time, so a peer can report the share of wall time it spent training.
+`state_dict()` holds everything a resumed trainer needs to continue bit for bit, data stream position
+included.
 """
 
 from __future__ import annotations
@@ -17,7 +18,7 @@ from typing import Any
 
 import torch
 
-from averaging.protocol import ExchangeResult, Offer
+from averaging.group import GroupResult, Offer
 from peer.checkpoint import CheckpointError, check_count, check_tensors
 from peer.config import TrainConfig
 from peer.data import Corpus, evaluate
@@ -163,10 +164,11 @@ class Trainer:
         moments warm up again, so a joiner's first steps are not full-size sign steps into the swarm."""
         self.steps = self.warm_from = steps
 
-    def finish_round(self, offer: Offer, result: ExchangeResult | None) -> bool:
-        """The round's outer step (`OuterOptimizer.apply`); returns whether it took one."""
+    def finish_round(self, offer: Offer, result: GroupResult | None, *, alone: bool = False) -> bool:
+        """The round's outer step (`OuterOptimizer.apply`): with the group's result, alone, or none (the work
+        stays pending); returns whether it took one."""
         started = time.perf_counter()
-        stepped = self.outer.apply(offer, result)
+        stepped = self.outer.apply(offer, result, alone=alone)
         self.compute_seconds += time.perf_counter() - started
         return stepped
 

@@ -46,7 +46,7 @@ from pathlib import Path
 import psutil
 import torch
 
-from averaging.protocol import ExchangeConfig
+from averaging.group import GroupConfig
 from dht.node import stop_node
 from peer.config import TrainConfig
 from peer.metrics import PeerReport, consensus_distance, read_metrics
@@ -69,8 +69,7 @@ class BenchConfig:
     grow: bool = False
     calm_tail: float = 15.0  # no kills this close to the end: a peer still importing cannot stop cleanly
     checkpoint_every: int = 1  # rounds between a peer's checkpoints: with a kill every T s, every round (Young's rule)
-    window: float = ExchangeConfig().window
-    exchange_timeout: float = ExchangeConfig().exchange_timeout
+    exchange_timeout: float = GroupConfig().exchange_timeout
     train: TrainConfig = field(default_factory=TrainConfig)
     startup_grace: float = 120.0
     stop_grace: float = 15.0
@@ -133,7 +132,7 @@ class Phase:
 
     def _launch(self, slot: Slot, maddrs: list[str], resume: bool) -> None:
         c = self.config
-        extra = ["--checkpoint-every", str(c.checkpoint_every), "--checkpoint-interval", "0", "--window", str(c.window),
+        extra = ["--checkpoint-every", str(c.checkpoint_every), "--checkpoint-interval", "0",
                  "--exchange-timeout", str(c.exchange_timeout), *(["--resume"] if resume else []),
                  *(["--restart"] if self.restart == "warm" else [])]  # fmt: skip
         slot.proc = launch(

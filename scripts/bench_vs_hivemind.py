@@ -65,7 +65,7 @@ import psutil
 from hivemind_worker import PRESETS
 from netlab import HUB_HOST, NetLab, is_root
 
-from averaging.protocol import ExchangeConfig
+from averaging.group import GroupConfig
 from peer.config import TrainConfig
 from peer.metrics import PeerReport, read_metrics
 from peer.sim.simulate import join_command, launch, stop_processes
@@ -83,8 +83,7 @@ class BenchConfig:
     scenarios: tuple[str, ...] = SCENARIOS
     rate_mbit: float = 20.0  # the shaped scenario's cap, each direction of each peer's link
     preset: str = "local-sgd-fast-2h"  # hivemind_worker.PRESETS: the best of the tuning pass
-    window: float = ExchangeConfig().window
-    exchange_timeout: float = ExchangeConfig().exchange_timeout
+    exchange_timeout: float = GroupConfig().exchange_timeout
     train: TrainConfig = field(default_factory=TrainConfig)
     namespaces: bool = True  # as root, every peer in its own network namespace (interface byte counters)
     startup_grace: float = 180.0
@@ -188,7 +187,7 @@ class SocketMeter:
 def peer_command(stack: str, config: BenchConfig, run_id: str, maddrs: list[str], out: Path, peer: int, host: str):
     if stack == "murmur":
         # like a hivemind worker, a Murmur peer evaluates on the held-out batches only when it stops
-        extra = ("--host", host, "--window", str(config.window), "--exchange-timeout", str(config.exchange_timeout),
+        extra = ("--host", host, "--exchange-timeout", str(config.exchange_timeout),
                  "--eval-every", "0")  # fmt: skip
         return join_command(maddrs, run_id, out / f"peer-{peer}", peer + 1, *extra)
     return [

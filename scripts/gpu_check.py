@@ -5,8 +5,8 @@
 
 Both peers are real (a bootstrap DHT node, two DHT nodes with their p2pd, libp2p streams on
 127.0.0.1) and live in this one process, sharing the card. It reports tokens/s per peer, the
-process's peak GPU memory, the share of the peers' wall time spent in compression (the pair
-rounds' power-iteration phases, timed with the device synchronized), and the device the
+process's peak GPU memory, the share of the peers' wall time spent in compression (the group
+rounds' encoding and power-iteration phases, timed with the device synchronized), and the device the
 compressed factors were computed on. Results go to scripts/results/gpu_check.json. Without a CUDA
 device it says so in one line and exits with status 1.
 """
@@ -25,7 +25,7 @@ from pathlib import Path
 
 import torch
 
-from averaging.compression import PairRound
+from averaging.mixing import GroupRound
 from peer.api import Peer, Swarm, train_together
 from peer.config import TrainConfig
 from peer.model import MODELS
@@ -41,7 +41,7 @@ def no_cuda_message() -> str | None:
 
 
 class CompressionTimer:
-    """Times the pair rounds' compression phases and notes where their factors live."""
+    """Times the group rounds' compression phases and notes where their payloads live."""
 
     def __init__(self) -> None:
         self.seconds = 0.0
@@ -50,29 +50,31 @@ class CompressionTimer:
 
     @contextmanager
     def installed(self):
-        originals = {name: getattr(PairRound, name) for name in ("phase1", "phase2", "finish")}
+        originals = {name: getattr(GroupRound, name) for name in ("phase1", "phase2", "finish")}
 
         def timed(method):
-            def wrapper(pair, *args, **kwargs):
+            def wrapper(group_round, *args, **kwargs):
                 torch.cuda.synchronize()
                 began = time.perf_counter()
-                out = method(pair, *args, **kwargs)
+                out = method(group_round, *args, **kwargs)
                 torch.cuda.synchronize()
                 with self._lock:
                     self.seconds += time.perf_counter() - began
                     if method.__name__ == "phase1":
-                        self.factor_devices.update(t.device.type for n, t in out.items() if not pair.slots[n].dense)
+                        slots = group_round.slots
+                        self.factor_devices.update(t.device.type for n, t in out.items()
+                                                   if n in slots and not slots[n].dense)  # fmt: skip
                 return out
 
             return wrapper
 
         for name, method in originals.items():
-            setattr(PairRound, name, timed(method))
+            setattr(GroupRound, name, timed(method))
         try:
             yield self
         finally:
             for name, method in originals.items():
-                setattr(PairRound, name, method)
+                setattr(GroupRound, name, method)
 
 
 def run(duration: float, model: str, batch_size: int) -> dict:

@@ -11,35 +11,42 @@ import pytest
 from averaging import wire
 from averaging.access import AccessError, AccessPolicy, load_policy
 from averaging.transport import InMemoryNetwork
-from tests.test_exchange import FAST, make_averager, make_offer, started
+from tests.groupkit import FAST, led_by, make_averager, make_offer, started
 
 SECRET = b"correct horse battery staple"
+PRIVATE = AccessPolicy(secret=SECRET)
+QUICK = replace(FAST, exchange_timeout=1.0)  # a group whose pair stream was refused waits this long
 
 
-def pair(policy_a: AccessPolicy, policy_b: AccessPolicy):
-    """A asks B to average, each under its own policy; returns both results, B and the kinds B sent."""
+def group(policies: dict[str, AccessPolicy], window: float = 0.3):
+    """One round of a group led by the first peer in `policies` (the rest join in order), each peer under its own
+    policy: the results by peer, the averagers, and every frame sent as (src, dst, raw bytes, message)."""
 
     async def main():
         net = InMemoryNetwork()
-        sent_by_b = []
+        frames = []
 
         async def record(src, dst, frame):
-            if src == "B":
-                sent_by_b.append(wire.decode(frame))
+            frames.append((src, dst, frame, wire.decode(frame)))
             return frame
 
         net.before_send = record
-        a = make_averager(net, "A", ["B"], replace(FAST, access=policy_a))
-        b = make_averager(net, "B", [], replace(FAST, access=policy_b))
-        await started(a, b)
-        results = await asyncio.gather(a.average(make_offer(1)), b.average(make_offer(2)))
-        return results, a, sent_by_b
+        peers = await started(*(make_averager(net, name, replace(QUICK, access=p)) for name, p in policies.items()))
+        leader, *members = policies
+        plan_of = led_by(leader, members, window=window)
+        results = await asyncio.gather(*(p.average(make_offer(i), plan_of[p.peer_id]) for i, p in enumerate(peers)))
+        return dict(zip(policies, results, strict=True)), {p.peer_id: p for p in peers}, frames
 
     return asyncio.run(main())
 
 
+def tensors_to(frames, peer: str) -> list[str]:
+    """The kinds of the frames that carried tensors to `peer`."""
+    return [m.kind.name for _, dst, _, m in frames if dst == peer and m.tensors]
+
+
 @pytest.mark.parametrize(
-    ("policy_a", "reason"),
+    ("outsider", "reason"),
     [
         (AccessPolicy(), "no proof of its secret"),
         (AccessPolicy(secret=b"a wrong secret, 16+ bytes"), "wrong run secret"),
@@ -47,31 +54,57 @@ def pair(policy_a: AccessPolicy, policy_b: AccessPolicy):
     ],
     ids=["no-secret", "wrong-secret", "replayed-proof"],
 )
-def test_a_peer_without_the_secret_is_refused_and_gets_no_model_data(policy_a, reason):
-    (ra, rb), a, sent_by_b = pair(policy_a, AccessPolicy(secret=SECRET))
-    assert ra is None and rb is None
-    assert [m.kind for m in sent_by_b] == [wire.Kind.DECLINE] * len(sent_by_b) and sent_by_b
-    assert all(not m.tensors for m in sent_by_b), "a refused peer must receive no tensors"
-    assert reason in sent_by_b[0].meta["reason"] and "not authorized" in sent_by_b[0].meta["reason"]
-    assert a.stats.declined >= 1
+def test_a_peer_without_the_secret_is_refused_and_gets_no_model_data(outsider, reason):
+    results, peers, frames = group({"L": PRIVATE, "M": PRIVATE, "X": outsider})
+    assert results["X"] is None and results["L"] is not None and results["L"].members == ("L", "M")
+    to_x = [m for _, dst, _, m in frames if dst == "X"]
+    assert [m.kind for m in to_x] == [wire.Kind.DECLINE], "the leader answers the outsider's JOIN, and nobody else"
+    assert tensors_to(frames, "X") == [], "a refused peer must receive no tensors"
+    assert "not authorized" in to_x[0].meta["reason"] and reason in to_x[0].meta["reason"]
+    assert peers["X"].stats.declined == 1
 
 
-def test_peers_with_the_secret_exchange_and_the_secret_never_travels():
-    (ra, rb), a, sent_by_b = pair(AccessPolicy(secret=SECRET), AccessPolicy(secret=SECRET))
-    assert ra is not None and rb is not None
-    assert all(SECRET.decode() not in str(m.meta) for m in sent_by_b)
+def test_peers_with_the_secret_average_and_the_secret_never_travels():
+    results, _, frames = group({"L": PRIVATE, "M": PRIVATE, "N": PRIVATE})
+    assert all(r is not None and r.members == ("L", "M", "N") for r in results.values())
+    assert {m.kind for *_, m in frames} >= {wire.Kind.JOIN, wire.Kind.ROSTER, wire.Kind.HELLO, wire.Kind.PHASE1}
+    assert all(SECRET not in raw for _, _, raw, _ in frames)
+    proofs = [m for *_, m in frames if m.kind in (wire.Kind.JOIN, wire.Kind.ROSTER, wire.Kind.HELLO)]
+    assert all("auth" in m.meta for m in proofs), "every first message and the roster prove the secret"
 
 
 def test_an_allowlist_refuses_others_and_admits_its_peers():
-    (ra, rb), _, sent_by_b = pair(AccessPolicy(), AccessPolicy(allowed=frozenset({"C"})))
-    assert ra is None and "allowlist" in sent_by_b[0].meta["reason"]
-    (ra, rb), _, _ = pair(AccessPolicy(allowed=frozenset({"B"})), AccessPolicy(allowed=frozenset({"A"})))
-    assert ra is not None and rb is not None
+    listed = AccessPolicy(allowed=frozenset({"L", "M"}))
+    results, _, frames = group({"L": listed, "M": listed, "X": AccessPolicy()})
+    assert results["X"] is None and results["L"] is not None and results["L"].members == ("L", "M")
+    assert tensors_to(frames, "X") == []
+    (decline,) = [m for _, dst, _, m in frames if dst == "X"]
+    assert decline.kind == wire.Kind.DECLINE and "allowlist" in decline.meta["reason"]
 
 
-def test_an_impostor_responder_is_caught_before_we_send_model_data():
-    (ra, rb), a, sent_by_b = pair(AccessPolicy(secret=SECRET), AccessPolicy())  # B does not check, nor prove
-    assert ra is None and "access check" in a.stats.last_error
+def test_an_impostor_leader_is_caught_before_a_member_sends_model_data():
+    results, peers, frames = group({"I": AccessPolicy(), "M": PRIVATE, "N": PRIVATE})  # I neither checks nor proves
+    assert all(r is None for r in results.values())
+    sent = [m for src, _, _, m in frames if src in ("M", "N")]
+    assert [m.kind for m in sent].count(wire.Kind.JOIN) == 2
+    assert [m.kind.name for m in sent if m.tensors] == [], "members send no model data to an impostor"
+    assert all("access check" in peers[p].stats.last_error for p in ("M", "N"))
+
+
+@pytest.mark.parametrize(
+    "order",
+    [("X", "M"), ("M", "X")],
+    ids=["outsider-opens-the-link", "member-opens-the-link"],
+)
+def test_a_member_sends_no_model_data_to_a_roster_member_off_its_allowlist(order):
+    """The leader admits X; member M's own allowlist does not. Whoever opens their pair stream, M sends X nothing."""
+    policies = {"L": AccessPolicy(), order[0]: AccessPolicy(), order[1]: AccessPolicy()}
+    policies["M"] = AccessPolicy(allowed=frozenset({"L"}))
+    results, _, frames = group(policies)
+    assert [m.kind.name for src, dst, _, m in frames if src == "M" and dst == "X" and m.tensors] == []
+    assert results["M"] is None
+    from_m = [m for src, dst, _, m in frames if src == "M" and dst == "L" and m.kind == wire.Kind.ABORT]
+    assert from_m and all("allowlist" in m.meta.get("reason", "") for m in from_m), "M tells its leader why it leaves"
 
 
 def test_the_policy_is_a_callable_check_for_other_handlers():

@@ -10,8 +10,9 @@ import threading
 import pytest
 import torch
 
-from averaging.compression import LowRankCompressor, PairRound
-from averaging.protocol import ExchangeConfig, ExchangeResult
+from averaging.compression import LowRankCompressor, Projection
+from averaging.group import GroupResult
+from averaging.mixing import group_mean, local_round
 from dht.node import NodeConfig, start_node, stop_node, visible_addresses
 from dht.records import RunRecord, RunRecords
 from peer import checkpoint
@@ -31,7 +32,8 @@ from peer.trainer import Trainer
 
 RUN = "ckpt-test"
 BOOTSTRAP = "/ip4/127.0.0.1/tcp/4001/p2p/QmNnooDu7bfjPFoTZYxMNLWUQJyrVwtbZg5gBMjTezGAJN"
-CONFIG = TrainConfig(inner_steps=2, batch_size=4, eval_batches=1, warmup_steps=4, solo_after=2)
+# anchors pulled by a low-rank difference: the checkpoint holds warm starts to restore
+CONFIG = TrainConfig(inner_steps=2, batch_size=4, eval_batches=1, warmup_steps=4, consensus_codec="lowrank")
 
 
 @pytest.fixture(scope="module")
@@ -52,25 +54,21 @@ def framed(state: dict, version: int = 1) -> bytes:
 
 
 def exchange(a: Trainer, b: Trainer, ca: LowRankCompressor, cb: LowRankCompressor) -> None:
-    """One in-process pair round between two trainers, then both take their outer steps."""
+    """One in-process group round of two trainers, then both take their outer steps."""
     slots = ca.plan(a.outer.shapes, a.outer.modes)
     offers = a.outer.offer(), b.outer.offer()
-    q = PairRound.request_factors(ca, slots)
-    ra = PairRound(ca, slots, offers[0].tensors, offers[0].modes, q, initiator=True)
-    rb = PairRound(cb, slots, offers[1].tensors, offers[1].modes, q, initiator=False)
-    a1, b1 = ra.phase1(), rb.phase1()
-    a2, b2 = ra.phase2(b1), rb.phase2(a1)
-    projections = ra.finish(b2), rb.finish(a2)
-    for trainer, pair, offer, proj in zip((a, b), (ra, rb), offers, projections, strict=True):
-        pair.commit()
-        result = ExchangeResult(partner="p", session=0, initiator=pair.initiator, projections=proj,
-                                bytes_sent=0, bytes_received=0, seconds=0.0)  # fmt: skip
+    contributions = local_round([ca, cb], slots, [o.tensors for o in offers], offers[0].modes)
+    for i, (trainer, offer) in enumerate(zip((a, b), offers, strict=True)):
+        projections = {n: Projection(own=c[i], mean=group_mean(c)) for n, c in contributions[i].items()}
+        result = GroupResult(members=("a", "b"), leader="a", session=0, projections=projections,
+                             bytes_sent=0, bytes_received=0, seconds=0.0)  # fmt: skip
         trainer.finish_round(offer, result)
 
 
-def alone(trainer: Trainer) -> float:
+def alone(trainer: Trainer, *, step: bool = False) -> float:
+    """A round without a group: its work stays pending, or with `step` (the engine's solo step) it steps alone."""
     loss = trainer.inner_phase()
-    trainer.finish_round(trainer.outer.offer(), None)
+    trainer.finish_round(trainer.outer.offer(), None, alone=step)
     return loss
 
 
@@ -82,7 +80,7 @@ def assert_same(a: Trainer, b: Trainer, ca: LowRankCompressor, cb: LowRankCompre
     for index, entry in sa["state"].items():
         assert all(torch.equal(t, sb["state"][index][key]) for key, t in entry.items()), index
     oa, ob = a.outer.state_dict(), b.outer.state_dict()
-    assert (oa["step"], oa["lonely_rounds"]) == (ob["step"], ob["lonely_rounds"])
+    assert oa["step"] == ob["step"]
     for group in ("anchor", "momentum", "error_feedback"):
         assert oa[group].keys() == ob[group].keys()
         assert all(torch.equal(t, ob[group][n]) for n, t in oa[group].items()), group
@@ -94,11 +92,11 @@ def assert_same(a: Trainer, b: Trainer, ca: LowRankCompressor, cb: LowRankCompre
 def test_resume_continues_bit_for_bit(corpus, tmp_path):
     a, partner = Trainer(CONFIG, corpus, data_seed=1), Trainer(CONFIG, corpus, data_seed=2)
     ca, cp = LowRankCompressor(CONFIG.compression()), LowRankCompressor(CONFIG.compression())
-    alone(a), alone(a)  # a lonely round, then an outer step alone (solo_after=2)
+    alone(a), alone(a, step=True)  # a lonely round, then an outer step alone
     a.inner_phase(), partner.inner_phase()
     exchange(a, partner, ca, cp)  # residuals, consensus and warm starts
-    alone(a)  # lonely: a model ahead of its anchor, lonely_rounds = 1
-    assert a.outer.error_feedback.residuals and ca.state_dict() and a.outer.lonely_rounds == 1
+    alone(a)  # lonely: a model ahead of its anchor
+    assert a.outer.error_feedback.residuals and ca.state_dict()
     path = save_checkpoint(tmp_path, checkpoint_state(RUN, a, ca))
     assert path.name == f"ckpt-{a.steps:08d}.pt"
 
@@ -107,8 +105,8 @@ def test_resume_continues_bit_for_bit(corpus, tmp_path):
     assert found is not None and found[1] == path
     assert b.compute_seconds == a.compute_seconds
     assert_same(a, b, ca, cb)
-    assert alone(a) == alone(b)  # the same next batches: the data stream continued, not restarted
-    assert a.outer.step == 3  # alone, exchange, and this round stepped alone
+    assert alone(a, step=True) == alone(b, step=True)  # the same next batches: the stream continued, not restarted
+    assert a.outer.step == 3  # alone, exchange, and this round stepped alone with both rounds' work
     assert_same(a, b, ca, cb)
 
 
@@ -301,7 +299,7 @@ def test_a_real_peer_checkpoints_and_resumes(tmp_path, caplog):
         RunRecords(boot, RUN).publish_config(record)
         node = NodeConfig(initial_peers=tuple(visible_addresses(boot)))
         options = PeerOptions(
-            run_id=RUN, node=node, exchange=ExchangeConfig(window=0.3), duration=2.0, out_dir=tmp_path,
+            run_id=RUN, node=node, duration=2.0, out_dir=tmp_path,
             checkpoint_every=1, checkpoint_interval=3600,  # due every round, but not within the hour
         )  # fmt: skip
         first = run_peer(options, threading.Event())

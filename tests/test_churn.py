@@ -13,8 +13,7 @@ import uuid
 import psutil
 import pytest
 
-from averaging.protocol import ExchangeConfig
-from averaging.wire import Kind
+from averaging.group import GroupConfig
 from dht.node import NodeConfig, start_node, stop_node, visible_addresses
 from dht.records import RunRecord, RunRecords
 from peer.config import TrainConfig
@@ -26,7 +25,7 @@ pytestmark = pytest.mark.slow
 
 CONFIG = TrainConfig(inner_steps=2, batch_size=4, eval_batches=1, solo_after=2)
 BOOT_CONFIG_TTL = 8.0
-EXCHANGE = ExchangeConfig(window=1.5, exchange_timeout=4.0, message_timeout=2.0)
+EXCHANGE = GroupConfig(exchange_timeout=4.0, message_timeout=2.0)
 
 
 def wait_for(condition, timeout: float, what: str) -> None:
@@ -110,23 +109,23 @@ def test_sigterm_during_an_exchange_stops_within_10_s_with_a_checkpoint(tmp_path
             RunRecord(run_id=run, config=CONFIG.to_record(), created_by=boot.peer_id.to_base58())
         )
         partner = Running(run, visible_addresses(boot), seed=1)
-        # once told to hold, the partner stalls every exchange right after its first reply (ACCEPT as
-        # responder, PHASE1 as initiator): the peer under test is then waiting inside an exchange
+        # once told to hold, the partner stalls every exchange right after it sends its phase-1 payload: the
+        # peer under test is then waiting inside an exchange
         hold, in_exchange = threading.Event(), threading.Event()
-        averager = partner.peer.averager
-        original = averager._send
+        messenger = partner.peer.averager.messenger
+        original = messenger.send_bytes
 
-        async def stalling_send(stream, kind, *args, **kwargs):
-            await original(stream, kind, *args, **kwargs)
-            if hold.is_set() and kind in (Kind.ACCEPT, Kind.PHASE1):
+        async def stalling_send(stream, data):
+            await original(stream, data)
+            if hold.is_set():
                 in_exchange.set()
                 await asyncio.sleep(2 * EXCHANGE.exchange_timeout)  # its own exchange timeout ends this
 
-        averager._send = stalling_send
+        messenger.send_bytes = stalling_send
         out = tmp_path / "peer"
         cmd = [
             sys.executable, "-m", "peer.cli", "join", "--initial-peers", *visible_addresses(boot), "--run", run,
-            "--out-dir", str(out), "--quiet", "--checkpoint-every", "1000", "--window", "1.5",
+            "--out-dir", str(out), "--quiet", "--checkpoint-every", "1000", "--exchange-timeout", "4",
         ]  # fmt: skip
         proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=env,
                                 start_new_session=True)  # fmt: skip

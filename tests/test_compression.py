@@ -1,4 +1,4 @@
-"""The low-rank compressor alone and between two peers (pure torch, no network)."""
+"""The codecs alone, and a group round of two peers' own codes (pure torch, no network)."""
 
 import pytest
 import torch
@@ -8,12 +8,13 @@ from averaging.compression import (
     ErrorFeedback,
     LowRankCompressor,
     LowRankConfig,
-    PairRound,
+    Projection,
     orthogonalize_,
     plan,
     sign_decode,
     sign_encode,
 )
+from averaging.mixing import GroupRound, group_mean, pivoted_basis
 
 F32 = LowRankConfig(rank=4, factor_dtype=torch.float32, dense_dtype=torch.float32)
 
@@ -24,19 +25,24 @@ def low_rank(n: int, m: int, r: int, seed: int) -> torch.Tensor:
 
 
 def run_pair(tensors_a, tensors_b, modes, config=F32, comp_a=None, comp_b=None):
-    """Both sides of one pair round, in order, as the protocol runs them."""
+    """Both sides of one group round of two (`GroupRound`), in order, as the group exchange runs them."""
     comp_a = comp_a or LowRankCompressor(config)
     comp_b = comp_b or LowRankCompressor(config)
     slots = comp_a.plan({n: tuple(t.shape) for n, t in tensors_a.items()}, modes)
-    q_init = PairRound.request_factors(comp_a, slots)
-    a = PairRound(comp_a, slots, tensors_a, modes, q_init, initiator=True)
-    b = PairRound(comp_b, slots, tensors_b, modes, q_init, initiator=False)
+    q_init = comp_a.warm_starts(slots)
+    a, b = GroupRound(comp_a, slots, tensors_a, modes, q_init), GroupRound(comp_b, slots, tensors_b, modes, q_init)
     p_a, p_b = a.phase1(), b.phase1()
-    q_a, q_b = a.phase2(p_b), b.phase2(p_a)
-    out_a, out_b = a.finish(q_b), b.finish(q_a)
+    two = any(s.low_rank for s in slots.values())
+    q_a, q_b = (a.phase2([p_a, p_b]), b.phase2([p_a, p_b])) if two else ({}, {})
+    both = [q_a, q_b] if two else None
+    out_a, out_b = a.finish([p_a, p_b], both), b.finish([p_a, p_b], both)
     a.commit()
     b.commit()
-    return out_a, out_b, (q_init, p_a, p_b, q_a, q_b)
+    return (
+        {n: Projection(own=c[0], mean=group_mean(c)) for n, c in out_a.items()},
+        {n: Projection(own=c[1], mean=group_mean(c)) for n, c in out_b.items()},
+        (q_init, p_a, p_b, q_a, q_b),
+    )
 
 
 def test_plan_chooses_low_rank_only_where_it_saves_bytes():
@@ -133,6 +139,16 @@ def test_orthogonalize_handles_vanishing_columns():
     orthogonalize_(p)
     assert torch.allclose(p[:, 0], torch.tensor([1.0, 0.0, 0.0]))
     assert torch.count_nonzero(p[:, 1:]) == 0
+
+
+def test_the_pivoted_basis_takes_the_largest_directions_first_and_leaves_vanished_ones_zero():
+    columns = torch.tensor([[0.1, 3.0, 0.0], [0.0, 0.0, 0.0], [0.0, 0.0, 2.0]])
+    basis = pivoted_basis(columns, rank=3)
+    assert torch.equal(basis[:, 0], torch.tensor([1.0, 0.0, 0.0])) and torch.equal(
+        basis[:, 1], torch.tensor([0.0, 0.0, 1.0])
+    )
+    assert torch.count_nonzero(basis[:, 2]) == 0  # the first column lies in the span already
+    torch.testing.assert_close(basis.T @ basis, torch.diag(torch.tensor([1.0, 1.0, 0.0], dtype=torch.float64)))
 
 
 def test_warm_start_is_kept_only_after_commit_and_survives_zero_updates():

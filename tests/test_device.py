@@ -8,7 +8,8 @@ from pathlib import Path
 import pytest
 import torch
 
-from averaging.compression import LowRankCompressor, LowRankConfig, PairRound, plan
+from averaging.compression import LowRankCompressor, LowRankConfig, plan
+from averaging.mixing import GroupRound, group_mean
 from peer.checkpoint import CheckpointError
 from peer.config import TrainConfig
 from peer.data import Corpus
@@ -169,22 +170,22 @@ def wire(factors: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
 
 
 @needs_cuda
-def test_a_pair_round_on_the_card_takes_the_partners_factors_off_the_wire() -> None:
-    """Factors arrive on the CPU; each side computes where its tensors live, and both agree."""
+def test_a_group_round_on_the_card_takes_the_others_payloads_off_the_wire() -> None:
+    """Payloads arrive on the CPU; each member computes where its tensors live, and all agree."""
     g = torch.Generator().manual_seed(0)
     tensors = [{"w": torch.randn(32, 24, generator=g), "b": torch.randn(24, generator=g)} for _ in range(2)]
     compressor = LowRankCompressor(LowRankConfig(rank=4))
     slots, modes = plan({"w": (32, 24), "b": (24,)}, 4), {"w": "mean", "b": "mean"}
-    q_init = PairRound.request_factors(compressor, slots)
-    cuda = PairRound(compressor, slots, {n: t.cuda() for n, t in tensors[0].items()}, modes, q_init, initiator=True)
-    cpu = PairRound(LowRankCompressor(LowRankConfig(rank=4)), slots, tensors[1], modes, q_init, initiator=False)
-    one_a, one_b = cuda.phase1(), cpu.phase1()
-    assert one_a["w"].is_cuda
-    two_a, two_b = cuda.phase2(wire(one_b)), cpu.phase2(wire(one_a))
-    out_a, out_b = cuda.finish(wire(two_b)), cpu.finish(wire(two_a))
+    q_init = compressor.warm_starts(slots)
+    cuda = GroupRound(compressor, slots, {n: t.cuda() for n, t in tensors[0].items()}, modes, q_init)
+    cpu = GroupRound(LowRankCompressor(LowRankConfig(rank=4)), slots, tensors[1], modes, q_init)
+    first = [cuda.phase1(), cpu.phase1()]
+    assert first[0]["w"].is_cuda
+    second = [cuda.phase2([wire(p) for p in first]), cpu.phase2([wire(p) for p in first])]
+    out_a, out_b = (r.finish([wire(p) for p in first], [wire(p) for p in second]) for r in (cuda, cpu))
     for name in ("w", "b"):
-        assert out_a[name].mean.is_cuda
-        assert torch.allclose(out_a[name].mean.cpu(), out_b[name].mean, atol=1e-5), name
+        assert group_mean(out_a[name]).is_cuda
+        assert torch.allclose(group_mean(out_a[name]).cpu(), group_mean(out_b[name]), atol=1e-5), name
 
 
 @pytest.mark.skipif(torch.cuda.is_available(), reason="checks the message of a machine without CUDA")

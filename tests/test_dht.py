@@ -21,6 +21,7 @@ from hivemind.utils.timed_storage import ValueWithExpiration, get_dht_time
 from pydantic import ValidationError
 
 from dht import (
+    PROTOCOL_VERSION,
     AddressError,
     Announcement,
     ConfigKeeper,
@@ -232,7 +233,7 @@ def test_bad_run_ids(run_id: Any) -> None:
 def test_announcement_round_trips_through_msgpack() -> None:
     a = announcement(samples_per_second=3)
     wire = msgpack.unpackb(msgpack.packb(a.model_dump(mode="json")))
-    assert wire["state"] == "ready" and wire["version"] == 1
+    assert wire["state"] == "ready" and wire["version"] == PROTOCOL_VERSION
     assert Announcement.model_validate(wire) == a
 
 

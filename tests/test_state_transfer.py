@@ -304,12 +304,12 @@ def corpus():
 
 
 def test_a_joiner_trainer_takes_the_donors_anchor_momentum_and_counters(corpus):
-    config = TrainConfig(inner_steps=2, batch_size=4, eval_batches=1, solo_after=1)
+    config = TrainConfig(inner_steps=2, batch_size=4, eval_batches=1)
     donor, joiner = Trainer(config, corpus, data_seed=1), Trainer(config, corpus, data_seed=2)
     for _ in range(2):
         donor.inner_phase()
         offer = donor.outer.offer()
-        donor.finish_round(offer, None)  # solo outer steps: anchor and momentum move
+        donor.finish_round(offer, None, alone=True)  # solo outer steps: anchor and momentum move
     state = training_state(donor)
     before = {n: p.detach().clone() for n, p in joiner.model.named_parameters()}
     with pytest.raises(CheckpointError, match="outer_step"):
@@ -367,12 +367,12 @@ def test_catch_up_starts_from_the_initial_model_when_no_donor_has_state_or_all_f
 
 def test_a_resumed_peer_takes_a_live_state_only_from_a_peer_far_enough_ahead(corpus):
     """Down for a while, a resumed peer takes the state of a peer AHEAD outer steps in front, keeping its residuals."""
-    config = TrainConfig(inner_steps=2, batch_size=4, eval_batches=1, solo_after=1)
+    config = TrainConfig(inner_steps=2, batch_size=4, eval_batches=1)
     donor, resumed = Trainer(config, corpus, data_seed=1), Trainer(config, corpus, data_seed=2)
     for trainer, rounds in ((donor, 4), (resumed, 1)):
         for _ in range(rounds):
             trainer.inner_phase()
-            trainer.finish_round(trainer.outer.offer(), None)
+            trainer.finish_round(trainer.outer.offer(), None, alone=True)
     name, param = next(iter(resumed.outer.params.items()))
     resumed.outer.error_feedback.keep(name, torch.full_like(param, 0.5))  # unsent work from a compressed exchange
     residuals = resumed.outer.error_feedback.state_dict()
@@ -411,11 +411,11 @@ def test_a_resumed_peer_takes_a_live_state_only_from_a_peer_far_enough_ahead(cor
 def test_a_real_joiner_starts_from_a_live_peers_state(corpus, caplog):
     """Real DHT nodes and p2pd: a peer joining the run downloads the live donor's state before it announces."""
     run = "state-test"
-    config = TrainConfig(inner_steps=2, batch_size=4, eval_batches=1, solo_after=1)
+    config = TrainConfig(inner_steps=2, batch_size=4, eval_batches=1)
     donor_trainer = Trainer(config, corpus, data_seed=1)
     for _ in range(3):
         donor_trainer.inner_phase()
-        donor_trainer.finish_round(donor_trainer.outer.offer(), None)
+        donor_trainer.finish_round(donor_trainer.outer.offer(), None, alone=True)
     boot = start_node(NodeConfig())
     donor_node = joiner = None
     loop = LoopThread()

@@ -44,7 +44,7 @@ def raw_message(**overrides: object) -> bytes:
     """A hand-built msgpack message, valid unless ``overrides`` replace top-level fields."""
     body: dict[str, object] = {
         "v": PROTOCOL_VERSION,
-        "k": int(Kind.ACCEPT),
+        "k": int(Kind.ROSTER),
         "s": 7,
         "t": 3,
         "m": {},
@@ -103,7 +103,7 @@ def test_bytes_are_little_endian() -> None:
         "b": torch.tensor([1.0], dtype=torch.bfloat16),  # 0x3F80
         "f": torch.tensor([1.0], dtype=torch.float32),  # 0x3F800000
     }
-    body = msgpack.unpackb(encode(Message(kind=Kind.ACK, session=0, step=0, tensors=tensors)))
+    body = msgpack.unpackb(encode(Message(kind=Kind.DONE, session=0, step=0, tensors=tensors)))
     assert body["x"] == {
         "h": ["float16", [1], b"\x00\x3c"],
         "b": ["bfloat16", [1], b"\x80\x3f"],
@@ -204,7 +204,7 @@ def test_encode_rejects_bad_fields(fields: dict[str, object], match: str) -> Non
 
 def test_raw_message_helper_is_valid() -> None:
     decoded = decode(raw_message())
-    assert decoded.kind is Kind.ACCEPT
+    assert decoded.kind is Kind.ROSTER
     assert torch.equal(decoded.tensors["w"], torch.tensor([1.0, -2.5]))
 
 
@@ -338,7 +338,7 @@ def test_decode_checks_against_expected() -> None:
 @pytest.mark.parametrize(
     ("overrides", "match"),
     [
-        ({"v": 7}, r"protocol version 7 is not supported \(expected 1\)"),
+        ({"v": 7}, r"protocol version 7 is not supported \(expected 2\)"),
         ({"v": True}, r"protocol version True is not supported"),
         ({"v": "1"}, r"protocol version '1' is not supported"),
         ({"k": 42}, r"unknown message kind 42"),
@@ -379,9 +379,9 @@ def test_decode_rejects_missing_header_fields() -> None:
 
 def test_decode_rejects_kind_not_in_kinds() -> None:
     data = encode(Message(kind=Kind.DECLINE, session=1, step=1, meta={"reason": "busy"}))
-    assert decode(data, kinds={Kind.DECLINE, Kind.ACCEPT}).meta == {"reason": "busy"}
+    assert decode(data, kinds={Kind.DECLINE, Kind.ROSTER}).meta == {"reason": "busy"}
     with pytest.raises(WireError, match=r"unexpected message kind DECLINE"):
-        decode(data, kinds={Kind.ACCEPT})
+        decode(data, kinds={Kind.ROSTER})
 
 
 @pytest.mark.parametrize("value", [[1, 2], "hello", 3, None, 1.5, b"bytes"])
@@ -463,3 +463,10 @@ def test_decode_raises_only_wire_error(data: bytes) -> None:
     assert isinstance(message.kind, Kind)
     assert all(torch.isfinite(t).all() for t in message.tensors.values())
     assert_same(decode(encode(message), limits=limits), message)
+
+
+def test_peers_announce_the_protocol_version_the_wire_speaks():
+    from averaging.wire import PROTOCOL_VERSION
+    from dht.records import PROTOCOL_VERSION as ANNOUNCED
+
+    assert ANNOUNCED == PROTOCOL_VERSION == 2

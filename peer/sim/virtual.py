@@ -8,37 +8,29 @@ the sample budget:
 - `run_ddp`: one model; every step averages all peers' gradients (an fp32 ring all-reduce).
 - `run_diloco`: H inner steps on every peer, an fp32 all-reduce of the pseudo-gradients, the
   outer Nesterov step. Everyone waits for the slowest peer.
-- `run_murmur`: gossip DiLoCo with no barrier. A peer that finishes its inner steps pairs with the
-  peer that has waited longest, except its last partner when another peer will be ready within
-  `patience` (the real protocol's fresh_patience), or waits up to `window` virtual seconds. The
-  exchange itself is the real protocol (`GossipAverager`) over the in-memory transport, so its
-  bytes are the bytes the real peers send.
+- `run_murmur`: gossip DiLoCo with no barrier: each peer runs the real round engine and the real
+  group exchange (`peer.sim.swarm`): rounds on a shared clock, groups planned from the roster, the
+  exchange over the in-memory transport, so its bytes are the bytes the real peers send.
 
 A peer's loss is always the held-out loss of the model that peer holds.
 """
 
 from __future__ import annotations
 
-import asyncio
-import heapq
-import random
+import copy
 from collections.abc import Awaitable, Callable
 from dataclasses import dataclass, field
 
 import torch
 
-from averaging.compression import LowRankCompressor, Projection
-from averaging.partners import StaticPartners
-from averaging.protocol import ExchangeConfig, ExchangeResult, GossipAverager, Offer, advanced_offer, chain_results
-from averaging.transport import InMemoryNetwork
+from averaging.compression import Projection
+from averaging.group import GroupResult
 from peer.config import TrainConfig
 from peer.data import Corpus, batches, eval_batches, evaluate
 from peer.metrics import consensus_distance
 from peer.model import build_model
-from peer.outer import finish_layout
+from peer.sim.swarm import VirtualSwarm
 from peer.trainer import Trainer, warmup_lr
-
-EXCHANGE_MESSAGES = 6  # REQUEST, ACCEPT, PHASE1, PHASE2, COMMIT, ACK: strictly one after another
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -99,6 +91,8 @@ class MethodResult:
     curve: Curve
     exchanges: int = 0
     lonely_rounds: int = 0
+    rounds: int = 0  # peer-rounds ended (a gossip method's lonely share is lonely_rounds / rounds)
+    mean_anchor_loss: float | None = None  # diagnostic only: the held-out loss of the mean anchor, which no peer holds
     peer_losses: tuple[float, ...] = ()  # each peer's final held-out loss, in peer order
     peer_non_finite: tuple[int, ...] = ()  # NaN/inf values in each peer's model, anchor and momentum
 
@@ -186,12 +180,22 @@ def _finish(
 ) -> MethodResult:
     losses = [t.evaluate() for t in trainers]
     evaluator.curve.add(samples, seconds, losses)
+    anchors = [t.outer.anchor for t in trainers]
     return MethodResult(
         method=method, final_eval_loss=sum(losses) / len(losses), worst_peer_eval_loss=max(losses),
         bytes_sent_per_peer=sent, virtual_seconds=seconds, samples=samples, curve=evaluator.curve,
-        consensus_distance=consensus_distance([t.outer.anchor for t in trainers]) or 0.0,
+        consensus_distance=consensus_distance(anchors) or 0.0, mean_anchor_loss=mean_anchor_loss(trainers[0], anchors),
         peer_losses=tuple(losses), peer_non_finite=tuple(non_finite(t) for t in trainers), **extra,
     )  # fmt: skip
+
+
+def mean_anchor_loss(trainer: Trainer, anchors: list[dict[str, torch.Tensor]]) -> float:
+    """The held-out loss of the peers' mean anchor (a diagnostic: no peer holds that model)."""
+    model = copy.deepcopy(trainer.model)
+    with torch.no_grad():
+        for name, p in model.named_parameters():
+            p.copy_(torch.stack([a[name] for a in anchors]).mean(dim=0))
+    return evaluate(model, trainer.eval_set)
 
 
 def non_finite(trainer: Trainer) -> int:
@@ -224,11 +228,11 @@ def run_diloco(config: TrainConfig, corpus: Corpus, scenario: Scenario) -> Metho
     return _finish("diloco", trainers, evaluator, samples, seconds, sent)
 
 
-def exact_result(offer, mean: dict[str, torch.Tensor]) -> ExchangeResult:
+def exact_result(offer, mean: dict[str, torch.Tensor]) -> GroupResult:
     """An exchange result that averages exactly: own = the peer's tensor, mean = the swarm mean."""
     projections = {n: Projection(own=offer.tensors[n], mean=m) for n, m in mean.items()}
-    return ExchangeResult(partner="all", session=0, initiator=True, projections=projections,
-                          bytes_sent=0, bytes_received=0, seconds=0.0)  # fmt: skip
+    return GroupResult(members=("all",), leader="all", session=0, projections=projections,
+                       bytes_sent=0, bytes_received=0, seconds=0.0)  # fmt: skip
 
 
 def run_murmur(
@@ -236,175 +240,55 @@ def run_murmur(
     corpus: Corpus,
     scenario: Scenario,
     *,
-    window: float = 5.0,
-    patience: float = 1.0,
-    group: int = 2,
     target: tuple[float, float] | None = None,
     name: str = "murmur",
     tamper: Callable[[str, str, bytes], Awaitable[bytes | None]] | None = None,
 ) -> MethodResult:
-    """Gossip DiLoCo with compressed exchanges, no barrier, in virtual time.
-
-    With `group=4` a peer waits (up to `window`) for three others, and the four average in a
-    butterfly of two pair exchanges ({a,b}, {c,d}, then {a,c}, {b,d}); a peer whose window runs out
-    falls back to a pair with whoever waits, or steps alone.
+    """Gossip DiLoCo in groups, with no barrier, in virtual time: every peer runs the real round engine
+    (`peer.rounds`) and the real group exchange over the in-memory network (`peer.sim.swarm`).
 
     `tamper` becomes the network's `before_send(src, dst, frame)` hook (attacks, faults).
 
-    The result is taken when the sample budget is spent. With `target` = (loss, seconds) the peers
-    then train on, past the budget, until their mean held-out loss reaches `loss` or the virtual clock
-    `seconds` (at most 3 budgets), so that the curve shows when the target was first reached."""
-    if group not in (2, 4):
-        raise ValueError(f"group must be 2 or 4, got {group}")
+    The result is taken once the sample budget is spent and every peer is back in an inner phase (each holds
+    its last outer step's model). With `target` = (loss, seconds) the peers then train on, past the budget,
+    until their mean held-out loss reaches `loss` or the virtual clock `seconds` (at most 3 budgets), so
+    that the curve shows when the target was first reached."""
     trainers = _trainers(config, corpus, scenario)
     evaluator = _Evaluator(scenario, trainers[0].eval_set)
     evaluator.curve.add(0, 0.0, [trainers[0].evaluate()] * len(trainers))
-    network = InMemoryNetwork()
-    if tamper is not None:
-        network.before_send = tamper
-    targets: dict[int, list[str]] = {i: [] for i in range(scenario.peers)}
-    loop = asyncio.new_event_loop()
-    averagers = [virtual_averager(network, i, t, config, targets) for i, t in enumerate(trainers)]
-    for a in averagers:
-        loop.run_until_complete(a.start())
-    phase = [config.inner_steps * scenario.step_seconds / scenario.speed(i) for i in range(scenario.peers)]
-    ready: list[tuple[float, int]] = []  # (virtual time the peer finishes its inner phase, peer)
-    waiting: dict[int, float] = {}  # peer -> virtual time it started waiting
-    last_partner: dict[int, int] = {}
-    samples, exchanges, lonely = 0, 0, 0
+    link = scenario.link
 
-    rng = random.Random(scenario.seed)
+    def clock(members, traffic, messages: int) -> float:
+        return link.seconds(max(max(sent, received) for sent, received in traffic.values()), messages)
 
-    def start_phase(i: int, at: float) -> None:
+    swarm = VirtualSwarm(config, clock, step_seconds=scenario.step_seconds, jitter=scenario.jitter,
+                         seed=scenario.seed, tamper=tamper)  # fmt: skip
+    samples = 0
+
+    def on_ready(peer, steps: int) -> None:
         nonlocal samples
-        trainers[i].inner_phase()
-        samples += config.inner_steps * config.batch_size
-        heapq.heappush(ready, (at + phase[i] * rng.uniform(1 - scenario.jitter, 1 + scenario.jitter), i))
+        samples += steps * config.batch_size
 
-    for i in range(scenario.peers):
-        start_phase(i, 0.0)
-    now = 0.0
+    swarm.on_ready = on_ready
     try:
+        for i, trainer in enumerate(trainers):
+            swarm.add(i, trainer, speed=scenario.speed(i), at=0.0)
         at_budget = None
-        while True:
-            if at_budget is None and samples >= scenario.sample_budget:
-                sent = sum(a.transport.traffic.bytes_sent for a in averagers) / len(averagers)
-                at_budget = _finish(name, trainers, evaluator, samples, now, sent, exchanges=exchanges,
-                                    lonely_rounds=lonely)  # fmt: skip
+        while swarm.step():
+            if at_budget is None and samples >= scenario.sample_budget and swarm.between_rounds():
+                at_budget = _finish(name, trainers, evaluator, samples, swarm.now, swarm.bytes_sent() / len(trainers),
+                                    exchanges=swarm.exchanges, lonely_rounds=swarm.lonely,
+                                    rounds=swarm.peer_rounds)  # fmt: skip
                 evaluator.extend(scenario)
             if at_budget is not None and (
                 target is None
                 or evaluator.curve.mean_loss[-1] <= target[0]
-                or now >= target[1]
+                or swarm.now >= target[1]
                 or samples >= 3 * scenario.sample_budget
             ):
                 break
-            expiring = min(waiting, key=lambda j: waiting[j], default=None)
-            if expiring is not None and (not ready or waiting[expiring] + window <= ready[0][0]):
-                now = waiting[expiring] + window
-                others = sorted(set(waiting) - {expiring}, key=waiting.get)
-                if not others:  # nobody came: the round's work stays pending
-                    del waiting[expiring]
-                    trainers[expiring].finish_round(trainers[expiring].outer.offer(), None)
-                    lonely += 1
-                    start_phase(expiring, now)
-                    continue
-                members = [expiring, others[0]]  # the group did not fill: settle for a pair
-            else:
-                t, i = heapq.heappop(ready)
-                now = t
-                if group > 2:
-                    if len(waiting) < group - 1:
-                        waiting[i] = t
-                        continue
-                    members = [i, *sorted(waiting, key=waiting.get)[: group - 1]]
-                else:
-                    partner = _choose(waiting, last_partner.get(i))
-                    patient = ready and ready[0][0] <= t + patience  # someone else is about to be ready
-                    if partner is None or (partner == last_partner.get(i) and patient):
-                        waiting[i] = t  # as the real protocol does: wait a little for a fresh partner
-                        continue
-                    members = [i, partner]
-            for j in members:
-                waiting.pop(j, None)
-            offers = {j: trainers[j].outer.offer() for j in members}
-            results, seconds = _group_exchange(loop, averagers, targets, offers, scenario.link)
-            for j in members:
-                trainers[j].finish_round(offers[j], results[j])
-                start_phase(j, now + seconds)
-            exchanges += sum(r is not None for r in results.values()) // 2
-            if len(members) == 2:
-                last_partner[members[0]], last_partner[members[1]] = members[1], members[0]
-            evaluator.maybe(samples, now, lambda: [t.model for t in trainers])
+            if swarm.between_rounds():
+                evaluator.maybe(samples, swarm.now, lambda: [t.model for t in trainers])
     finally:
-        for a in averagers:
-            loop.run_until_complete(a.stop())
-        loop.close()
+        swarm.close()
     return at_budget
-
-
-def virtual_averager(
-    network: InMemoryNetwork,
-    i: int,
-    trainer: Trainer,
-    config: TrainConfig,
-    targets: dict[int, list[str]],
-    poll_interval: float = 1e-3,
-    retry: bool = True,
-    finish: bool = False,
-) -> GossipAverager:
-    """Peer `i`'s real averager on the in-memory network; it asks exactly the peers in `targets[i]`
-    (the harness's choice), and answers whoever asks it. Peer ids are `p{i}`.
-
-    With `retry` a failed exchange is tried again at once until the averager's window (1 wall-clock
-    second) runs out, so how often depends on the machine's speed; without it a failed pair fails once
-    and the round goes on without a partner, the same on any machine. With `finish` it averages a
-    finish round's offer (the anchors only, `peer.outer.finish_layout`), as a finishing real peer does."""
-    retry_after = (0.0, 0.0) if retry else (1e9, 1e9)  # never again within the window
-    fast = ExchangeConfig(window=1.0, poll_interval=poll_interval, retry_after=retry_after, fresh_patience=0.0)
-    shapes, modes = finish_layout(trainer.model) if finish else (trainer.outer.shapes, trainer.outer.modes)
-    compression = config.finish_compression() if finish else config.compression()
-    return GossipAverager(
-        network.transport(f"p{i}"), LowRankCompressor(compression), StaticPartners(lambda: targets[i]),
-        shapes=shapes, modes=modes, run_id="virtual", config=fast, seed=i,
-    )  # fmt: skip
-
-
-def _group_exchange(loop, averagers, targets, offers: dict[int, Offer], link: Link):
-    """Average `offers` (2 or 4 peers) with the real protocol: one pair exchange, or a butterfly of two
-    rounds of pair exchanges. Returns each member's combined result and the virtual seconds it took."""
-    members = list(offers)
-    stages = [[(members[0], members[1])]] if len(members) == 2 else [
-        [(members[0], members[1]), (members[2], members[3])],
-        [(members[0], members[2]), (members[1], members[3])],
-    ]  # fmt: skip
-    results: dict[int, ExchangeResult | None] = {}
-    current = dict(offers)
-    seconds = 0.0
-    for stage in stages:
-        for a, b in stage:
-            targets[a] = [f"p{b}"]
-        outcomes = loop.run_until_complete(run_stage(averagers, current, stage))
-        stage_bytes = 0
-        for (a, b), (ra, rb) in zip(stage, outcomes, strict=True):
-            targets[a] = []
-            for j, r in ((a, ra), (b, rb)):
-                results[j] = r if j not in results else chain_results(results[j], r)
-                if r is not None:
-                    current[j] = advanced_offer(current[j], r)
-            stage_bytes = max(stage_bytes, (ra.bytes_sent + ra.bytes_received) if ra else 0)
-        seconds += link.seconds(stage_bytes, EXCHANGE_MESSAGES)
-    return results, seconds
-
-
-async def run_stage(averagers, offers, pairs):
-    """Every pair's exchange at once, both sides running the real `average`: a list of (result_a, result_b)."""
-    return await asyncio.gather(*(asyncio.gather(averagers[a].average(offers[a]), averagers[b].average(offers[b]))
-                                  for a, b in pairs))  # fmt: skip
-
-
-def _choose(waiting: dict[int, float], avoid: int | None) -> int | None:
-    """The longest-waiting peer, skipping the last partner when someone else waits too."""
-    order = sorted(waiting, key=lambda j: waiting[j])
-    fresh = [j for j in order if j != avoid]
-    return (fresh or order or [None])[0]

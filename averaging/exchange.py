@@ -1,0 +1,475 @@
+"""One sealed group's exchange: the members all-gather their own payloads, the leader decides, all apply.
+
+The group is sealed by its leader (`averaging.group`): a session id, the members in order, whether the
+states are pulled together this round, and each member's stream to the leader (its control stream).
+`SealedExchange.run` is one member's side:
+
+    i → j            HELLO    the session's proof: opens the pair's data stream (i < j, unless only i
+                              is in client mode)                                        (no tensors)
+    j → i            HELLO    j's proof, checked by i before it sends anything          (no tensors)
+    j → i, i → j     PHASE1   each one's own phase-1 payload (codes, dense tensors, P factors)
+    member → leader  HAVE     whose phase-1 payloads it holds, and whose messages were bad
+    leader → member  PROCEED  who goes on: everyone holding everyone's payloads, the blamed left out
+    i → j, j → i     PHASE2   each one's own Q factors, if a low-rank slot takes part
+    member → leader  DONE     it holds every phase-2 payload
+    leader → member  COMMIT   apply                         (ABORT at any point: apply nothing)
+
+Every member computes the mean from the same payloads of the same members in the same order
+(`averaging.mixing`), so members end with the same average. A pair's stream strictly alternates who
+sends, so two large frames never wait on each other. Every wait is bounded, and any failure raises
+`ExchangeFailed` before anything is applied.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import hashlib
+import logging
+import time
+from collections.abc import Callable, Iterable, Mapping
+from dataclasses import dataclass
+
+import torch
+
+from averaging import wire
+from averaging.compression import SCALE_SUFFIX, LowRankCompressor, Mode, Projection, Slot, code_spec
+from averaging.mixing import GroupRound
+from averaging.transport import FrameTooLarge, Stream, Transport
+from averaging.wire import Kind, TensorSpec
+
+logger = logging.getLogger("murmur.averaging")
+
+
+@dataclass
+class Offer:
+    """What a peer brings to a round: named float tensors and how each is averaged."""
+
+    step: int
+    tensors: dict[str, torch.Tensor]
+    modes: dict[str, Mode]
+
+
+@dataclass(frozen=True)
+class GroupResult:
+    members: tuple[str, ...]  # who averaged, in the group's order (leader first)
+    leader: str
+    session: int
+    projections: dict[str, Projection]
+    bytes_sent: int
+    bytes_received: int
+    seconds: float
+    left_out: tuple[str, ...] = ()  # members whose contribution this side refused (robust aggregation)
+    two_phase: bool = False  # whether the exchange needed phase 2 (low-rank factors)
+
+    @property
+    def messages(self) -> int:
+        """Messages one after another on the exchange's critical path (for a simulated network's clock)."""
+        return 10 if self.two_phase else 6  # ROSTER HELLO PHASE1 PHASE1 HAVE [PROCEED PHASE2 PHASE2 DONE] COMMIT
+
+    @property
+    def partner(self) -> str:
+        """The group in one line (logs and metrics): the members' short ids."""
+        return ",".join(m[-8:] for m in self.members)
+
+    @property
+    def size(self) -> int:
+        return len(self.members)
+
+
+class ExchangeFailed(Exception):
+    """An exchange was aborted; str(e) is a one-line reason."""
+
+
+class Declined(ExchangeFailed):
+    """The leader declined before anything was exchanged."""
+
+
+class Unreachable(ExchangeFailed):
+    """No stream could be opened to the leader: nothing was exchanged."""
+
+
+class Misbehaved(ExchangeFailed):
+    """A peer sent a bad message or an absurd contribution: a strike towards its cool-down."""
+
+
+def state_digest(offer: Offer) -> str:
+    """A digest of the states an offer pulls together ("diff" tensors): equal digests, nothing to pull."""
+    h = hashlib.sha256()
+    for name in sorted(n for n, m in offer.modes.items() if m == "diff"):
+        h.update(name.encode())
+        h.update(wire.tensor_to_bytes(offer.tensors[name].detach().float()))
+    return h.hexdigest()[:32]
+
+
+def bits(indices) -> int:
+    return sum(1 << i for i in indices)
+
+
+def members_of(mask: int, count: int) -> list[int]:
+    return [i for i in range(count) if mask >> i & 1]
+
+
+def going_on(haves: Mapping[int, int], count: int, blamed: Iterable[int] = ()) -> list[int]:
+    """The members that go on: the largest set found greedily in which every member holds every other's
+    payload (`haves[i]`: the bitmask of whose payloads member i holds), members another one blamed for a bad
+    message left out first. The leader (0) stays to the last."""
+    alive = sorted(set(haves) - (set(blamed) - {0}))
+    while alive:
+        missing = {j: sum(not haves[i] >> j & 1 for i in alive) for j in alive}
+        if not any(missing.values()):
+            return alive
+        worst = max((j for j in alive if j != 0), key=lambda j: (missing[j], j), default=0)
+        alive.remove(worst)
+    return alive
+
+
+def meta_int(meta: Mapping[str, object], key: str) -> int:
+    value = meta.get(key)
+    if type(value) is not int or value < 0:
+        raise Misbehaved(f"meta[{key!r}] must be a non-negative int, got {value!r}")
+    return value
+
+
+class Messenger:
+    """Framed, typed, bounded messages on streams: every receive checks kind, session, step and tensors."""
+
+    def __init__(self, limits: wire.Limits, timeout: float, max_step_gap: int) -> None:
+        self.limits, self.timeout, self.max_step_gap = limits, timeout, max_step_gap
+
+    async def send(self, stream: Stream, kind: Kind, session: int, step: int, tensors=None, meta=None) -> None:
+        message = wire.Message(kind=kind, session=session, step=step, tensors=tensors or {}, meta=meta or {})
+        await asyncio.wait_for(stream.send(wire.encode(message)), self.timeout)
+
+    async def send_bytes(self, stream: Stream, data: bytes) -> None:
+        await asyncio.wait_for(stream.send(data), self.timeout)
+
+    async def recv(
+        self,
+        stream: Stream,
+        want: Kind | None,
+        session: int | None,
+        expected: Mapping[str, TensorSpec] | None,
+        *,
+        step: int | None = None,
+        timeout: float | None = None,
+        max_bytes: int | None = None,
+    ) -> wire.Message:
+        """The next message: `want` (or DECLINE/ABORT, raised), for `session`, with `expected` tensors."""
+        cap = self.limits.max_message_bytes if max_bytes is None else max_bytes
+        try:
+            data = await asyncio.wait_for(stream.recv(cap), timeout or self.timeout)
+        except FrameTooLarge as e:
+            raise wire.WireError(str(e)) from None
+        kinds = None if want is None else {want, Kind.DECLINE, Kind.ABORT}
+        message = wire.decode(data, limits=self.limits, kinds=kinds)
+        if want is not None and message.kind == Kind.DECLINE:
+            raise Declined(str(message.meta.get("reason", "no reason given")))
+        if want is not None and message.kind == Kind.ABORT:
+            raise ExchangeFailed(f"aborted: {message.meta.get('reason', 'no reason given')}")
+        if session is not None and message.session != session:
+            raise Misbehaved(f"message for session {message.session}, expected {session}")
+        if step is not None and abs(message.step - step) > self.max_step_gap:
+            raise Misbehaved(f"outer step {message.step} is not within {self.max_step_gap} of ours")
+        if expected is not None:
+            wire.check_tensors(message.tensors, expected)
+        return message
+
+    async def refuse(self, stream: Stream, kind: Kind, session: int, reason: str) -> None:
+        """DECLINE or ABORT with a reason, ignoring a stream that is already gone."""
+        with contextlib.suppress(ConnectionError, TimeoutError, wire.WireError):
+            await self.send(stream, kind, session, 0, {}, {"reason": reason[:200]})
+
+
+@dataclass
+class Seal:
+    """What the leader's roster fixes for a group."""
+
+    session: int
+    members: tuple[str, ...]
+    me: int
+    pull: bool  # whether the states ("diff" tensors) are pulled together this round
+    q_init: Mapping[str, torch.Tensor]  # the group's warm-start Q factors (from the leader)
+    control: dict[str, Stream]  # the leader's: every member's stream; a member's: its stream to the leader
+    clients: frozenset[int] = frozenset()  # members in client mode: never dialled, they open their pair streams
+
+    def opens(self, a: int, b: int) -> bool:
+        """Whether member `a` opens the pair stream with member `b`: the lower index does, unless only the
+        other is in client mode (it cannot be dialled, so it dials)."""
+        if (a in self.clients) != (b in self.clients):
+            return a in self.clients
+        return a < b
+
+
+def payload_specs(slots: Mapping[str, Slot], modes: Mapping[str, Mode], compressor: LowRankCompressor, *,
+                  pull: bool) -> tuple[dict[str, TensorSpec], dict[str, TensorSpec]]:  # fmt: skip
+    """The tensors of phase 1 (codes and their scales, dense tensors, P factors) and phase 2 (Q factors)."""
+    fd, dd = compressor.config.factor_dtype, compressor.config.dense_dtype
+    first: dict[str, TensorSpec] = {}
+    second: dict[str, TensorSpec] = {}
+    for n, s in slots.items():
+        if modes[n] == "diff" and not pull:
+            continue
+        if s.scaled:
+            first[n] = TensorSpec(*code_spec(s))
+            first[n + SCALE_SUFFIX] = TensorSpec((s.rows,), dd)
+        elif s.low_rank:
+            first[n], second[n] = TensorSpec((s.rows, s.rank), fd), TensorSpec((s.cols, s.rank), fd)
+        else:
+            first[n] = TensorSpec(s.shape, dd)
+    return first, second
+
+
+class SealedExchange:
+    """One member's side of one sealed group's exchange (see the module docstring)."""
+
+    def __init__(
+        self,
+        *,
+        transport: Transport,
+        messenger: Messenger,
+        compressor: LowRankCompressor,
+        slots: Mapping[str, Slot],
+        offer: Offer,
+        seal: Seal,
+        exchange_timeout: float,
+        credentials: Callable[[str, str, int], dict],
+        check: Callable[[str, int, Mapping[str, object]], str | None],
+        on_bad: Callable[[str, Exception], None],
+    ) -> None:
+        self.transport, self.messenger, self.seal, self.offer = transport, messenger, seal, offer
+        self.exchange_timeout, self.credentials, self.check, self.on_bad = exchange_timeout, credentials, check, on_bad
+        modes = offer.modes
+        self.slots = {n: s for n, s in slots.items() if seal.pull or modes[n] != "diff"}
+        self.spec1, self.spec2 = payload_specs(slots, modes, compressor, pull=seal.pull)
+        self.two_phase = any(s.low_rank for s in self.slots.values())
+        self.round = GroupRound(compressor, self.slots, {n: offer.tensors[n] for n in self.slots}, modes, seal.q_init)
+        loop = asyncio.get_running_loop()
+        self.first: dict[int, dict[str, torch.Tensor]] = {}
+        self.second: dict[int, dict[str, torch.Tensor]] = {}
+        others = [j for j in range(len(seal.members)) if j != seal.me]
+        self.settled = {j: loop.create_future() for j in others}  # per other member: its phase-1 link is done
+        self.settled2 = {j: loop.create_future() for j in others}  # ... and its phase-2 link
+        self.phase2: asyncio.Future = loop.create_future()  # our encoded PHASE2, or None: no phase 2 for us
+        self.opened = {j: asyncio.Event() for j in others if seal.opens(j, seal.me)}  # links others open to us
+        self.going: list[int] = []
+        self.blamed: set[int] = set()  # members whose messages to us were bad (a strike each)
+        self.over = asyncio.Event()
+        self.payload1 = b""
+
+    @property
+    def members(self) -> tuple[str, ...]:
+        return self.seal.members
+
+    # -- the run -----------------------------------------------------------------------------------------
+    async def run(self) -> tuple[list[int], dict[str, list[torch.Tensor]]] | None:
+        """Both phases and the leader's decisions; every member's contribution per tensor, in the order of
+        the members that went on (None if this member was left out). Raises ExchangeFailed."""
+        seal, m = self.seal, self.messenger
+        session, step, me, leader = seal.session, self.offer.step, seal.me, seal.members[0]
+        mine = self.round.phase1()
+        self.first[me] = mine
+        self.payload1 = wire.encode(wire.Message(kind=Kind.PHASE1, session=session, step=step, tensors=mine))
+        links = [asyncio.ensure_future(self._open(j)) for j in self.settled if seal.opens(me, j)]
+        links += [asyncio.ensure_future(self._expect(j)) for j in self.opened]
+        started = time.monotonic()
+        try:
+            async with asyncio.timeout(self.exchange_timeout):
+                await asyncio.wait(list(self.settled.values())) if self.settled else None
+                have = bits(self.first)
+                if me == 0:
+                    self.going = await self._decide(have)
+                else:
+                    meta = {"h": have, "b": bits(self.blamed)}
+                    await m.send(seal.control[leader], Kind.HAVE, session, step, {}, meta)
+                    proceed = await self._from_leader(Kind.PROCEED)
+                    self.going = members_of(meta_int(proceed.meta, "g"), len(seal.members))
+                    if any(j not in self.first for j in self.going):
+                        raise Misbehaved("the leader named members whose payloads this peer does not hold")
+                if me not in self.going or len(self.going) < 2:
+                    self.phase2.set_result(None)
+                    return None
+                first = [self.first[j] for j in self.going]
+                second = None
+                if self.two_phase:
+                    mine2 = self.round.phase2(first)
+                    self.second[me] = mine2
+                    self.phase2.set_result(wire.encode(wire.Message(kind=Kind.PHASE2, session=session, step=step,
+                                                                    tensors=mine2)))  # fmt: skip
+                    await asyncio.wait([self.settled2[j] for j in self.going if j != me])
+                    if any(j not in self.second for j in self.going):
+                        raise ExchangeFailed("a member's phase-2 payload did not arrive")
+                    second = [self.second[j] for j in self.going]
+                else:
+                    self.phase2.set_result(None)
+                await self._commit() if me == 0 else await self._committed()
+                return self.going, self.round.finish(first, second)
+        except TimeoutError:
+            raise ExchangeFailed(f"timed out after {time.monotonic() - started:.1f} s") from None
+        except ConnectionError as e:
+            raise ExchangeFailed(str(e)) from None
+        except wire.WireError as e:
+            raise Misbehaved(str(e)) from None
+        finally:
+            if not self.phase2.done():
+                self.phase2.set_result(None)
+            self.over.set()
+            for task in links:
+                task.cancel()
+            await asyncio.gather(*links, return_exceptions=True)
+
+    async def _expect(self, j: int) -> None:
+        """A member that should open its pair stream with us and does not (it died, or never got the roster) is
+        given up on after one message's wait, so the group goes on without it."""
+        with contextlib.suppress(TimeoutError):
+            await asyncio.wait_for(self.opened[j].wait(), self.messenger.timeout)
+        if not self.opened[j].is_set():
+            self._failed(j, ExchangeFailed("it never opened its stream"))
+            _settle(self.settled[j])
+            _settle(self.settled2[j])
+
+    def refused(self, i: int) -> None:
+        """Member i's HELLO was refused (it failed the access check): its link is over, now."""
+        if i in self.opened:
+            self.opened[i].set()
+        self.blamed.add(i)
+        _settle(self.settled[i])
+        _settle(self.settled2[i])
+
+    async def _from_leader(self, kind: Kind) -> wire.Message:
+        seal = self.seal  # the leader waits on the slowest member: only the exchange's bound applies
+        return await self.messenger.recv(seal.control[seal.members[0]], kind, seal.session, {},
+                                         step=self.offer.step, timeout=self.exchange_timeout)  # fmt: skip
+
+    async def _decide(self, have: int) -> list[int]:
+        """The leader: every member's HAVE, then who goes on, sent as PROCEED (ABORT to those left out)."""
+        seal, m, step = self.seal, self.messenger, self.offer.step
+        haves, blamed = {0: have}, set(self.blamed)
+
+        async def report(j: int) -> None:
+            message = await m.recv(seal.control[seal.members[j]], Kind.HAVE, seal.session, {}, step=step,
+                                   timeout=self.exchange_timeout)  # fmt: skip
+            haves[j] = meta_int(message.meta, "h")
+            blamed.update(members_of(meta_int(message.meta, "b"), len(seal.members)))
+
+        outcomes = await asyncio.gather(*(report(j) for j in range(1, len(seal.members))), return_exceptions=True)
+        for j, outcome in enumerate(outcomes, start=1):
+            if isinstance(outcome, BaseException):
+                self._member_failed(j, outcome, "its HAVE")
+        going = going_on(haves, len(seal.members), blamed)
+        for j in range(1, len(seal.members)):
+            stream = seal.control[seal.members[j]]
+            if j in going:
+                await m.send(stream, Kind.PROCEED, seal.session, step, {}, {"g": bits(going)})
+            elif j in haves:
+                await m.refuse(stream, Kind.ABORT, seal.session, "left out: payloads missing")
+        return going
+
+    async def _commit(self) -> None:
+        """The leader: every member's DONE (after phase 2), then COMMIT to all."""
+        seal, m, step = self.seal, self.messenger, self.offer.step
+        others = [j for j in self.going if j != 0]
+        if self.two_phase:
+            outcomes = await asyncio.gather(
+                *(m.recv(seal.control[seal.members[j]], Kind.DONE, seal.session, {}, step=step,
+                         timeout=self.exchange_timeout) for j in others), return_exceptions=True,
+            )  # fmt: skip
+            failed = [j for j, outcome in zip(others, outcomes, strict=True) if isinstance(outcome, BaseException)]
+            for j in failed:
+                self._member_failed(j, outcomes[others.index(j)], "its DONE")
+            if failed:  # phase 2 cannot leave a member out: its basis holds everyone's payload
+                for j in others:
+                    await m.refuse(seal.control[seal.members[j]], Kind.ABORT, seal.session, "a member failed phase 2")
+                raise ExchangeFailed(f"member {seal.members[failed[0]][-8:]} did not finish phase 2")
+        for j in others:
+            await m.send(seal.control[seal.members[j]], Kind.COMMIT, seal.session, step, {})
+
+    def _member_failed(self, j: int, error: BaseException, what: str) -> None:
+        """The leader heard nothing usable from member j: a bad message is its strike; either way it is left out."""
+        if isinstance(error, wire.WireError | Misbehaved):
+            logger.warning("member %s sent a bad %s: %s", self.members[j][-8:], what.removeprefix("its "), error)
+            self.on_bad(self.members[j], error)
+        else:
+            logger.info("member %s left the group (%s: %s)", self.members[j][-8:], what, error)
+
+    async def _committed(self) -> None:
+        """A member: DONE (after phase 2), then the leader's COMMIT."""
+        seal = self.seal
+        if self.two_phase:
+            await self.messenger.send(seal.control[seal.members[0]], Kind.DONE, seal.session, self.offer.step, {})
+        await self._from_leader(Kind.COMMIT)
+
+    # -- the pair streams --------------------------------------------------------------------------------
+    async def _open(self, j: int) -> None:
+        """We open the pair's stream with j: HELLO, their PHASE1 then ours; later our PHASE2 then theirs."""
+        m, peer, session = self.messenger, self.members[j], self.seal.session
+        stream = None
+        try:
+            try:
+                stream = await asyncio.wait_for(self.transport.open(peer), m.timeout)
+                await m.send(stream, Kind.HELLO, session, self.offer.step, {}, self.credentials("group-hello", peer,
+                                                                                              session))  # fmt: skip
+                hello = await m.recv(stream, Kind.HELLO, session, {}, step=self.offer.step)
+                if why := self.check(peer, session, hello.meta):  # it proves itself before it gets our payload
+                    raise Misbehaved(f"member failed the access check ({why})")
+                await self._receive(stream, j, Kind.PHASE1)
+                await m.send_bytes(stream, self.payload1)
+            except (ExchangeFailed, ConnectionError, TimeoutError, wire.WireError) as e:
+                self._failed(j, e)
+            finally:
+                _settle(self.settled[j])
+            try:
+                if stream is not None and j in self.first:
+                    mine = await self.phase2
+                    if mine is not None and j in self.going:
+                        await m.send_bytes(stream, mine)
+                        await self._receive(stream, j, Kind.PHASE2)
+            except (ExchangeFailed, ConnectionError, TimeoutError, wire.WireError) as e:
+                self._failed(j, e)
+            finally:
+                _settle(self.settled2[j])
+        finally:
+            if stream is not None:
+                await stream.close()
+
+    async def accept(self, stream: Stream, i: int) -> None:
+        """Member i opened the pair's stream (its HELLO checked by the caller): our PHASE1 then theirs; their
+        PHASE2 then ours."""
+        m, peer, session = self.messenger, self.members[i], self.seal.session
+        self.opened[i].set()
+        try:
+            await m.send(
+                stream, Kind.HELLO, session, self.offer.step, {}, self.credentials("group-hello", peer, session)
+            )
+            await m.send_bytes(stream, self.payload1)
+            await self._receive(stream, i, Kind.PHASE1)
+        except (ExchangeFailed, ConnectionError, TimeoutError, wire.WireError) as e:
+            self._failed(i, e)
+        finally:
+            _settle(self.settled[i])
+        try:
+            if i in self.first:
+                mine = await self.phase2
+                if mine is not None and i in self.going:
+                    await self._receive(stream, i, Kind.PHASE2)
+                    await m.send_bytes(stream, mine)
+        except (ExchangeFailed, ConnectionError, TimeoutError, wire.WireError) as e:
+            self._failed(i, e)
+        finally:
+            _settle(self.settled2[i])
+
+    async def _receive(self, stream: Stream, j: int, kind: Kind) -> None:
+        spec = self.spec1 if kind == Kind.PHASE1 else self.spec2
+        message = await self.messenger.recv(stream, kind, self.seal.session, spec, step=self.offer.step)
+        (self.first if kind == Kind.PHASE1 else self.second)[j] = message.tensors
+
+    def _failed(self, j: int, error: Exception) -> None:
+        logger.info("no payload from member %s: %s", self.members[j][-8:], error)
+        if isinstance(error, wire.WireError | Misbehaved):
+            self.blamed.add(j)
+            self.on_bad(self.members[j], error)
+
+
+def _settle(future: asyncio.Future) -> None:
+    if not future.done():
+        future.set_result(None)

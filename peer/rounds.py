@@ -1,0 +1,276 @@
+"""One peer's rounds as a state machine: no I/O and no clock of its own (STYLE.md, "one engine, many clocks").
+
+A round: the peer trains toward its appointment (`averaging.groups`: the next instant k·R that leaves it
+at least min_phase·R of training), gathers with the peers expected there, exchanges in a group or has a
+lonely round, and starts the next. The engine decides; its drivers do: `peer.runner` feeds it the wall
+clock and the DHT's roster and runs the real exchange; `peer.sim.swarm` (behind both simulators) feeds
+it a virtual clock and the simulated roster and runs the same exchange over the in-memory network.
+Every decision is appended to `trace` with the inputs it was made from, so a test can replay a real
+peer's inputs into a fresh engine and check that it decides the same.
+
+    begin(now, roster)        a round starts: its appointment (None while no round length is known)
+    step_fits(now, seconds)   before each inner step: does one more end before the appointment?
+    gather(now, roster)       at the appointment: the plan (leaders to try, members to wait for)
+    ended(now, members)       the exchange's outcome (members averaged, or None): step with the group,
+                              keep the work pending, or step alone after `solo_after` lonely rounds
+    finish(now)               the peer's training is over: up to `finish_rounds` rounds of anchors only
+    next_finish(now, roster)  a finish round's appointment
+
+A round lasts R: the run config's `round_seconds`, or, when that is 0, the length the swarm's announced
+appointments use, which follows H steps and an exchange at the swarm's pace (`averaging.groups`). A
+peer that knows no round length when its round begins (nobody has measured anything yet) sets its
+appointment after its first step: the instant nearest to where its H steps would end.
+"""
+
+from __future__ import annotations
+
+import enum
+import math
+from collections.abc import Iterable
+from dataclasses import dataclass, field
+
+from averaging.groups import (
+    Appointment,
+    ScheduleConfig,
+    group_of,
+    nearest_appointment,
+    next_appointment,
+    pace,
+    round_seconds,
+)
+
+
+class Phase(enum.StrEnum):
+    TRAINING = "training"  # inner steps toward the appointment
+    GATHERING = "ready"  # at the appointment: looking for the group (the DHT state peers announce)
+    FINISHING = "finishing"  # training is over: averaging anchors only
+    DONE = "done"
+
+
+class Step(enum.StrEnum):
+    """What the outer optimizer does with a round's outcome."""
+
+    GROUP = "group"  # the group's mean
+    PENDING = "pending"  # nothing: the work stays in the model for the next round
+    ALONE = "alone"  # the peer's own update, alone
+
+
+@dataclass(frozen=True)
+class Seen:
+    """One live peer as the roster shows it (an announcement on the DHT, or the simulator's view)."""
+
+    peer: str
+    state: str  # a Phase value
+    appointment: str | None = None  # the key of the appointment it trains toward or gathers at
+    step_seconds: float | None = None  # its measured seconds per inner step
+    exchange_seconds: float | None = None  # its measured seconds from an appointment to the end of its exchange
+    client: bool = False  # in client mode: nobody can dial it, so it never leads a group
+
+
+@dataclass(frozen=True, kw_only=True)
+class RoundConfig:
+    inner_steps: int = 20  # H
+    round_seconds: float = 0.0  # the run's round length; 0: H steps and an exchange at the swarm's pace
+    solo_after: int = 4  # lonely rounds in a row before a peer steps alone
+    finish_rounds: int = 0  # rounds of averaging anchors only once training is over
+    schedule: ScheduleConfig = field(default_factory=ScheduleConfig)
+
+    def __post_init__(self) -> None:
+        if self.inner_steps < 1 or self.solo_after < 1 or self.finish_rounds < 0:
+            raise ValueError("inner_steps and solo_after must be at least 1, finish_rounds at least 0")
+        if not (math.isfinite(self.round_seconds) and self.round_seconds >= 0):
+            raise ValueError(f"round_seconds must be a non-negative number, got {self.round_seconds}")
+
+
+@dataclass(frozen=True)
+class Plan:
+    """Whom to ask at an appointment: leaders in order (reaching this peer means it leads), and the
+    members it waits for if it leads, until `deadline` on the driver's clock."""
+
+    appointment: Appointment
+    candidates: tuple[str, ...]
+    planned: tuple[str, ...]
+    deadline: float
+
+
+class _Mean:
+    """A running mean over the last ~`span` values."""
+
+    def __init__(self, span: int = 20) -> None:
+        self.span, self.count, self.value = span, 0, None
+
+    def add(self, x: float) -> None:
+        self.count += 1
+        last = x if self.value is None else self.value
+        self.value = last + (x - last) / min(self.count, self.span)
+
+
+class RoundEngine:
+    def __init__(
+        self, peer: str, config: RoundConfig = RoundConfig(), *, client: bool = False, trace: bool = True
+    ) -> None:
+        self.peer = peer
+        self.config = config
+        self.client = client
+        self.phase = Phase.TRAINING
+        self.appointment: Appointment | None = None
+        self.steps = 0  # inner steps this round
+        self.rounds = 0  # rounds ended (training and finishing)
+        self.lonely = 0  # lonely rounds in a row
+        self.finish_left = 0
+        self._started = 0.0  # when the round began
+        self._step = _Mean()  # this peer's seconds per inner step
+        self._exchange = _Mean(span=5)  # ... and from an appointment to the end of its exchange
+        self._roster: tuple[Seen, ...] = ()
+        self.trace: list[tuple] | None = [] if trace else None
+
+    @property
+    def step_seconds(self) -> float | None:
+        return self._step.value
+
+    # -- training rounds ---------------------------------------------------------------------------------
+    def begin(self, now: float, roster: Iterable[Seen]) -> Appointment | None:
+        """A new round starts at `now`: its appointment, or None while no round length is known."""
+        self.steps = 0
+        self._started = now
+        self._roster = tuple(roster)
+        seconds = self._seconds()
+        self.appointment = None if seconds is None else next_appointment(now, seconds, self.config.schedule)
+        self._log("begin", now, self._roster, self.appointment)
+        return self.appointment
+
+    def step_fits(self, now: float, seconds: float | None = None) -> bool:
+        """Before an inner step: True to take it. `seconds` is the last step's duration, if one was taken.
+        A round that began with no appointment (nobody had measured anything) sets it after its first step:
+        the instant nearest to where H steps would end, where the peers that started with it meet."""
+        if seconds is not None:
+            self.steps += 1
+            self._step.add(seconds)
+            if self.appointment is None:
+                length = self._seconds()
+                warmed = self._started + self.config.inner_steps * self.step_seconds
+                self.appointment = nearest_appointment(warmed, length, self.config.schedule)
+        fits = self.steps == 0 or now + (self.step_seconds or 0.0) <= self.appointment.at + 1e-6  # (rounding)
+        self._log("step", now, seconds, fits)
+        return fits
+
+    def gather(self, now: float, roster: Iterable[Seen]) -> Plan:
+        """At the appointment: the group planned among the peers expected there (same state, same key)."""
+        self._roster = tuple(roster)
+        if self.appointment is None:  # no step taken: gather at once, alone
+            self.appointment = Appointment(seconds=max(now, 1e-3), slot=1)
+        if self.phase != Phase.FINISHING:
+            self.phase = Phase.GATHERING
+        key = self.appointment.key
+        seen = [s for s in self._roster if s.appointment == key and self._same_kind(s) and s.peer != self.peer]
+        clients = {s.peer for s in seen if s.client} | ({self.peer} if self.client else set())
+        group = group_of(self.appointment, self.peer, [s.peer for s in seen], self.config.schedule.group_size)
+        group.sort(key=lambda p: p in clients)  # client-mode peers last: they cannot lead
+        me = group.index(self.peer)
+        leaders = [p for p in group if p not in clients] if self.client else group[: me + 1]
+        plan = Plan(self.appointment, tuple(leaders), tuple(group[me + 1 :]),
+                    self.appointment.deadline(self.config.schedule))  # fmt: skip
+        self._log("gather", now, self._roster, plan)
+        return plan
+
+    def ended(self, now: float, members: int | None) -> Step:
+        """The round's exchange gave a group of `members` (this peer included), or nothing (None)."""
+        self.rounds += 1
+        if members is not None and members >= 2:
+            self.lonely, step = 0, Step.GROUP
+            if self.appointment is not None and self.phase == Phase.GATHERING:
+                self._exchange.add(max(0.0, now - self.appointment.at))
+        else:
+            self.lonely += 1
+            step = Step.PENDING
+            if self.phase != Phase.FINISHING and self.lonely >= self.config.solo_after:
+                self.lonely, step = 0, Step.ALONE
+        if self.phase == Phase.FINISHING:
+            self.finish_left -= 1
+            if self.finish_left <= 0 or self.lonely >= 2:  # nobody left to finish with
+                self.phase = Phase.DONE
+        else:
+            self.phase = Phase.TRAINING
+        self._log("ended", now, members, step, self.phase)
+        return step
+
+    # -- the finish --------------------------------------------------------------------------------------
+    def finish(self, now: float) -> bool:
+        """Training is over: True if finish rounds follow (the driver flushes pending work first)."""
+        self.finish_left = self.config.finish_rounds
+        self.lonely = 0
+        self.phase = Phase.FINISHING if self.finish_left > 0 else Phase.DONE
+        self._log("finish", now, self.phase)
+        return self.phase == Phase.FINISHING
+
+    def next_finish(self, now: float, roster: Iterable[Seen]) -> Appointment | None:
+        """A finish round's appointment (None once the finish is done): the next instant of a grid `FINISH_GRID`
+        times finer than the training rounds' (the same for every finishing peer)."""
+        if self.phase != Phase.FINISHING:
+            return None
+        self._roster = tuple(roster)
+        seconds = (self._seconds() or 1.0) / FINISH_GRID  # nothing to train: finish rounds follow closely
+        self.appointment = next_appointment(now, seconds, _NO_MIN_PHASE)
+        self._log("next_finish", now, self._roster, self.appointment)
+        return self.appointment
+
+    # -- what the peer announces ----------------------------------------------------------------------------
+    @property
+    def announced(self) -> Seen:
+        key = self.appointment.key if self.appointment is not None else None
+        return Seen(self.peer, str(self.phase), key, self.step_seconds, self._exchange.value, self.client)
+
+    # -- helpers -------------------------------------------------------------------------------------------
+    def _log(self, *entry) -> None:
+        if self.trace is not None:
+            self.trace.append(entry)
+
+    def _seconds(self) -> float | None:
+        seen = [s for s in self._roster if s.peer != self.peer]
+        steps = [s.step_seconds for s in seen if s.step_seconds is not None]
+        exchanges = [s.exchange_seconds for s in seen if s.exchange_seconds is not None]
+        steps += [self.step_seconds] if self.step_seconds is not None else []
+        exchanges += [self._exchange.value] if self._exchange.value is not None else []
+        estimate = pace(self.config.inner_steps, steps, exchanges)
+        announced = [r for s in seen if (r := Appointment.seconds_of(s.appointment)) is not None]
+        return round_seconds(self.config.round_seconds, estimate, announced)
+
+    def _same_kind(self, seen: Seen) -> bool:
+        """Training peers group with training peers, finishing ones with finishing ones."""
+        finishing = self.phase == Phase.FINISHING
+        return (seen.state == Phase.FINISHING) == finishing and seen.state != Phase.DONE
+
+
+_NO_MIN_PHASE = ScheduleConfig(min_phase=1e-9)
+FINISH_GRID = 8  # finish rounds gather on a grid this many times finer than training rounds
+
+
+class ReplayMismatch(AssertionError):
+    """A replayed engine decided differently from the one that recorded the trace."""
+
+
+def replay(trace: Iterable[tuple], peer: str, config: RoundConfig, *, client: bool = False) -> int:
+    """Feed a recorded `trace`'s inputs to a fresh engine and check that it makes every recorded decision
+    (a real peer's and a simulated one's traces alike); returns how many were checked."""
+    engine = RoundEngine(peer, config, client=client, trace=False)
+    checked = 0
+    for entry in trace:
+        kind, now = entry[0], entry[1]
+        if kind == "begin":
+            got, want = engine.begin(now, entry[2]), entry[3]
+        elif kind == "step":
+            got, want = engine.step_fits(now, entry[2]), entry[3]
+        elif kind == "gather":
+            got, want = engine.gather(now, entry[2]), entry[3]
+        elif kind == "ended":
+            got, want = (engine.ended(now, entry[2]), engine.phase), (entry[3], entry[4])
+        elif kind == "finish":
+            got, want = (engine.finish(now), engine.phase)[1], entry[2]
+        elif kind == "next_finish":
+            got, want = engine.next_finish(now, entry[2]), entry[3]
+        else:
+            raise ValueError(f"unknown trace entry {kind!r}")
+        if got != want:
+            raise ReplayMismatch(f"entry {checked} ({kind} at {now}): recorded {want!r}, replayed {got!r}")
+        checked += 1
+    return checked

@@ -1,0 +1,205 @@
+"""The round engine: one state machine behind the real peer and both simulators, and its schedule."""
+
+import dataclasses
+import math
+import threading
+import uuid
+
+import pytest
+
+from averaging.groups import (
+    Appointment,
+    ScheduleConfig,
+    group_of,
+    nearest_appointment,
+    next_appointment,
+    plan_groups,
+    quantize_round,
+    round_seconds,
+    should_seal,
+)
+from dht.node import NodeConfig
+from peer.api import Swarm
+from peer.config import TrainConfig
+from peer.data import load_corpus
+from peer.metrics import consensus_distance
+from peer.rounds import FINISH_GRID, Phase, ReplayMismatch, RoundConfig, RoundEngine, Seen, Step, replay
+from peer.runner import PeerOptions, VolunteerPeer
+from peer.sim.swarm import VirtualSwarm
+from peer.sim.virtual import Scenario, _trainers
+
+CONFIG = RoundConfig(inner_steps=10, solo_after=3, finish_rounds=2)
+
+
+def seen(peer, key=None, step=0.1, state="training", exchange=None, client=False):
+    return Seen(peer, state, key, step, exchange, client)
+
+
+# -- the schedule ---------------------------------------------------------------------------------------
+
+
+def test_round_lengths_are_quantized_and_the_swarm_keeps_the_one_it_announces():
+    assert quantize_round(2.0) == 2.0 and quantize_round(2.1) == 2.0 and quantize_round(2.3) == 2 ** (5 / 4)
+    assert round_seconds(30.0, 2.1, [2.0]) == 30.0  # the run config wins
+    assert round_seconds(0.0, None, []) is None  # nobody measured anything
+    assert round_seconds(0.0, 2.1, []) == 2.0  # the first peer: its own pace
+    assert round_seconds(0.0, 2.2, [2.0, 2.0, 2.38]) == 2.0  # the swarm's, until its pace moves well away
+    assert round_seconds(0.0, 2.7, [2.0, 2.0]) == quantize_round(2.7)
+    with pytest.raises(ValueError, match="positive"):
+        quantize_round(math.nan)
+
+
+def test_appointments_leave_a_share_of_a_round_and_warm_ups_meet_at_the_nearest_instant():
+    config = ScheduleConfig(min_phase=0.5, window=0.25)
+    assert next_appointment(10.0, 2.0, config) == Appointment(seconds=2.0, slot=6)  # 10 + 1 -> 12
+    assert next_appointment(10.9, 2.0, config) == Appointment(seconds=2.0, slot=6)
+    assert next_appointment(11.1, 2.0, config) == Appointment(seconds=2.0, slot=7)
+    assert nearest_appointment(9.8, 2.0, config).slot == 5 and nearest_appointment(10.2, 2.0, config).slot == 5
+    assert nearest_appointment(10.3, 2.0, config).slot == 6  # over half a window late: the next one
+    assert Appointment.seconds_of(Appointment(seconds=2**1.25, slot=3).key) == 2**1.25
+    assert Appointment.seconds_of("garbage") is None and Appointment.seconds_of(None) is None
+
+
+def test_groups_are_a_fresh_random_partition_that_a_joiner_barely_moves():
+    peers = [f"p{i}" for i in range(200)]
+    a, b = Appointment(seconds=2.0, slot=1), Appointment(seconds=2.0, slot=2)
+    groups = plan_groups(a, peers, 8)
+    assert sorted(p for g in groups for p in g) == sorted(peers) and max(map(len, groups)) <= 8
+    assert plan_groups(a, reversed(peers), 8) == groups  # the same for everyone who sees the same peers
+    assert plan_groups(b, peers, 8) != groups  # a new partition every round
+    moved = plan_groups(a, [*peers, "newcomer"], 8)
+    together = {frozenset(g) for g in groups}
+    assert sum(frozenset(g) in together for g in moved) >= len(groups) - 3  # only the joiner's bucket regroups
+    assert plan_groups(a, peers[:8], 8) == [sorted(peers[:8], key=group_of(a, "p0", peers[:8], 8).index)]
+
+
+def test_a_leader_seals_when_everyone_planned_is_in_and_the_instant_has_come():
+    seal = lambda now, arrived, size=8: should_seal(now, at=10.0, deadline=10.5, planned=["b", "c"],  # noqa: E731
+                                                   arrived=arrived, group_size=size)  # fmt: skip
+    assert not seal(9.9, ["a", "b", "c"])  # everyone is in, but a peer the roster missed may still come
+    assert seal(10.0, ["a", "b", "c"]) and not seal(10.2, ["a", "b"])
+    assert seal(10.5, ["a"]) and seal(9.0, ["a", "b"], size=2)  # the window is over; the group is full
+
+
+# -- the engine -----------------------------------------------------------------------------------------
+
+
+def test_a_peer_trains_until_the_last_step_that_ends_before_its_appointment():
+    engine = RoundEngine("me", CONFIG)
+    roster = [seen("a", Appointment(seconds=1.0, slot=4).key, 0.1)]
+    appointment = engine.begin(3.0, roster)
+    assert appointment == Appointment(seconds=1.0, slot=4)  # H=10 steps of 0.1 s: a round of 1 s, the swarm's
+    t, steps = 3.0, 0
+    while engine.step_fits(t, 0.1 if steps else None):
+        t, steps = t + 0.1, steps + 1
+    assert steps == 10 and t == pytest.approx(4.0)
+
+
+def test_a_first_round_sets_its_appointment_after_its_first_step():
+    engine = RoundEngine("me", CONFIG)
+    assert engine.begin(0.0, []) is None
+    assert engine.announced.appointment is None
+    assert engine.step_fits(0.0) and engine.step_fits(0.1, 0.1)
+    assert engine.appointment == Appointment(seconds=1.0, slot=1)  # where its 10 steps would end
+    assert engine.announced.appointment == engine.appointment.key and engine.announced.step_seconds == 0.1
+
+
+def test_the_plan_groups_peers_of_the_same_appointment_and_kind_and_client_peers_never_lead():
+    key = Appointment(seconds=1.0, slot=5).key
+    roster = [seen("a", key), seen("b", key), seen("c", "1.0@6"), seen("d", key, state="finishing"),
+              seen("e", key, client=True)]  # fmt: skip
+    engine = RoundEngine("me", CONFIG)
+    engine.begin(4.0, roster)
+    plan = engine.gather(4.9, roster)
+    assert set(plan.candidates + plan.planned) == {"me", "a", "b", "e"}  # not c (another round), not d
+    assert plan.deadline == 5.0 + 0.25 and "e" not in plan.candidates
+    client = RoundEngine("e", CONFIG, client=True)
+    client.begin(4.0, roster)
+    assert "e" not in client.gather(4.9, [*roster, seen("me", key)]).candidates
+
+
+def test_lonely_rounds_keep_the_work_pending_then_step_alone_and_the_finish_stops_when_nobody_is_left():
+    engine = RoundEngine("me", CONFIG)
+    outcomes = [engine.ended(float(t), None) for t in range(4)]
+    assert outcomes == [Step.PENDING, Step.PENDING, Step.ALONE, Step.PENDING]  # solo_after = 3
+    assert engine.ended(4.0, 3) == Step.GROUP and engine.lonely == 0
+    assert engine.finish(5.0) and engine.phase == Phase.FINISHING
+    engine._roster = (seen("a", step=0.1),)
+    finish = engine.next_finish(5.0, [seen("a", Appointment(seconds=1.0, slot=5).key, 0.1)])
+    assert finish.seconds == pytest.approx(1.0 / FINISH_GRID)
+    assert engine.ended(5.2, 2) == Step.GROUP and engine.phase == Phase.FINISHING
+    assert engine.ended(5.4, 2) == Step.GROUP and engine.phase == Phase.DONE  # finish_rounds = 2
+    alone = RoundEngine("x", CONFIG)
+    alone.finish(0.0)
+    alone.ended(0.1, None)
+    assert alone.phase == Phase.FINISHING and alone.ended(0.2, None) == Step.PENDING and alone.phase == Phase.DONE
+    assert not RoundEngine("y", dataclasses.replace(CONFIG, finish_rounds=0)).finish(0.0)
+
+
+def test_a_replay_makes_the_same_decisions_and_a_changed_input_is_caught():
+    engine = RoundEngine("me", CONFIG)
+    roster = [seen("a", "1.0@2")]
+    engine.begin(0.5, roster)
+    t = 0.5
+    while engine.step_fits(t, 0.1 if t > 0.5 else None):
+        t += 0.1
+    engine.gather(t, roster)
+    engine.ended(t + 0.2, 2)
+    assert replay(engine.trace, "me", CONFIG) == len(engine.trace)
+    forged = list(engine.trace)
+    forged[0] = (*forged[0][:3], Appointment(seconds=1.0, slot=3))
+    with pytest.raises(ReplayMismatch, match="entry 0"):
+        replay(forged, "me", CONFIG)
+
+
+# -- one engine behind every clock ----------------------------------------------------------------------
+
+
+def test_the_virtual_driver_feeds_the_engine_and_its_traces_replay():
+    config = TrainConfig(inner_steps=5, batch_size=4, eval_batches=1)
+    trainers = _trainers(config, load_corpus(), Scenario(peers=3))
+    swarm = VirtualSwarm(config, lambda members, traffic, messages: 0.05 * messages, step_seconds=0.1, jitter=0.05,
+                         trace=True)  # fmt: skip
+    try:
+        for i, trainer in enumerate(trainers):
+            swarm.add(i, trainer, speed=(0.8, 1.0, 1.2)[i], at=0.0)
+        while swarm.step() and swarm.peer_rounds < 12:
+            pass
+        peers = swarm.live()
+    finally:
+        swarm.close()
+    assert swarm.exchanges >= 3
+    for peer in peers:
+        assert replay(peer.engine.trace, peer.id, config.rounds()) == len(peer.engine.trace) > 20
+
+
+@pytest.mark.slow
+def test_real_loopback_peers_run_the_same_engine_and_their_traces_replay():
+    """Two real peers (DHT, p2pd, libp2p streams) on the wall clock: the engine's inputs and decisions, recorded
+    by each, replay into fresh engines with the same decisions, and the peers did average in groups."""
+    config = TrainConfig(inner_steps=5, batch_size=4, eval_batches=1, warmup_steps=0)
+    run = f"rounds-{uuid.uuid4().hex[:8]}"
+    with Swarm(run, config) as swarm:
+        peers = []
+        try:
+            for seed in (1, 2):
+                node = NodeConfig(initial_peers=tuple(swarm.initial_peers), run_id=run)
+                options = PeerOptions(run_id=run, node=node, data_seed=seed, duration=10.0, trace_rounds=True,
+                                      state_download=False)  # fmt: skip
+                peers.append(VolunteerPeer.create(options))
+            reports = [None, None]
+            threads = [threading.Thread(target=lambda i=i: reports.__setitem__(i, peers[i].run(threading.Event())))
+                       for i in range(2)]  # fmt: skip
+            for thread in threads:
+                thread.start()
+            for thread in threads:
+                thread.join()
+        finally:
+            for peer in peers:
+                peer.close()
+    assert all(r is not None and r.exchanges_ok >= 2 for r in reports)
+    for peer in peers:
+        trace = peer.engine.trace
+        assert sum(1 for e in trace if e[0] == "ended" and e[3] == Step.GROUP) >= 2
+        assert replay(trace, peer.peer_id, config.rounds()) == len(trace)
+    assert consensus_distance([p.trainer.outer.anchor for p in peers]) < 0.05  # they averaged into one model
