@@ -176,6 +176,24 @@ def test_keeps_the_newest_two(tmp_path):
     assert sorted(p.name for p in tmp_path.iterdir()) == ["ckpt-00000007.pt", "ckpt-00000012.pt"]
 
 
+def test_pruning_counts_and_deletes_only_checkpoints_that_verify(tmp_path):
+    save_checkpoint(tmp_path, small_state(1))
+    newest = save_checkpoint(tmp_path, small_state(2))
+    newest.write_bytes(newest.read_bytes()[:-7])  # truncated: a resume falls back to step 1 and goes on from there
+    foreign = save_checkpoint(tmp_path, small_state(50, run_id="other-run"), keep=1)
+    for step in (3, 4):
+        save_checkpoint(tmp_path, small_state(step))
+    # step 1 is pruned by two newer good ones; the truncated step 2 and the other run's file stay
+    names = ["ckpt-00000002.pt", "ckpt-00000003.pt", "ckpt-00000004.pt", foreign.name]
+    assert sorted(p.name for p in tmp_path.iterdir()) == sorted(names)
+    assert latest_checkpoint(tmp_path, run_id=RUN, model="m")[0]["step"] == 4
+    for path in (tmp_path / "ckpt-00000003.pt", tmp_path / "ckpt-00000004.pt"):
+        path.write_bytes(b"")  # now every file of this run is corrupt: the new progress must survive its own write
+    save_checkpoint(tmp_path, small_state(5))
+    assert latest_checkpoint(tmp_path, run_id=RUN, model="m")[0]["step"] == 5
+    assert len(list(tmp_path.glob("ckpt-*.pt"))) == 5
+
+
 def test_the_writer_snapshots_at_submit_and_keeps_only_the_newest_pending(tmp_path, monkeypatch):
     gate, started, written = threading.Event(), threading.Event(), []
     real_write = checkpoint.write_frame
