@@ -8,12 +8,21 @@ exchange runs at a time (`_busy`); a peer that is busy or not ready declines.
 
 One exchange, initiator A and responder B (message kinds from `wire.Kind`):
 
-    A → B  REQUEST  A's warm-start Q factors, layout signature
-    B → A  ACCEPT   B's phase-1 P factors and dense tensors        (or DECLINE with a reason)
-    A → B  PHASE1   A's phase-1 P factors and dense tensors
-    B → A  PHASE2   B's phase-2 Q factors
+    A → B  REQUEST  layout signature, A's access proof; no tensors
+    B → A  ACCEPT   B's access proof; no tensors           (or DECLINE with a reason)
+    A → B  PHASE1   A's warm-start Q factors, A's phase-1 P factors and dense tensors
+    B → A  PHASE2   B's phase-1 P factors and dense tensors, B's phase-2 Q factors
     A → B  COMMIT   A's phase-2 Q factors          → B applies
     B → A  ACK                                      → A applies
+
+No tensor travels before both sides have checked the other's access proof (a private run's secret,
+`averaging.access`): B checks A's in the REQUEST before it answers, A checks B's in the ACCEPT before
+it sends PHASE1. The power iteration is unchanged: B computes its phase 1 and phase 2 together, once it
+has A's warm start and phase 1, so the exchange is still six messages. A REQUEST that carries any
+tensor is malformed. A DECLINE for another layout carries the decliner's layout (names, shapes,
+codecs; no values), so the asker can say once which tensor differs (`layout_difference`); such a peer
+is not asked again. A peer that fails the access check is declined (or, as a responder, dropped) and
+struck towards its cool-down, and said once, not every round.
 
 Every wait is bounded (`message_timeout`, and `exchange_timeout` for the whole exchange). Any
 failure (timeout, closed stream, a message that fails decoding, a wrong kind or session) aborts
@@ -131,7 +140,11 @@ class ExchangeFailed(Exception):
 
 
 class Declined(ExchangeFailed):
-    """The partner declined before anything was exchanged."""
+    """The partner declined before anything was exchanged; `meta` is its DECLINE's (a layout, for another one)."""
+
+    def __init__(self, reason: str, meta: Mapping[str, object] | None = None) -> None:
+        super().__init__(reason)
+        self.meta = dict(meta or {})
 
 
 class Unreachable(ExchangeFailed):
@@ -142,12 +155,68 @@ class Misbehaved(ExchangeFailed):
     """The partner sent a bad message or an absurd contribution: a strike towards its cool-down."""
 
 
-def layout_signature(run_id: str, slots: Mapping[str, Slot], modes: Mapping[str, Mode], compressor) -> str:
-    """Two peers may pair only if they agree on every name, shape, codec, rank, mode and wire dtype."""
+class Incompatible(Declined):
+    """The partner trains another layout (another model, compression or run); str(e) names the first difference."""
+
+
+class AccessDenied(ExchangeFailed):
+    """The partner did not prove the run's secret (or is not on the allowlist): a strike towards its cool-down."""
+
+
+WARM = "q0:"  # PHASE1's prefix for the initiator's warm-start Q factors, beside its phase-1 P factors
+NEXT = "q1:"  # PHASE2's prefix for the responder's phase-2 Q factors, beside its phase-1 P factors
+_LAYOUT_KEY = "layout."  # DECLINE meta keys "layout.0", "layout.1", ...: the decliner's layout entries
+_LAYOUT_CHUNKS = 24  # of at most 1000 characters each (wire meta limits)
+
+
+def layout_entries(
+    run_id: str, slots: Mapping[str, Slot], modes: Mapping[str, Mode], compressor, phase: str = "training"
+) -> list[str]:
+    """What two peers must agree on to pair: the run, the phase (training or finish rounds), the protocol and
+    wire dtypes, then per tensor its name, shape, codec, rank and mode, sorted by name."""
     cfg = compressor.config
-    parts = [run_id, str(wire.PROTOCOL_VERSION), str(cfg.factor_dtype), str(cfg.dense_dtype)]
-    parts += [f"{n}:{s.shape}:{s.codec}:{s.rank}:{modes[n]}" for n, s in sorted(slots.items())]
-    return hashlib.sha256("|".join(parts).encode()).hexdigest()[:32]
+    head = f"run {run_id}, {phase} rounds, protocol {wire.PROTOCOL_VERSION}, wire {cfg.factor_dtype}/{cfg.dense_dtype}"
+    return [head] + [f"{n}:{tuple(s.shape)}:{s.codec}:{s.rank}:{modes[n]}" for n, s in sorted(slots.items())]
+
+
+def layout_signature(
+    run_id: str, slots: Mapping[str, Slot], modes: Mapping[str, Mode], compressor, phase: str = "training"
+) -> str:
+    """Two peers may pair only if they agree on every name, shape, codec, rank, mode and wire dtype."""
+    entries = layout_entries(run_id, slots, modes, compressor, phase)
+    return hashlib.sha256("|".join(entries).encode()).hexdigest()[:32]
+
+
+def layout_meta(entries: list[str]) -> dict[str, str]:
+    """A layout as DECLINE meta: entries joined by ';' in chunks that fit the wire's meta limits (a model with
+    too many tensors sends its first ones only)."""
+    text, chunks = ";".join(entries), {}
+    for i in range(_LAYOUT_CHUNKS):
+        if not text[i * 1000 : (i + 1) * 1000]:
+            break
+        chunks[f"{_LAYOUT_KEY}{i}"] = text[i * 1000 : (i + 1) * 1000]
+    return chunks
+
+
+def layout_difference(ours: list[str], meta: Mapping[str, object], partner: str) -> str | None:
+    """One line naming the first tensor in which a partner's model layout (from its DECLINE) differs from ours;
+    None if it is not the model that differs (a peer in its finish rounds, another protocol)."""
+    chunks = [meta.get(f"{_LAYOUT_KEY}{i}") for i in range(_LAYOUT_CHUNKS)]
+    theirs = "".join(c for c in chunks if isinstance(c, str)).split(";")
+    prefix = f"model layout differs from the run's: peer {partner[-8:]}"
+    if theirs[0] != ours[0]:
+        return None
+    mine = {e.split(":", 1)[0]: e for e in ours[1:]}
+    other = {e.split(":", 1)[0]: e for e in theirs[1:] if ":" in e}
+    for name in sorted(set(mine) | set(other)):
+        if mine.get(name) != other.get(name):
+            if name not in other:
+                return f"{prefix} has no tensor {name!r} (this peer: {mine[name].split(':', 1)[1]})"
+            if name not in mine:
+                return f"{prefix} has a tensor {name!r} this peer lacks ({other[name].split(':', 1)[1]})"
+            here, there = mine[name].split(":", 1)[1], other[name].split(":", 1)[1]
+            return f"{prefix} has tensor {name!r} as {there}, this peer as {here} (shape:codec:rank:mode)"
+    return f"{prefix} differs beyond the first {len(theirs) - 1} tensors it sent"
 
 
 class GossipAverager:
@@ -162,6 +231,7 @@ class GossipAverager:
         run_id: str,
         config: ExchangeConfig = ExchangeConfig(),
         seed: int | None = None,
+        phase: str = "training",  # or "finish": another layout, so that the two never pair
     ) -> None:
         self.transport = transport
         self.compressor = compressor
@@ -169,7 +239,11 @@ class GossipAverager:
         self.config = config
         self.modes = dict(modes)
         self.slots = compressor.plan(shapes, self.modes)
-        self.signature = layout_signature(run_id, self.slots, self.modes, compressor)
+        self.layout = layout_entries(run_id, self.slots, self.modes, compressor, phase)
+        self.signature = layout_signature(run_id, self.slots, self.modes, compressor, phase)
+        self.incompatible: dict[str, str] = {}  # peer -> how its layout differs (said once; never asked again)
+        self.compatible: set[str] = set()  # peers known to share our layout (they exchanged, were busy, asked us)
+        self._refused: set[str] = set()  # peers whose access refusal has been logged once
         self.stats = ExchangeStats()
         self.aggregator = RobustAggregator(config.aggregation)
         self.cooldown = Cooldown(config.cooldown)
@@ -182,6 +256,8 @@ class GossipAverager:
         self._unreachable: dict[str, float] = {}  # peer -> loop time until which it is not asked
         fd, dd = compressor.config.factor_dtype, compressor.config.dense_dtype
         self._spec_q = {n: TensorSpec((s.cols, s.rank), fd) for n, s in self.slots.items() if s.low_rank}
+        self._spec_warm = {WARM + n: spec for n, spec in self._spec_q.items()}
+        self._spec_next = {NEXT + n: spec for n, spec in self._spec_q.items()}
         self._spec_p = {}  # what phase 1 carries: P factors, sign or int8 codes and their scales, dense tensors
         for n, s in self.slots.items():
             if s.scaled:
@@ -196,6 +272,10 @@ class GossipAverager:
 
     async def start(self) -> None:
         await self.transport.serve(self._handle)
+
+    async def avoid(self, peer: str, seconds: float) -> None:
+        """Do not ask `peer` for `seconds`: a killed predecessor of this peer, whose announcement outlives it."""
+        self._unreachable[peer] = asyncio.get_running_loop().time() + seconds
 
     async def stop(self) -> None:
         """Decline everything from now on; wait for an exchange in flight to end."""
@@ -236,8 +316,14 @@ class GossipAverager:
                         break
                     try:
                         self._result.set_result(await self._initiate(partner, offer))
+                    except Incompatible as e:
+                        self.stats.declined += 1
+                        if partner not in self.incompatible:
+                            logger.warning("%s", e)
+                        self.incompatible[partner] = str(e)
                     except Declined as e:
                         self.stats.declined += 1
+                        self.compatible.add(partner)  # busy or not ready: it was past the layout check
                         logger.debug("partner %s declined: %s", partner[-8:], e)
                     except Unreachable as e:
                         self.stats.unreachable += 1
@@ -262,9 +348,8 @@ class GossipAverager:
         try:
             peers = await self.partners.candidates()
             admits, cooling = self.config.access.admits, self.cooldown.cooling
-            return [
-                p for p in peers if p != self.peer_id and p not in self._unreachable and admits(p) and not cooling(p)
-            ]
+            skip = self._unreachable.keys() | self.incompatible.keys()
+            return [p for p in peers if p != self.peer_id and p not in skip and admits(p) and not cooling(p)]
         except Exception as e:  # a DHT hiccup must not end the round
             logger.warning("could not list partners: %s", e)
             return []
@@ -277,13 +362,24 @@ class GossipAverager:
     def _note_failure(self, partner: str, error: Exception) -> None:
         self.stats.failed += 1
         self.stats.last_error = f"{partner[-8:]}: {error}"
+        if isinstance(error, AccessDenied):
+            self._refuse(partner, str(error))
+            return
         logger.warning("exchange with %s aborted: %s", partner[-8:], error)
         if isinstance(error, Misbehaved):
             self.cooldown.strike(partner, str(error))
 
+    def _refuse(self, peer: str, reason: str) -> None:
+        """A peer that failed the access check: said once, and struck towards its cool-down (not asked, declined)."""
+        if peer not in self._refused:
+            self._refused.add(peer)
+            logger.warning("peer %s refused: %s", peer[-8:], reason)
+        self.cooldown.strike(peer, reason)
+
     def _succeeded(self, partner: str, session: int, initiator: bool, projections, stream, started) -> ExchangeResult:
         self.stats.ok += 1
         self.stats.last_partner = partner
+        self.compatible.add(partner)
         self._recent.append(partner)
         return ExchangeResult(
             partner=partner,
@@ -305,17 +401,24 @@ class GossipAverager:
             raise Unreachable(f"unreachable: {e}") from None
         try:
             async with asyncio.timeout(self.config.exchange_timeout):
-                q_init = PairRound.request_factors(self.compressor, self.slots)
                 meta = {"sig": self.signature, **self._credentials("exchange-request", partner, session)}
-                await self._send(stream, Kind.REQUEST, session, offer.step, q_init, meta)
-                accept = await self._recv(stream, Kind.ACCEPT, session, self._spec_p)
+                await self._send(stream, Kind.REQUEST, session, offer.step, {}, meta)
+                try:
+                    accept = await self._recv(stream, Kind.ACCEPT, session, {})
+                except Declined as e:
+                    if why := layout_difference(self.layout, e.meta, partner):
+                        raise Incompatible(why) from None
+                    raise
                 if why := self._access_denied("exchange-accept", partner, session, accept.meta):
-                    raise ExchangeFailed(f"partner failed the access check ({why})")
+                    raise AccessDenied(f"it failed the access check as a partner ({why})")
+                q_init = PairRound.request_factors(self.compressor, self.slots)  # only now: the partner is proven
                 pair = PairRound(self.compressor, self.slots, offer.tensors, offer.modes, q_init, initiator=True)
-                await self._send(stream, Kind.PHASE1, session, offer.step, pair.phase1())
-                mine = pair.phase2(accept.tensors)
-                phase2 = await self._recv(stream, Kind.PHASE2, session, self._spec_q)
-                projections = self._robust(pair.finish(phase2.tensors), offer)
+                warm = {WARM + n: q for n, q in q_init.items()}
+                await self._send(stream, Kind.PHASE1, session, offer.step, warm | pair.phase1())
+                phase2 = await self._recv(stream, Kind.PHASE2, session, self._spec_p | self._spec_next)
+                mine = pair.phase2({n: phase2.tensors[n] for n in self._spec_p})
+                theirs = {n: phase2.tensors[NEXT + n] for n in self._spec_q}
+                projections = self._robust(pair.finish(theirs), offer)
                 await self._send(stream, Kind.COMMIT, session, offer.step, mine)
                 await self._recv(stream, Kind.ACK, session, {})
                 pair.commit()
@@ -333,10 +436,8 @@ class GossipAverager:
     async def _handle(self, remote: str, stream: Stream) -> None:
         started = time.monotonic()
         try:
-            request = await self._recv(stream, Kind.REQUEST, None, None)  # tensors checked once the layout matches
+            request = await self._recv(stream, Kind.REQUEST, None, {})  # a request carries no tensor
             compatible = request.meta.get("sig") == self.signature
-            if compatible:
-                wire.check_tensors(request.tensors, self._spec_q)
         except (ExchangeFailed, ConnectionError, wire.WireError, TimeoutError) as e:
             if self.cooldown.cooling(remote):
                 return  # already on cool-down: neither answered nor logged again
@@ -345,31 +446,36 @@ class GossipAverager:
                 self.cooldown.strike(remote, str(e))
             return
         offer, session = self._offer, request.session
-        reason = None
+        reason, extra = None, {}
         if self.cooldown.cooling(remote):
             reason = "cooling down after bad messages"
         elif why := self._access_denied("exchange-request", remote, session, request.meta):
             reason = why
+            self._refuse(remote, why)
         elif not compatible:
-            reason = "incompatible run, model or compression settings"
-        elif offer is None or self._closed:
-            reason = "not ready"
-        elif self._busy.locked() or self._result is None or self._result.done():
-            reason = "busy"
+            reason, extra = "incompatible run, model or compression settings", layout_meta(self.layout)
+        else:
+            self.compatible.add(remote)
+            if offer is None or self._closed:
+                reason = "not ready"
+            elif self._busy.locked() or self._result is None or self._result.done():
+                reason = "busy"
         if reason is not None:
             with contextlib.suppress(ConnectionError, TimeoutError):
-                await self._send(stream, Kind.DECLINE, session, 0, {}, {"reason": reason})
+                await self._send(stream, Kind.DECLINE, session, 0, {}, {"reason": reason, **extra})
             return
         async with self._busy:
             try:
                 async with asyncio.timeout(self.config.exchange_timeout):
-                    pair = PairRound(
-                        self.compressor, self.slots, offer.tensors, offer.modes, request.tensors, initiator=False
-                    )
                     proof = self._credentials("exchange-accept", remote, session)
-                    await self._send(stream, Kind.ACCEPT, session, offer.step, pair.phase1(), proof)
-                    phase1 = await self._recv(stream, Kind.PHASE1, session, self._spec_p)
-                    await self._send(stream, Kind.PHASE2, session, offer.step, pair.phase2(phase1.tensors))
+                    await self._send(stream, Kind.ACCEPT, session, offer.step, {}, proof)
+                    phase1 = await self._recv(stream, Kind.PHASE1, session, self._spec_warm | self._spec_p)
+                    q_init = {n: phase1.tensors[WARM + n] for n in self._spec_q}
+                    pair = PairRound(self.compressor, self.slots, offer.tensors, offer.modes, q_init, initiator=False)
+                    mine1 = pair.phase1()
+                    mine2 = pair.phase2({n: phase1.tensors[n] for n in self._spec_p})
+                    reply = mine1 | {NEXT + n: q for n, q in mine2.items()}
+                    await self._send(stream, Kind.PHASE2, session, offer.step, reply)
                     commit = await self._recv(stream, Kind.COMMIT, session, self._spec_q)
                     projections = self._robust(pair.finish(commit.tensors), offer)
             except TimeoutError:
@@ -400,7 +506,7 @@ class GossipAverager:
             raise wire.WireError(str(e)) from None
         message = wire.decode(data, limits=limits, kinds={want, Kind.DECLINE, Kind.ABORT})
         if message.kind == Kind.DECLINE:
-            raise Declined(str(message.meta.get("reason", "no reason given")))
+            raise Declined(str(message.meta.get("reason", "no reason given")), message.meta)
         if message.kind == Kind.ABORT:
             raise ExchangeFailed(f"partner aborted: {message.meta.get('reason', 'no reason given')}")
         if session is not None and message.session != session:

@@ -1,6 +1,7 @@
 """The gossip exchange over the in-memory transport: the same protocol code the real peers run."""
 
 import asyncio
+import logging
 
 import pytest
 import torch
@@ -10,6 +11,7 @@ from averaging.compression import LowRankCompressor, LowRankConfig
 from averaging.partners import StaticPartners
 from averaging.protocol import ExchangeConfig, GossipAverager, Offer, advanced_offer, chain_results
 from averaging.transport import InMemoryNetwork
+from peer.verdict import RunVerdict
 
 SHAPES = {"delta/w": (24, 16), "delta/b": (16,), "anchor/w": (24, 16)}
 MODES = {"delta/w": "mean", "delta/b": "mean", "anchor/w": "diff"}
@@ -23,12 +25,12 @@ def make_offer(seed: int, step: int = 0) -> Offer:
     return Offer(step=step, tensors=tensors, modes=dict(MODES))
 
 
-def make_averager(network, name, partners, config=FAST, run_id="r", rank=4, codec="lowrank"):
+def make_averager(network, name, partners, config=FAST, run_id="r", rank=4, codec="lowrank", shapes=SHAPES):
     return GossipAverager(
         network.transport(name),
         LowRankCompressor(LowRankConfig(rank=rank, mean_codec=codec)),
         StaticPartners(partners),
-        shapes=SHAPES,
+        shapes=shapes,
         modes=MODES,
         run_id=run_id,
         config=config,
@@ -125,6 +127,54 @@ def test_incompatible_partner_is_declined():
 
     ra, rb = asyncio.run(main())
     assert ra is None and rb is None
+
+
+def test_a_partner_with_another_model_layout_is_named_once_and_not_asked_again(caplog):
+    other = {**SHAPES, "anchor/w": (24, 8)}  # the same names, one tensor of another shape: another model
+
+    async def main():
+        net = InMemoryNetwork()
+        requests = []
+
+        async def count(src, dst, frame):
+            requests.extend([src] if wire.decode(frame).kind == wire.Kind.REQUEST else [])
+            return frame
+
+        net.before_send = count
+        a, b = await started(make_averager(net, "A", ["B"]), make_averager(net, "B", [], shapes=other))
+        offer_b = Offer(step=0, tensors={n: torch.ones(s) for n, s in other.items()}, modes=dict(MODES))
+        results = []
+        for _ in range(3):
+            results += await asyncio.gather(a.average(make_offer(1)), b.average(offer_b))
+        return a, results, requests
+
+    caplog.set_level(logging.WARNING, logger="murmur.averaging")
+    a, results, requests = asyncio.run(main())
+    assert results == [None] * 6 and requests == ["A"], "asked once, then never again"
+    lines = [r.getMessage() for r in caplog.records if "layout" in r.getMessage()]
+    assert lines == [
+        "model layout differs from the run's: peer B has tensor 'anchor/w' as (24, 8):lowrank:4:diff, "
+        "this peer as (24, 16):lowrank:4:diff (shape:codec:rank:mode)"
+    ]
+    assert a.incompatible == {"B": lines[0]} and not a.compatible and a.stats.failed == 0
+    verdict = RunVerdict()
+    verdict.check_layout(a, rounds=3)  # what the real peer checks after each round: it stops, in one line
+    assert verdict.failure == lines[0] + "; no peer of the run shares this model's layout"
+
+
+def test_finish_rounds_decline_training_peers_without_a_layout_complaint(caplog):
+    async def main():
+        net = InMemoryNetwork()
+        a = make_averager(net, "A", ["B"])
+        b = GossipAverager(net.transport("B"), LowRankCompressor(LowRankConfig(rank=4)), StaticPartners([]),
+                           shapes=SHAPES, modes=MODES, run_id="r", config=FAST, phase="finish")  # fmt: skip
+        await started(a, b)
+        return a, await asyncio.gather(a.average(make_offer(1)), b.average(make_offer(2)))
+
+    caplog.set_level(logging.WARNING, logger="murmur.averaging")
+    a, results = asyncio.run(main())
+    assert results == [None, None] and a.stats.declined >= 1 and not a.incompatible
+    assert not [r for r in caplog.records if "layout" in r.getMessage()]
 
 
 KINDS_BY_SENDER = [

@@ -1,10 +1,11 @@
 """Fuzzing a live exchange handler: random and mutated frames at every step a partner sends.
 
 A scripted initiator (the real `PairRound` code, so its frames are valid until mutated) talks to a
-live, ready `GossipAverager` over the in-memory transport and replaces its REQUEST, PHASE1 or
-COMMIT frame with a random or mutated one. Each case must end cleanly and within a bound: the
-handler raises nothing, and the round applies nothing, unless what arrived was a valid message
-(then the result is finite). Afterwards the averager still completes a normal exchange.
+live, ready `GossipAverager` over the in-memory transport and replaces its REQUEST (no tensors),
+PHASE1 (warm start and phase-1 factors) or COMMIT frame with a random or mutated one. Each case
+must end cleanly and within a bound: the handler raises nothing, and the round applies nothing,
+unless what arrived was a valid message (then the result is finite). Afterwards the averager still
+completes a normal exchange.
 
 CI-sized by default; MURMUR_FUZZ_EXAMPLES=5000 runs a larger corpus.
 """
@@ -22,6 +23,7 @@ from hypothesis import strategies as st
 
 from averaging import wire
 from averaging.compression import LowRankCompressor, LowRankConfig, PairRound
+from averaging.protocol import NEXT, WARM
 from averaging.transport import InMemoryNetwork
 from tests.test_exchange import FAST, MODES, make_averager, make_offer, started
 from tests.test_wire import mutate_bytes
@@ -82,15 +84,15 @@ async def scripted_initiator(net, responder, stage: Kind, rewrite) -> None:
         return wire.decode(await asyncio.wait_for(stream.recv(2**24), 1.0))
 
     try:
+        if await send(Kind.REQUEST, {}, {"sig": responder.signature}):  # a request carries no tensor
+            return
+        await recv()  # ACCEPT: none either
         q_init = PairRound.request_factors(compressor, responder.slots)
-        if await send(Kind.REQUEST, q_init, {"sig": responder.signature}):
-            return
-        accept = await recv()
         pair = PairRound(compressor, responder.slots, offer.tensors, MODES, q_init, initiator=True)
-        if await send(Kind.PHASE1, pair.phase1()):
+        if await send(Kind.PHASE1, {WARM + n: q for n, q in q_init.items()} | pair.phase1()):
             return
-        mine = pair.phase2(accept.tensors)
-        await recv()
+        phase2 = await recv()
+        mine = pair.phase2({n: t for n, t in phase2.tensors.items() if not n.startswith(NEXT)})
         await send(Kind.COMMIT, mine)
     except (ConnectionError, TimeoutError, wire.WireError):
         pass  # the responder aborted on us: what we want

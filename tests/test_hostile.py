@@ -71,6 +71,10 @@ def _nan(m):
     m["x"][name] = [dtype, shape, np.full(int(np.prod(shape)), np.nan, "<f2").tobytes()]
 
 
+def _smuggle(m):  # a tensor in a REQUEST or ACCEPT, which carry none: nothing moves before the access check
+    m["x"]["anchor/w"] = ["float16", [4], bytes(8)]
+
+
 def _session(m):
     m["s"] = (m["s"] + 1) % 2**63
 
@@ -90,8 +94,11 @@ MUTATIONS = {
     "non_finite": (_nan, "non-finite"),
     "session": (_session, "for session"),
     "step": (_step, "outer step"),
+    "smuggled": (_smuggle, "unexpected tensors: ['anchor/w']"),
 }
+TENSOR_MUTATIONS = ("names", "dtype", "rank", "tensor_cap", "non_finite")  # of a tensor the message carries
 STAGES = [("A", Kind.REQUEST), ("B", Kind.ACCEPT), ("A", Kind.PHASE1), ("B", Kind.PHASE2), ("A", Kind.COMMIT)]
+TENSOR_STAGES = STAGES[2:]  # REQUEST and ACCEPT carry no tensor: a smuggled one is the rejection path there
 
 
 def run_tampered(rewrite, sender: str, kind: Kind):
@@ -129,8 +136,11 @@ def packed(mutate):
 
 
 # every rejection path at one stage, and every stage with one rejection path
-CASES = [(what, *STAGES[i % len(STAGES)]) for i, what in enumerate(MUTATIONS)]
-CASES += [("non_finite", *stage) for stage in STAGES if ("non_finite", *stage) not in CASES]
+OTHER = [what for what in MUTATIONS if what not in TENSOR_MUTATIONS and what != "smuggled"]
+CASES = [(what, *STAGES[i % len(STAGES)]) for i, what in enumerate(OTHER)]
+CASES += [(what, *TENSOR_STAGES[i % len(TENSOR_STAGES)]) for i, what in enumerate(TENSOR_MUTATIONS)]
+CASES += [("non_finite", *stage) for stage in TENSOR_STAGES if ("non_finite", *stage) not in CASES]
+CASES += [("smuggled", *stage) for stage in STAGES[:2]]
 
 
 @pytest.mark.parametrize(("what", "sender", "kind"), CASES, ids=[f"{w}-{k.name}" for w, _, k in CASES])
@@ -154,7 +164,8 @@ def test_repeated_bad_messages_put_the_peer_on_cool_down_and_it_is_not_picked():
         a, b = await started(make_averager(net, "A", ["B"]), make_averager(net, "B", []))
 
         async def tamper(src, dst, frame):
-            return packed(_nan)(msgpack.unpackb(frame, raw=False)) if src == "B" else frame
+            m = msgpack.unpackb(frame, raw=False)
+            return packed(_nan)(m) if src == "B" and m["x"] else frame  # B's tensors: its PHASE2
 
         net.before_send = tamper
         for _ in range(2):
