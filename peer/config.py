@@ -3,6 +3,9 @@
 The bootstrap node publishes it on the DHT as the run record, so a volunteer needs only a
 bootstrap address and a run id. It travels as a flat dict of scalars; `from_record` checks every
 key and value, so a wrong or hostile record gets a one-line error instead of a crash later.
+
+It imports no torch at module level (the model registry and the configs of the compressor and the
+outer optimizer are imported where they are used), so the command line reads its defaults at once.
 """
 
 from __future__ import annotations
@@ -11,12 +14,13 @@ import dataclasses
 import math
 import re
 from dataclasses import dataclass
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
-from averaging.compression import LowRankConfig
-from peer.model import DEFAULT_MODEL, MODELS
-from peer.outer import OuterConfig
+if TYPE_CHECKING:
+    from averaging.compression import LowRankConfig
+    from peer.outer import OuterConfig
 
+DEFAULT_MODEL = "gpt-tiny"  # the registry model a run trains unless told otherwise (peer.model.MODELS)
 _SPEC = re.compile(r"[A-Za-z_][A-Za-z0-9_]*(\.[A-Za-z_][A-Za-z0-9_]*)*:[A-Za-z_][A-Za-z0-9_]*")
 
 
@@ -57,6 +61,8 @@ class TrainConfig:
     heldout_fraction: float = 0.1
 
     def __post_init__(self) -> None:
+        from peer.model import MODELS
+
         if self.model not in MODELS and not is_spec(self.model):
             raise ConfigError(
                 f"unknown model '{self.model}'; choose one of: {', '.join(MODELS)}, or pkg.module:build_model"
@@ -68,8 +74,9 @@ class TrainConfig:
             value = getattr(self, name)
             if not (math.isfinite(value) and value > 0):
                 raise ConfigError(f"{name} must be a positive finite number, got {value}")
-        if self.warmup_steps < 0 or self.weight_decay < 0 or self.finish_rounds < 0:
-            raise ConfigError("warmup_steps, weight_decay and finish_rounds must not be negative")
+        for name in ("warmup_steps", "weight_decay", "finish_rounds", "seed"):
+            if not getattr(self, name) >= 0:  # NaN fails too
+                raise ConfigError(f"{name} must not be negative, got {getattr(self, name)}")
         try:
             self.outer()
             self.compression()
@@ -79,6 +86,8 @@ class TrainConfig:
             raise ConfigError(str(e)) from None
 
     def outer(self) -> OuterConfig:
+        from peer.outer import OuterConfig
+
         return OuterConfig(
             lr=self.outer_lr,
             momentum=self.outer_momentum,
@@ -88,6 +97,8 @@ class TrainConfig:
         )
 
     def compression(self) -> LowRankConfig:
+        from averaging.compression import LowRankConfig
+
         return LowRankConfig(
             rank=self.rank, seed=self.seed, mean_codec=self.codec, diff_codec=self.consensus_codec
         )  # fmt: skip
@@ -95,6 +106,8 @@ class TrainConfig:
     def finish_compression(self) -> LowRankConfig:
         """How a finish round's anchors travel: whole in fp16 ("dense"), or as int8 with a scale per row; a
         low-rank pull would need many more rounds to agree."""
+        from averaging.compression import LowRankConfig
+
         return LowRankConfig(rank=self.rank, seed=self.seed, mean_codec=self.codec, diff_codec=self.finish_codec)
 
     def to_record(self) -> dict[str, Any]:

@@ -303,11 +303,16 @@ def test_checkpoint_options(tmp_path, capsys):
     )
     join = ["join", "--initial-peers", BOOTSTRAP, "--run", RUN]
     for flags, needle in [(["--resume"], "resume needs a checkpoint folder"),
-                          (["--checkpoint-every", "0"], "checkpoint_every must be at least 1"),
-                          (["--checkpoint-interval", "-1"], "checkpoint_interval must be a non-negative")]:  # fmt: skip
-        assert main([*join, *flags]) == 1  # refused before any node starts
+                          (["--restart"], "--restart resumes from checkpoints: give --out-dir or --checkpoint-dir")]:  # fmt: skip
+        assert main([*join, *flags]) == 1  # refused before any node starts (and before any fork)
         err = capsys.readouterr().err
         assert needle in err and len(err.strip().splitlines()) == 1, err
+    for flags, needle in [(["--checkpoint-every", "0"], "argument --checkpoint-every: must be at least 1, got 0"),
+                          (["--checkpoint-interval", "-1"], "argument --checkpoint-interval: must be a non-negative")]:  # fmt: skip
+        with pytest.raises(SystemExit) as exit_info:
+            main([*join, *flags])
+        err = capsys.readouterr().err
+        assert exit_info.value.code == 2 and needle in err and len(err.strip().splitlines()) == 1, err
 
 
 @pytest.mark.slow
