@@ -88,7 +88,7 @@ def start_node(config: NodeConfig) -> hivemind.DHT:
     without an identity file then gets a fresh key, used for this start only.
     """
     if problem := port_problem(config.host, config.port):  # p2pd would share the port silently (SO_REUSEPORT)
-        raise NodeError(f"cannot listen on {problem}: pass another --port, or stop the program that holds it")
+        raise NodeError(f"{problem}: pass another --port, or stop the program that holds it")
     if config.identity_path is not None:
         _ensure_identity_not_taken(config.identity_path, config.initial_peers)
     if config.run_id is None:

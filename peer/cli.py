@@ -18,9 +18,11 @@ from __future__ import annotations
 
 import argparse
 import logging
+import os
 import signal
 import sys
 import threading
+import time
 from pathlib import Path
 
 from peer.flags import build_parser
@@ -42,21 +44,51 @@ def expected(error: BaseException) -> bool:
 
 class _Stop:
     """SIGINT/SIGTERM: before `started()`, abort at once (KeyboardInterrupt, so the startup unwinds through
-    its `finally` blocks: no join line, no round); after, the first one asks for a clean stop, a second aborts."""
+    its `finally` blocks: no join line, no round); after, the first one asks for a clean stop, a second aborts.
 
-    def __init__(self) -> None:
+    Python runs a signal handler only between bytecodes, and a startup spends seconds inside C code (torch
+    and hivemind loading their libraries), so a watcher thread hears the signal at once through the wakeup
+    fd: if the startup has not unwound within `GRACE` seconds, it says so in one line and exits the process
+    (130). Nothing a user had is open for writing yet, and the DHT worker and its p2pd die with this
+    process (dht.node).
+    """
+
+    GRACE = 0.8
+    current: _Stop | None = None  # the one of this process (the line is printed once)
+
+    def __init__(self, command: str) -> None:
+        _Stop.current = self
         self.event = threading.Event()
+        self.command = command
         self._started = False
+        self._said = threading.Lock()  # whoever takes it says "interrupted": the main thread or the watcher
         for signum in (signal.SIGINT, signal.SIGTERM):
             signal.signal(signum, self._handle)
+        read, write = os.pipe()
+        os.set_blocking(write, False)
+        signal.set_wakeup_fd(write, warn_on_full_buffer=False)
+        threading.Thread(target=self._watch, args=(read,), name="murmur-startup-stop", daemon=True).start()
 
     def started(self) -> None:
         self._started = True
+
+    def say_interrupted(self) -> bool:
+        """Whether this caller is the one to print the line (it is printed once)."""
+        return self._said.acquire(blocking=False)
 
     def _handle(self, signum, frame) -> None:
         if not self._started or self.event.is_set():
             raise KeyboardInterrupt
         self.event.set()
+
+    def _watch(self, read: int) -> None:
+        while os.read(read, 1):
+            if self._started:
+                continue
+            time.sleep(self.GRACE)  # the main thread unwinds, prints and exits meanwhile, if it can
+            if self.say_interrupted():
+                os.write(2, f"murmur {self.command}: interrupted\n".encode())
+                os._exit(130)
 
 
 def join_flags(model: str | None, data: str | None, secret_file: Path | None) -> str:
@@ -83,7 +115,7 @@ def _bootstrap(args: argparse.Namespace) -> int:
         raise ValueError(f"--model {config.model} is a custom model: also give --data PKG.MODULE:FUNCTION, the "
                          "batch builder joiners pass (the join line names both)")  # fmt: skip
     policy = load_policy(args.run_secret_file, args.allow_peers)  # a bad secret file fails before the node starts
-    stop = _Stop()
+    stop = _Stop(args.command)
     from dht.heartbeat import ConfigKeeper
     from dht.node import NodeConfig, start_node, stop_node, visible_addresses
     from dht.records import RunRecord, RunRecords
@@ -131,7 +163,7 @@ def _join_options(args: argparse.Namespace):
 
 
 def _join(args: argparse.Namespace) -> int:
-    stop = _Stop()
+    stop = _Stop(args.command)
     from peer.runner import run_peer
 
     options = _join_options(args)
@@ -155,14 +187,15 @@ def _simulate(args: argparse.Namespace) -> int:
     from peer.sim.simulate import SimulationConfig, simulate
 
     config = SimulationConfig(
-        peers=args.peers, duration=args.duration, run_id=args.run, report=args.report,
+        peers=args.peers, duration=args.duration, run_id=args.run, port=args.port, report=args.report,
         out_dir=args.out_dir or Path("runs") / args.run, train=_train_config(args), device=device_config(args),
         run_secret_file=args.run_secret_file, allow_peers=tuple(args.allow_peers or ()) or None,
     )  # fmt: skip
     load_policy(config.run_secret_file, config.allow_peers)  # a bad secret file fails before anything starts
+    replaced = " (it replaced the earlier one)" if args.report.exists() else ""
     report = simulate(config)
     losses = [(p.initial_eval_loss, p.final_eval_loss) for p in report.peers]
-    print(f"report written to {args.report}: {len(report.peers)}/{args.peers} peers reported")
+    print(f"report written to {args.report}{replaced}: {len(report.peers)}/{args.peers} peers reported")
     for p in report.peers:
         print(
             f"  peer {p.peer_id[-8:]}: eval loss {p.initial_eval_loss:.3f} -> {p.final_eval_loss:.3f}, "
@@ -239,7 +272,8 @@ def _run(command, args: argparse.Namespace) -> int:
         print(f"murmur {args.command}: error: {_one_line(e)}", file=sys.stderr)
         return 1
     except KeyboardInterrupt:
-        print(f"murmur {args.command}: interrupted", file=sys.stderr)
+        if _Stop.current is None or _Stop.current.say_interrupted():
+            print(f"murmur {args.command}: interrupted", file=sys.stderr, flush=True)
         return 130
 
 

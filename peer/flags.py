@@ -181,6 +181,12 @@ def build_parser() -> argparse.ArgumentParser:
     sim.add_argument("--report", type=Path, default=Path("report.json"), metavar="PATH",
                      help="the swarm's report, as JSON (default: %(default)s)")  # fmt: skip
     sim.add_argument("--run", default="sim", help="run id")
+    sim.add_argument(
+        "--port",
+        type=PORT,
+        default=0,
+        help="the bootstrap node's port on 127.0.0.1, 0 picks a free one (default: %(default)s)",
+    )
     sim.add_argument("--out-dir", type=Path,
                      help="folder for the peers' logs (default: runs/RUN; a folder that holds an earlier "
                           "simulation is kept, and the next free RUN-2, RUN-3 ... is used)")  # fmt: skip

@@ -28,7 +28,7 @@ def check_fresh(out_dir: Path | None, checkpoints: Path | None, *, resume: bool)
     if found:
         where = out_dir if out_dir is not None else checkpoints
         raise ValueError(f"{where} holds an earlier run ({', '.join(found)}): pass --resume to continue it, "
-                         "or choose a new --out-dir (and --checkpoint-dir)")  # fmt: skip
+                         "or choose a new folder")  # fmt: skip
 
 
 def fresh_folder(folder: Path) -> Path:

@@ -302,13 +302,15 @@ def test_checkpoint_options(tmp_path, capsys):
         tmp_path / "c"
     )
     join = ["join", "--initial-peers", BOOTSTRAP, "--run", RUN]
-    for flags, needle in [(["--resume"], "resume needs a checkpoint folder"),
-                          (["--restart"], "--restart resumes from checkpoints: give --out-dir or --checkpoint-dir")]:  # fmt: skip
+    restart = "--restart resumes from checkpoints: give --out-dir or --checkpoint-dir"
+    for flags, needle in [(["--resume"], "resume needs a checkpoint folder"), (["--restart"], restart)]:
         assert main([*join, *flags]) == 1  # refused before any node starts (and before any fork)
         err = capsys.readouterr().err
         assert needle in err and len(err.strip().splitlines()) == 1, err
-    for flags, needle in [(["--checkpoint-every", "0"], "argument --checkpoint-every: must be at least 1, got 0"),
-                          (["--checkpoint-interval", "-1"], "argument --checkpoint-interval: must be a non-negative")]:  # fmt: skip
+    for flags, needle in [
+        (["--checkpoint-every", "0"], "argument --checkpoint-every: must be at least 1, got 0"),
+        (["--checkpoint-interval", "-1"], "argument --checkpoint-interval: must be a non-negative"),
+    ]:
         with pytest.raises(SystemExit) as exit_info:
             main([*join, *flags])
         err = capsys.readouterr().err

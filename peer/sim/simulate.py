@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import contextlib
 import dataclasses
+import math
 import os
 import signal
 import subprocess
@@ -40,6 +41,7 @@ class SimulationConfig:
     peers: int = 4
     duration: float = 60.0
     run_id: str = "sim"
+    port: int = 0  # the bootstrap node's; every peer listens on a free port
     out_dir: Path = Path("runs/sim")
     report: Path = Path("report.json")
     train: TrainConfig = field(default_factory=TrainConfig)
@@ -52,8 +54,8 @@ class SimulationConfig:
     def __post_init__(self) -> None:
         if not 1 <= self.peers <= 64:
             raise ValueError(f"--peers must be between 1 and 64, got {self.peers}")
-        if not self.duration > 0:
-            raise ValueError(f"--duration must be positive, got {self.duration}")
+        if not 0 < self.duration < math.inf:
+            raise ValueError(f"--duration must be a positive number of seconds, got {self.duration}")
         if is_spec(self.train.model):
             raise ValueError("simulate trains registry models; run a custom model with murmur join or peer.api")
 
@@ -82,11 +84,13 @@ def launch(command: list[str], log: Path) -> subprocess.Popen:
         return subprocess.Popen(command, stdout=out, stderr=subprocess.STDOUT, start_new_session=True, env=env)
 
 
-def start_bootstrap(run_id: str, train: TrainConfig, host: str = "127.0.0.1", secret_check: str | None = None):
+def start_bootstrap(
+    run_id: str, train: TrainConfig, host: str = "127.0.0.1", secret_check: str | None = None, port: int = 0
+):
     """An in-process bootstrap node that has published the run's config (and, for a private run, the
     `AccessPolicy.run_check` of its secret); returns it and its multiaddrs."""
     # signs the config, as every node of the run signs its records
-    boot = start_node(NodeConfig(run_id=run_id, host=host))
+    boot = start_node(NodeConfig(run_id=run_id, host=host, port=port))
     try:
         RunRecords(boot, run_id).publish_config(
             RunRecord(
@@ -167,7 +171,7 @@ def simulate(config: SimulationConfig, console: Console | None = None) -> SwarmR
         config = dataclasses.replace(config, out_dir=out_dir)
     config.out_dir.mkdir(parents=True, exist_ok=True)
     started = time.monotonic()
-    boot, maddrs = start_bootstrap(config.run_id, config.train, secret_check=secret_check)
+    boot, maddrs = start_bootstrap(config.run_id, config.train, secret_check=secret_check, port=config.port)
     procs: list[subprocess.Popen] = []
     try:
         for i in range(config.peers):
