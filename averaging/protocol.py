@@ -163,6 +163,7 @@ class AccessDenied(ExchangeFailed):
     """The partner did not prove the run's secret (or is not on the allowlist): a strike towards its cool-down."""
 
 
+INCOMPATIBLE, BUSY, NOT_READY = "incompatible run, model or compression settings", "busy", "not ready"  # declines
 WARM = "q0:"  # PHASE1's prefix for the initiator's warm-start Q factors, beside its phase-1 P factors
 NEXT = "q1:"  # PHASE2's prefix for the responder's phase-2 Q factors, beside its phase-1 P factors
 _LAYOUT_KEY = "layout."  # DECLINE meta keys "layout.0", "layout.1", ...: the decliner's layout entries
@@ -239,6 +240,7 @@ class GossipAverager:
         self.config = config
         self.modes = dict(modes)
         self.slots = compressor.plan(shapes, self.modes)
+        self.phase = phase
         self.layout = layout_entries(run_id, self.slots, self.modes, compressor, phase)
         self.signature = layout_signature(run_id, self.slots, self.modes, compressor, phase)
         self.incompatible: dict[str, str] = {}  # peer -> how its layout differs (said once; never asked again)
@@ -318,12 +320,11 @@ class GossipAverager:
                         self._result.set_result(await self._initiate(partner, offer))
                     except Incompatible as e:
                         self.stats.declined += 1
-                        if partner not in self.incompatible:
-                            logger.warning("%s", e)
-                        self.incompatible[partner] = str(e)
+                        self._incompatible(partner, str(e), detailed=True)
                     except Declined as e:
                         self.stats.declined += 1
-                        self.compatible.add(partner)  # busy or not ready: it was past the layout check
+                        if str(e) in (BUSY, NOT_READY):  # it was past the layout check
+                            self.compatible.add(partner)
                         logger.debug("partner %s declined: %s", partner[-8:], e)
                     except Unreachable as e:
                         self.stats.unreachable += 1
@@ -369,6 +370,13 @@ class GossipAverager:
         if isinstance(error, Misbehaved):
             self.cooldown.strike(partner, str(error))
 
+    def _incompatible(self, peer: str, why: str, *, detailed: bool) -> None:
+        """A peer that trains another model layout: never asked again; the first such peer is said, once."""
+        if not self.incompatible:
+            logger.warning("%s", why)
+        if detailed or peer not in self.incompatible:
+            self.incompatible[peer] = why
+
     def _refuse(self, peer: str, reason: str) -> None:
         """A peer that failed the access check: said once, and struck towards its cool-down (not asked, declined)."""
         if peer not in self._refused:
@@ -401,7 +409,11 @@ class GossipAverager:
             raise Unreachable(f"unreachable: {e}") from None
         try:
             async with asyncio.timeout(self.config.exchange_timeout):
-                meta = {"sig": self.signature, **self._credentials("exchange-request", partner, session)}
+                meta = {
+                    "sig": self.signature,
+                    "phase": self.phase,
+                    **self._credentials("exchange-request", partner, session),
+                }
                 await self._send(stream, Kind.REQUEST, session, offer.step, {}, meta)
                 try:
                     accept = await self._recv(stream, Kind.ACCEPT, session, {})
@@ -453,13 +465,16 @@ class GossipAverager:
             reason = why
             self._refuse(remote, why)
         elif not compatible:
-            reason, extra = "incompatible run, model or compression settings", layout_meta(self.layout)
+            reason, extra = INCOMPATIBLE, layout_meta(self.layout)
+            if request.meta.get("phase") == self.phase:  # the same phase: it is the model that differs
+                why = f"model layout differs from the run's: peer {remote[-8:]} asked with another model layout"
+                self._incompatible(remote, why, detailed=False)
         else:
             self.compatible.add(remote)
             if offer is None or self._closed:
-                reason = "not ready"
+                reason = NOT_READY
             elif self._busy.locked() or self._result is None or self._result.done():
-                reason = "busy"
+                reason = BUSY
         if reason is not None:
             with contextlib.suppress(ConnectionError, TimeoutError):
                 await self._send(stream, Kind.DECLINE, session, 0, {}, {"reason": reason, **extra})

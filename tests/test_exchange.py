@@ -146,20 +146,23 @@ def test_a_partner_with_another_model_layout_is_named_once_and_not_asked_again(c
         results = []
         for _ in range(3):
             results += await asyncio.gather(a.average(make_offer(1)), b.average(offer_b))
-        return a, results, requests
+        return a, b, results, requests
 
     caplog.set_level(logging.WARNING, logger="murmur.averaging")
-    a, results, requests = asyncio.run(main())
+    a, b, results, requests = asyncio.run(main())
     assert results == [None] * 6 and requests == ["A"], "asked once, then never again"
-    lines = [r.getMessage() for r in caplog.records if "layout" in r.getMessage()]
-    assert lines == [
+    said = [r.getMessage() for r in caplog.records if "layout" in r.getMessage()]  # once by each side
+    asked, answered = (
+        "model layout differs from the run's: peer A asked with another model layout",
         "model layout differs from the run's: peer B has tensor 'anchor/w' as (24, 8):lowrank:4:diff, "
-        "this peer as (24, 16):lowrank:4:diff (shape:codec:rank:mode)"
-    ]
-    assert a.incompatible == {"B": lines[0]} and not a.compatible and a.stats.failed == 0
+        "this peer as (24, 16):lowrank:4:diff (shape:codec:rank:mode)",
+    )
+    assert said == [asked, answered]
+    assert a.incompatible == {"B": answered} and b.incompatible == {"A": asked} and not a.compatible
+    assert a.stats.failed == 0
     verdict = RunVerdict()
     verdict.check_layout(a, rounds=3)  # what the real peer checks after each round: it stops, in one line
-    assert verdict.failure == lines[0] + "; no peer of the run shares this model's layout"
+    assert verdict.failure == answered + "; no peer of the run shares this model's layout"
 
 
 def test_finish_rounds_decline_training_peers_without_a_layout_complaint(caplog):
