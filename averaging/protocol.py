@@ -207,17 +207,25 @@ def layout_difference(ours: list[str], meta: Mapping[str, object], partner: str)
     prefix = f"model layout differs from the run's: peer {partner[-8:]}"
     if theirs[0] != ours[0]:
         return None
-    mine = {e.split(":", 1)[0]: e for e in ours[1:]}
-    other = {e.split(":", 1)[0]: e for e in theirs[1:] if ":" in e}
-    for name in sorted(set(mine) | set(other)):
-        if mine.get(name) != other.get(name):
-            if name not in other:
-                return f"{prefix} has no tensor {name!r} (this peer: {mine[name].split(':', 1)[1]})"
-            if name not in mine:
-                return f"{prefix} has a tensor {name!r} this peer lacks ({other[name].split(':', 1)[1]})"
-            here, there = mine[name].split(":", 1)[1], other[name].split(":", 1)[1]
-            return f"{prefix} has tensor {name!r} as {there}, this peer as {here} (shape:codec:rank:mode)"
+    mine = {e.split(":", 1)[0]: e.split(":", 1)[1] for e in ours[1:]}
+    other = {e.split(":", 1)[0]: e.split(":", 1)[1] for e in theirs[1:] if ":" in e}
+    for name in sorted(set(mine) | set(other)):  # offer names: "anchor/<parameter>", "delta/<parameter>", ...
+        if mine.get(name) == other.get(name):
+            continue
+        shown = name.split("/", 1)[-1]  # the model's own name for the tensor
+        if name not in other:
+            return f"{prefix} has no tensor {shown!r} (this peer's has shape {_shape(mine[name])})"
+        if name not in mine:
+            return f"{prefix} has a tensor {shown!r} of shape {_shape(other[name])} that this peer lacks"
+        if _shape(mine[name]) != _shape(other[name]):
+            return f"{prefix} has tensor {shown!r} of shape {_shape(other[name])}, this peer {_shape(mine[name])}"
+        return f"{prefix} sends tensor {shown!r} as {other[name]}, this peer as {mine[name]} (shape:codec:rank:mode)"
     return f"{prefix} differs beyond the first {len(theirs) - 1} tensors it sent"
+
+
+def _shape(entry: str) -> str:
+    """The shape in a layout entry "(24, 16):codec:rank:mode"."""
+    return entry.rsplit(":", 3)[0]
 
 
 class GossipAverager:

@@ -46,11 +46,11 @@ _INT_VIEWS: dict[torch.dtype, tuple[torch.dtype, str]] = {
 class Kind(enum.IntEnum):
     """The messages of one exchange, in protocol order; DECLINE and ABORT end it early."""
 
-    REQUEST = 1  # initiator -> responder: asks to average; carries the initiator's warm-start Q factors
-    ACCEPT = 2  # responder -> initiator: agrees; carries responder's phase-1 P factors and its dense tensors
-    DECLINE = 3  # responder -> initiator: busy / not ready / incompatible; meta["reason"]
-    PHASE1 = 4  # initiator -> responder: initiator's phase-1 P factors and dense tensors
-    PHASE2 = 5  # responder -> initiator: responder's phase-2 Q factors
+    REQUEST = 1  # initiator -> responder: asks to average; layout signature and access proof, no tensors
+    ACCEPT = 2  # responder -> initiator: agrees; its access proof, no tensors
+    DECLINE = 3  # responder -> initiator: busy / not ready / not authorized / incompatible (with its layout)
+    PHASE1 = 4  # initiator -> responder: initiator's warm-start Q, phase-1 P factors and dense tensors
+    PHASE2 = 5  # responder -> initiator: responder's phase-1 P factors and dense tensors, phase-2 Q factors
     COMMIT = 6  # initiator -> responder: initiator's phase-2 Q factors; responder applies on receipt
     ACK = 7  # responder -> initiator: responder applied; initiator applies on receipt
     ABORT = 8  # either side: stop this exchange, apply nothing; meta["reason"]

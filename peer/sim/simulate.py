@@ -167,7 +167,8 @@ def simulate(config: SimulationConfig, console: Console | None = None) -> SwarmR
     secret_check = load_policy(config.run_secret_file, config.allow_peers).run_check(config.run_id)
     out_dir = fresh_folder(config.out_dir)  # an earlier simulation's files are kept, never overwritten
     if out_dir != config.out_dir:
-        console.print(f"{config.out_dir} holds an earlier simulation, kept as it is; this one writes to {out_dir}")
+        console.print(f"{config.out_dir} holds an earlier simulation, kept as it is; this one writes to {out_dir}",
+                      soft_wrap=True, markup=False, highlight=False)  # fmt: skip
         config = dataclasses.replace(config, out_dir=out_dir)
     config.out_dir.mkdir(parents=True, exist_ok=True)
     started = time.monotonic()
