@@ -125,19 +125,26 @@ def _start(config: NodeConfig, validators: list) -> hivemind.DHT:
         dht.run_in_background(await_ready=True, timeout=config.startup_timeout)
         started = True
     except TimeoutError as e:
+        if config.initial_peers:
+            raise NodeError(_unreachable(config, f" within {config.startup_timeout:g} s")) from None
         raise NodeError(f"DHT node on {config.host_maddr} was not ready in {config.startup_timeout:g} s") from e
     except Exception as e:
         reason = " ".join(str(e).split()) or type(e).__name__
         if "failed to connect to bootstrap peers" in reason:
-            peers = " ".join(config.initial_peers)
-            raise NodeError(f"could not reach the initial peer{'s' * (len(config.initial_peers) > 1)} {peers}: "
-                            "check the address and its /p2p id, and that the node is up") from None  # fmt: skip
+            raise NodeError(_unreachable(config)) from None
         raise NodeError(f"DHT node on {config.host_maddr} failed to start: {reason}") from e
     finally:
         _forking_worker_of = None
         if not started:
             _reap(_processes_of(dht), timeout=5.0)
     return dht
+
+
+def _unreachable(config: NodeConfig, when: str = "") -> str:
+    """The one line for initial peers that did not answer: their addresses, not ours or p2pd's log."""
+    peers = " ".join(config.initial_peers)
+    return (f"could not reach the initial peer{'s' * (len(config.initial_peers) > 1)} {peers}{when}: "
+            "check the address and its /p2p id, and that the node is up")  # fmt: skip
 
 
 def _register_guard() -> None:

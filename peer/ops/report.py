@@ -6,7 +6,7 @@ series per peer, labelled with its peer id: training loss (a line) and held-out 
 each evaluation: the time and samples it was measured at) against wall time, the same against
 samples, bytes sent and received against wall time, and how many peers were alive: the live peers
 each peer saw in the run's announcements, itself included (logs from before that field: between
-each folder's first and last record). Wall time counts from the first record of any peer.
+each folder's first and last record). Wall time counts from the first record or evaluation of any peer.
 matplotlib is imported only when a figure is built, and draws on its Agg canvas: no pyplot, no
 global backend switch, no layout engine (it would double the time to draw).
 """
@@ -94,7 +94,8 @@ def build_figure(logs: dict[str, list[dict]], title: str = "") -> Figure:
     FigureCanvasAgg(figure)
     figure.subplots_adjust(left=0.06, right=0.98, top=0.92, bottom=0.07, hspace=0.3, wspace=0.18)
     (by_time, by_samples), (traffic, alive) = figure.subplots(2, 2)
-    t0 = min(r["t"] for records in logs.values() for r in records)
+    starts = [p["t"] for records in logs.values() for p in [*records[:1], *evaluations(records)[:1]]]
+    t0 = min(starts)  # the first record, or the first evaluation (a peer evaluates before its first round)
     spans, counted = [], False
     for i, (name, records) in enumerate(logs.items()):
         color, label = f"C{i % 10}", peer_label(name, records)
