@@ -43,8 +43,9 @@ def expected(error: BaseException) -> bool:
 
 
 class _Stop:
-    """SIGINT/SIGTERM: before `started()`, abort at once (KeyboardInterrupt, so the startup unwinds through
-    its `finally` blocks: no join line, no round); after, the first one asks for a clean stop, a second aborts.
+    """SIGINT/SIGTERM while a command runs: before `started()`, abort at once (KeyboardInterrupt, so the startup
+    unwinds through its `finally` blocks: no join line, no round); after, the first one asks for a clean stop,
+    a second aborts. A context manager: on exit the previous handlers are back.
 
     Python runs a signal handler only between bytecodes, and a startup spends seconds inside C code (torch
     and hivemind loading their libraries), so a watcher thread hears the signal at once through the wakeup
@@ -54,20 +55,29 @@ class _Stop:
     """
 
     GRACE = 0.8
-    current: _Stop | None = None  # the one of this process (the line is printed once)
+    current: _Stop | None = None  # the latest of this process: the "interrupted" line is printed once
 
     def __init__(self, command: str) -> None:
         _Stop.current = self
         self.event = threading.Event()
         self.command = command
-        self._started = False
+        self._started = self._done = False
         self._said = threading.Lock()  # whoever takes it says "interrupted": the main thread or the watcher
-        for signum in (signal.SIGINT, signal.SIGTERM):
-            signal.signal(signum, self._handle)
-        read, write = os.pipe()
-        os.set_blocking(write, False)
-        signal.set_wakeup_fd(write, warn_on_full_buffer=False)
+        self._previous = {signum: signal.signal(signum, self._handle) for signum in (signal.SIGINT, signal.SIGTERM)}
+        read, self._write = os.pipe()
+        os.set_blocking(self._write, False)
+        self._previous_fd = signal.set_wakeup_fd(self._write, warn_on_full_buffer=False)
         threading.Thread(target=self._watch, args=(read,), name="murmur-startup-stop", daemon=True).start()
+
+    def __enter__(self) -> _Stop:
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self._done = True
+        signal.set_wakeup_fd(self._previous_fd)
+        for signum, handler in self._previous.items():
+            signal.signal(signum, handler)
+        os.close(self._write)  # the watcher reads the end of the pipe and returns
 
     def started(self) -> None:
         self._started = True
@@ -82,13 +92,16 @@ class _Stop:
         self.event.set()
 
     def _watch(self, read: int) -> None:
-        while os.read(read, 1):
-            if self._started:
-                continue
-            time.sleep(self.GRACE)  # the main thread unwinds, prints and exits meanwhile, if it can
-            if self.say_interrupted():
-                os.write(2, f"murmur {self.command}: interrupted\n".encode())
-                os._exit(130)
+        try:
+            while os.read(read, 1):
+                if self._started or self._done:
+                    continue
+                time.sleep(self.GRACE)  # the main thread unwinds, prints and exits meanwhile, if it can
+                if not self._done and self.say_interrupted():
+                    os.write(2, f"murmur {self.command}: interrupted\n".encode())
+                    os._exit(130)
+        finally:
+            os.close(read)
 
 
 def join_flags(model: str | None, data: str | None, secret_file: Path | None) -> str:
@@ -115,10 +128,15 @@ def _bootstrap(args: argparse.Namespace) -> int:
         raise ValueError(f"--model {config.model} is a custom model: also give --data PKG.MODULE:FUNCTION, the "
                          "batch builder joiners pass (the join line names both)")  # fmt: skip
     policy = load_policy(args.run_secret_file, args.allow_peers)  # a bad secret file fails before the node starts
-    stop = _Stop(args.command)
+    with _Stop(args.command) as stop:
+        return _serve_bootstrap(args, config, policy, stop)
+
+
+def _serve_bootstrap(args: argparse.Namespace, config, policy, stop: _Stop) -> int:
     from dht.heartbeat import ConfigKeeper
     from dht.node import NodeConfig, start_node, stop_node, visible_addresses
     from dht.records import RunRecord, RunRecords
+    from peer.config import is_spec
 
     dht = start_node(NodeConfig(host=args.host, port=args.port, identity_path=args.identity, run_id=args.run))
     try:
@@ -163,17 +181,17 @@ def _join_options(args: argparse.Namespace):
 
 
 def _join(args: argparse.Namespace) -> int:
-    stop = _Stop(args.command)
-    from peer.runner import run_peer
+    with _Stop(args.command) as stop:
+        from peer.runner import run_peer
 
-    options = _join_options(args)
-    extra = join_flags(args.model, args.data, args.run_secret_file)
+        options = _join_options(args)
+        extra = join_flags(args.model, args.data, args.run_secret_file)
 
-    def started(peer) -> None:
-        stop.started()
-        print(peer.join_line() + extra, flush=True)
+        def started(peer) -> None:
+            stop.started()
+            print(peer.join_line() + extra, flush=True)
 
-    report = run_peer(options, stop.event, on_start=started)
+        report = run_peer(options, stop.event, on_start=started)
     print(
         f"peer {report.peer_id[-8:]}: {report.steps} steps, eval loss {report.initial_eval_loss:.3f} -> "
         f"{report.final_eval_loss:.3f}, exchanges {report.exchanges_ok} ok / {report.exchanges_failed} failed"
