@@ -11,6 +11,11 @@ Any handler uses it the same way: the requester adds ``policy.credentials(...)``
 message; the server calls ``policy.check(...)`` on it and, if that returns a reason, refuses with
 that reason before sending anything else; and the server's first reply carries credentials of its
 own that the requester checks, so neither side hands data to an impostor.
+
+The run record says up front whether a run is private: the bootstrap node publishes
+``run_check(run_id)``, an HMAC of the run id under the secret (not the secret), and a joiner calls
+``refuses_run`` on it before it starts training: without the secret, or with another one, it stops
+with one line instead of training alone, refused by every peer.
 """
 
 from __future__ import annotations
@@ -75,6 +80,23 @@ class AccessPolicy:
             return "not authorized: the proof of the run secret is stale (check the clocks)"
         if not hmac.compare_digest(mac, self._mac(context, remote, local, nonce, at)):
             return "not authorized: wrong run secret"
+        return None
+
+    def run_check(self, run_id: str) -> str | None:
+        """What the run record carries for a private run (None for an open one): proves nothing to anyone who
+        lacks the secret, and lets a joiner tell at once whether its secret is the run's."""
+        if self.secret is None:
+            return None
+        return hmac.new(self.secret, f"murmur-run|{run_id}".encode(), hashlib.sha256).hexdigest()
+
+    def refuses_run(self, run_id: str, check: str | None) -> str | None:
+        """None if a peer with this policy can train in the run whose record carries `check`; else why not."""
+        if check is None:
+            return None
+        if self.secret is None:
+            return f"run '{run_id}' is private: pass --run-secret-file FILE with the run's secret"
+        if not hmac.compare_digest(check, self.run_check(run_id) or ""):
+            return f"run '{run_id}' is private and this run secret is not its secret: check --run-secret-file"
         return None
 
     def _mac(self, context: str, sender: str, receiver: str, nonce: int, at: int) -> str:

@@ -82,7 +82,19 @@ class ExchangeFailed(Exception):
 
 
 class Declined(ExchangeFailed):
-    """The leader declined before anything was exchanged."""
+    """The leader declined before anything was exchanged; `meta` is its DECLINE's (a layout, for another one)."""
+
+    def __init__(self, reason: str, meta: Mapping[str, object] | None = None) -> None:
+        super().__init__(reason)
+        self.meta = dict(meta or {})
+
+
+class Incompatible(Declined):
+    """The leader trains another layout (another model, compression or run); str(e) names the first difference."""
+
+
+class AccessDenied(ExchangeFailed):
+    """The peer did not prove the run's secret (or is not on the allowlist): a strike towards its cool-down."""
 
 
 class Unreachable(ExchangeFailed):
@@ -164,7 +176,7 @@ class Messenger:
         kinds = None if want is None else {want, Kind.DECLINE, Kind.ABORT}
         message = wire.decode(data, limits=self.limits, kinds=kinds)
         if want is not None and message.kind == Kind.DECLINE:
-            raise Declined(str(message.meta.get("reason", "no reason given")))
+            raise Declined(str(message.meta.get("reason", "no reason given")), message.meta)
         if want is not None and message.kind == Kind.ABORT:
             raise ExchangeFailed(f"aborted: {message.meta.get('reason', 'no reason given')}")
         if session is not None and message.session != session:
@@ -175,10 +187,10 @@ class Messenger:
             wire.check_tensors(message.tensors, expected)
         return message
 
-    async def refuse(self, stream: Stream, kind: Kind, session: int, reason: str) -> None:
-        """DECLINE or ABORT with a reason, ignoring a stream that is already gone."""
+    async def refuse(self, stream: Stream, kind: Kind, session: int, reason: str, extra=None) -> None:
+        """DECLINE or ABORT with a reason (and `extra` meta), ignoring a stream that is already gone."""
         with contextlib.suppress(ConnectionError, TimeoutError, wire.WireError):
-            await self.send(stream, kind, session, 0, {}, {"reason": reason[:200]})
+            await self.send(stream, kind, session, 0, {}, {"reason": reason[:200], **(extra or {})})
 
 
 @dataclass

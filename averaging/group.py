@@ -23,7 +23,6 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
-import hashlib
 import logging
 import random
 from collections.abc import Mapping
@@ -32,12 +31,14 @@ from dataclasses import dataclass, field
 from averaging import wire
 from averaging.access import AccessPolicy
 from averaging.aggregation import AggregationConfig, RobustAggregator
-from averaging.compression import LowRankCompressor, Mode, Projection, Slot
+from averaging.compression import LowRankCompressor, Mode, Projection
 from averaging.cooldown import Cooldown, CooldownConfig
 from averaging.exchange import (
+    AccessDenied,
     Declined,
     ExchangeFailed,
     GroupResult,
+    Incompatible,
     Messenger,
     Misbehaved,
     Offer,
@@ -50,6 +51,7 @@ from averaging.exchange import (
 )
 from averaging.exchange import members_of as exchange_members
 from averaging.groups import should_seal
+from averaging.layout import INCOMPATIBLE, layout_difference, layout_entries, layout_meta, layout_signature
 from averaging.transport import Stream, Transport
 from averaging.wire import Kind
 
@@ -100,14 +102,6 @@ class ExchangeStats:
     last_error: str | None = None
 
 
-def layout_signature(run_id: str, slots: Mapping[str, Slot], modes: Mapping[str, Mode], compressor) -> str:
-    """Members may group only if they agree on every name, shape, codec, rank, mode and wire dtype."""
-    cfg = compressor.config
-    parts = [run_id, str(wire.PROTOCOL_VERSION), str(cfg.factor_dtype), str(cfg.dense_dtype)]
-    parts += [f"{n}:{s.shape}:{s.codec}:{s.rank}:{modes[n]}" for n, s in sorted(slots.items())]
-    return hashlib.sha256("|".join(parts).encode()).hexdigest()[:32]
-
-
 @dataclass
 class _Join:
     stream: Stream
@@ -140,6 +134,7 @@ class GroupAverager:
         config: GroupConfig = GroupConfig(),
         seed: int | None = None,
         client_mode: bool = False,
+        phase: str = "training",  # or "finish": another layout, so that the two never group
     ) -> None:
         self.transport = transport
         self.client_mode = client_mode  # never dialled: it joins groups (never leads) and opens its pair streams
@@ -147,7 +142,12 @@ class GroupAverager:
         self.config = config
         self.modes = dict(modes)
         self.slots = compressor.plan(shapes, self.modes)
-        self.signature = layout_signature(run_id, self.slots, self.modes, compressor)
+        self.phase = phase
+        self.layout = layout_entries(run_id, self.slots, self.modes, compressor, phase)
+        self.signature = layout_signature(self.layout)
+        self.incompatible: dict[str, str] = {}  # peer -> how its layout differs (said once; never asked again)
+        self.compatible: set[str] = set()  # peers known to share our layout (they grouped with us, or asked us)
+        self._refused: set[str] = set()  # peers whose access refusal has been logged once
         self.stats = ExchangeStats()
         self.aggregator = RobustAggregator(config.aggregation)
         self.cooldown = Cooldown(config.cooldown)
@@ -183,6 +183,10 @@ class GroupAverager:
             self._release(self._gathering, "not gathering for that appointment")
             self._gathering = None
 
+    async def avoid(self, peer: str, seconds: float) -> None:
+        """Do not ask `peer` for `seconds`: a killed predecessor of this peer, whose announcement outlives it."""
+        self._unreachable[peer] = asyncio.get_running_loop().time() + seconds
+
     def reachable(self, peer: str) -> bool:
         until = self._unreachable.get(peer)
         return until is None or until <= asyncio.get_running_loop().time()
@@ -203,10 +207,18 @@ class GroupAverager:
                     if not self.client_mode:  # nobody can dial a client-mode peer: it never leads
                         result = await self._lead(offer, plan, digest)
                     break
-                if not self.reachable(leader) or self.cooldown.cooling(leader):
+                if not self.reachable(leader) or self.cooldown.cooling(leader) or leader in self.incompatible:
                     continue
                 try:
                     result = await self._join(leader, offer, plan, digest)
+                    break
+                except Incompatible as e:
+                    self.stats.declined += 1
+                    self._incompatible(leader, str(e), detailed=True)
+                except AccessDenied as e:
+                    self.stats.failed += 1
+                    self.stats.last_error = f"{leader[-8:]}: {e}"
+                    self._refuse(leader, str(e))
                     break
                 except Declined as e:
                     self.stats.declined += 1
@@ -227,6 +239,7 @@ class GroupAverager:
             self.stats.ok += 1
             self.stats.members += result.size - 1
             self.stats.last_partner = result.partner
+            self.compatible.update(m for m in result.members if m != self.peer_id)
         return result
 
     async def _lead(self, offer: Offer, plan: GroupPlan, digest: str) -> GroupResult | None:
@@ -297,7 +310,7 @@ class GroupAverager:
         except (ConnectionError, TimeoutError) as e:
             raise Unreachable(f"unreachable: {e}") from None
         try:
-            meta = {"key": plan.key, "sig": self.signature, "d": digest, "c": self.client_mode,
+            meta = {"key": plan.key, "sig": self.signature, "phase": self.phase, "d": digest, "c": self.client_mode,
                     **self._credentials("group-join", leader, nonce)}  # fmt: skip
             await m.send(stream, Kind.JOIN, nonce, offer.step, {}, meta)
             wait = max(0.0, plan.deadline - loop.time()) + self.config.message_timeout
@@ -305,8 +318,12 @@ class GroupAverager:
                 roster = await m.recv(stream, Kind.ROSTER, None, None, step=offer.step, timeout=wait)
             except TimeoutError:
                 raise Declined("no roster before the deadline") from None
+            except Declined as e:
+                if str(e) == INCOMPATIBLE and (why := layout_difference(self.layout, e.meta, leader)):
+                    raise Incompatible(why) from None
+                raise
             if why := self._access_denied("group-roster", leader, roster.session, roster.meta):
-                raise Misbehaved(f"leader failed the access check ({why})")
+                raise AccessDenied(f"it failed the access check as a leader ({why})")
             pull = roster.meta.get("p")
             if type(pull) is not bool:
                 raise Misbehaved("the roster does not say whether states are pulled")
@@ -441,13 +458,17 @@ class GroupAverager:
         this stream and keeps it for the exchange), or decline it with the reason."""
         key, digest = join.meta.get("key"), join.meta.get("d")
         gathering = self._gathering
-        reason = None
+        reason, extra = None, {}
         if self.cooldown.cooling(remote):
             reason = "cooling down after bad messages"
         elif why := self._access_denied("group-join", remote, join.session, join.meta):
             reason = why
+            self._refuse(remote, why)
         elif join.meta.get("sig") != self.signature:
-            reason = "incompatible run, model or compression settings"
+            reason, extra = INCOMPATIBLE, layout_meta(self.layout)
+            if join.meta.get("phase") == self.phase:  # the same phase: it is the model that differs
+                why = f"model layout differs from the run's: peer {remote[-8:]} asked with another model layout"
+                self._incompatible(remote, why, detailed=False)
         elif not isinstance(digest, str):
             reason = "the join carries no state digest"
         elif self._closed or key is None or (key != self._expect and (gathering is None or gathering.key != key)):
@@ -456,11 +477,13 @@ class GroupAverager:
             reason = "the group is sealed"
         elif gathering is not None and remote in gathering.joins:
             reason = "already joined"
-        if reason is not None:
+        if reason is None:
+            self.compatible.add(remote)
+        else:
             if gathering is not None and gathering.key == key:
                 gathering.refused.add(remote)
                 gathering.changed.set()
-            await self.messenger.refuse(stream, Kind.DECLINE, join.session, reason)
+            await self.messenger.refuse(stream, Kind.DECLINE, join.session, reason, extra)
             return
         if gathering is None:
             gathering = self._gathering = _Gathering(str(key))
@@ -485,6 +508,21 @@ class GroupAverager:
 
     def _access_denied(self, context: str, remote: str, nonce: int, meta) -> str | None:
         return self.config.access.check(context=context, local=self.peer_id, remote=remote, nonce=nonce, meta=meta)
+
+    def _incompatible(self, peer: str, why: str, *, detailed: bool) -> None:
+        """A peer that trains another model layout: never asked again; the first such peer is said, once."""
+        if not self.incompatible:
+            logger.warning("%s", why)
+        if detailed or peer not in self.incompatible:
+            self.incompatible[peer] = why
+
+    def _refuse(self, peer: str, reason: str) -> None:
+        """A peer that failed the access check: said once, and struck towards its cool-down (neither joined nor
+        admitted)."""
+        if peer not in self._refused:
+            self._refused.add(peer)
+            logger.warning("peer %s refused: %s", peer[-8:], reason)
+        self.cooldown.strike(peer, reason)
 
     def _note_failure(self, peer: str, error: Exception) -> None:
         self.stats.failed += 1

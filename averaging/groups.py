@@ -96,13 +96,15 @@ def pace(inner_steps: int, step_seconds: Iterable[float], exchange_seconds: Iter
     return inner_steps * statistics.median(steps) + (statistics.median(exchanges) if exchanges else 0.0)
 
 
-def round_seconds(configured: float, estimate: float | None, announced: Iterable[float]) -> float | None:
+def round_seconds(configured: float, estimate: float | None, announced: Iterable[float],
+                  shortest: float = 0.0) -> float | None:  # fmt: skip
     """The run's round length: `configured` if set (> 0); else the length most announced appointments use,
-    so that a swarm keeps one grid; a new length (`estimate` quantized) only once the swarm's pace is at least
-    `ROUND_SWITCH` grid steps away from it (peers reading the same roster all switch together), or when nobody
-    has announced one yet."""
+    so that a swarm keeps one grid; a new length (`estimate`, at least `shortest`, quantized) only once the
+    swarm's pace is at least `ROUND_SWITCH` grid steps away from it (peers reading the same roster all switch
+    together), or when nobody has announced one yet."""
     if configured > 0:
         return configured
+    estimate = None if estimate is None else max(estimate, shortest)
     counts = collections.Counter(announced)
     if not counts:
         return None if estimate is None else quantize_round(estimate)

@@ -48,11 +48,11 @@ class Kind(enum.IntEnum):
 
     JOIN = 1  # member -> leader: asks into the group of an appointment (key, layout signature, proof); no tensors
     ROSTER = 2  # leader -> member: the sealed group (members in order, the leader's proof); warm-start Q factors
-    DECLINE = 3  # refused before anything was exchanged: full, sealed, not leading, incompatible; meta["reason"]
+    DECLINE = 3  # refused before anything was exchanged: full, sealed, not leading, incompatible (with its layout)
     HELLO = 4  # member -> member: opens the pair's data stream (the session's proof); no tensors
     PHASE1 = 5  # member <-> member: the sender's own phase-1 payload (codes, dense tensors, P factors)
-    HAVE = 6  # member -> leader: whose phase-1 payloads it holds (bitmask), its anchor digest
-    PROCEED = 7  # leader -> member: who goes on (bitmask), and whether phase 2 runs
+    HAVE = 6  # member -> leader: whose phase-1 payloads it holds, and whose messages were bad (bitmasks)
+    PROCEED = 7  # leader -> member: who goes on (bitmask)
     PHASE2 = 8  # member <-> member: the sender's own phase-2 Q factors
     DONE = 9  # member -> leader: it holds every phase-2 payload of the group
     COMMIT = 10  # leader -> member: apply

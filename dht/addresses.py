@@ -7,12 +7,14 @@ package and returned as a canonical ``str``: hivemind wants strings, not ``multi
 
 from __future__ import annotations
 
+import errno
 import ipaddress
+import socket
 from collections.abc import Iterable
 
 from multiaddr import Multiaddr
 
-__all__ = ["AddressError", "parse_host", "parse_peer_multiaddr", "parse_peer_multiaddrs"]
+__all__ = ["AddressError", "parse_host", "parse_peer_multiaddr", "parse_peer_multiaddrs", "port_problem"]
 
 _HOST_PROTOCOLS = frozenset({"ip4", "ip6", "dns", "dns4", "dns6"})
 _QUIC_PROTOCOLS = frozenset({"quic", "quic-v1"})
@@ -81,3 +83,23 @@ def parse_host(host: str) -> str:
         return str(ipaddress.ip_address(host.strip()))
     except ValueError:
         raise AddressError("host", host, "it must be a literal IPv4 or IPv6 address") from None
+
+
+def port_problem(host: str, port: int) -> str | None:
+    """Why a node cannot listen on `host`:`port` (it is in use, or cannot be bound), or None; port 0 is always free.
+
+    p2pd listens with SO_REUSEPORT, so a second one on a taken port would share it silently: this probe binds
+    without it (with SO_REUSEADDR, so connections of a stopped node in TIME_WAIT do not count) and fails the way
+    a second listener should.
+    """
+    if port == 0:
+        return None
+    family = socket.AF_INET6 if ipaddress.ip_address(host).version == 6 else socket.AF_INET
+    with socket.socket(family, socket.SOCK_STREAM) as s:
+        s.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+        try:
+            s.bind((host, port))
+        except OSError as e:
+            why = "is in use" if e.errno == errno.EADDRINUSE else f"cannot be bound: {e.strerror}"
+            return f"{host}:{port} {why}"
+    return None

@@ -174,7 +174,7 @@ class RosterWatch(_Background):
 
     thread_name = "murmur-roster"
 
-    def __init__(self, records: RunRecords, period: float = 1.0) -> None:
+    def __init__(self, records: RunRecords, period: float = 0.5) -> None:
         super().__init__()
         if not period > 0:
             raise ValueError(f"period must be positive, got {period!r}")

@@ -1,8 +1,15 @@
 """Start, join and stop a ``hivemind.DHT`` node.
 
 A ``hivemind.DHT`` is a forked worker process that runs one ``p2pd`` child. ``start_node`` starts
-one from a validated ``NodeConfig`` and turns every start failure into ``NodeError``;
-``stop_node`` shuts it down and makes sure, by PID, that the worker and its ``p2pd`` are gone.
+one from a validated ``NodeConfig`` and turns every start failure into ``NodeError`` (a port that is
+already taken, and initial peers that cannot be reached, are named as such); ``stop_node`` shuts it
+down and makes sure, by PID, that the worker and its ``p2pd`` are gone.
+
+The worker and its ``p2pd`` die with the process that started them: a ``kill -9`` of that process
+(the OOM killer) leaves no orphan behind. hivemind's worker ignores SIGINT and outlives its parent,
+and ``p2pd`` is the worker's child, beyond the reach of ``PR_SET_PDEATHSIG`` from here; so the worker,
+right after it is forked, starts a guard thread that polls its parent, and once that is gone kills
+its ``p2pd`` and itself.
 """
 
 from __future__ import annotations
@@ -10,14 +17,17 @@ from __future__ import annotations
 import ipaddress
 import math
 import os
+import signal
 import tempfile
+import threading
+import time
 from dataclasses import dataclass, replace
 from pathlib import Path
 
 import hivemind
 import psutil
 
-from .addresses import parse_host, parse_peer_multiaddrs
+from .addresses import parse_host, parse_peer_multiaddrs, port_problem
 from .identity import IdentityError, ensure_identity, peer_id_of
 from .records import validate_run_id
 from .signing import RunValidator, load_signing_key
@@ -25,6 +35,9 @@ from .signing import RunValidator, load_signing_key
 __all__ = ["NodeConfig", "NodeError", "start_node", "stop_node", "visible_addresses"]
 
 _SOCKET_FLAG = "-listen=/unix"  # p2pd's control socket; hivemind names the client socket after it
+_ORPHAN_POLL = 0.25  # seconds between a DHT worker's looks at its parent
+_forking_worker_of: int | None = None  # the pid that is forking a DHT worker right now (see _guard_worker)
+_guard_registered = False
 
 
 class NodeError(RuntimeError):
@@ -74,6 +87,8 @@ def start_node(config: NodeConfig) -> hivemind.DHT:
     everyone's (``dht.signing.RunValidator``); every node of a run must be started that way. A node
     without an identity file then gets a fresh key, used for this start only.
     """
+    if problem := port_problem(config.host, config.port):  # p2pd would share the port silently (SO_REUSEPORT)
+        raise NodeError(f"{problem}: pass another --port, or stop the program that holds it")
     if config.identity_path is not None:
         _ensure_identity_not_taken(config.identity_path, config.initial_peers)
     if config.run_id is None:
@@ -102,19 +117,66 @@ def _start(config: NodeConfig, validators: list) -> hivemind.DHT:
         startup_timeout=config.startup_timeout,
         record_validators=validators,
     )
+    global _forking_worker_of
     started = False
     try:
+        _register_guard()
+        _forking_worker_of = os.getpid()
         dht.run_in_background(await_ready=True, timeout=config.startup_timeout)
         started = True
     except TimeoutError as e:
+        if config.initial_peers:
+            raise NodeError(_unreachable(config, f" within {config.startup_timeout:g} s")) from None
         raise NodeError(f"DHT node on {config.host_maddr} was not ready in {config.startup_timeout:g} s") from e
     except Exception as e:
         reason = " ".join(str(e).split()) or type(e).__name__
+        if "failed to connect to bootstrap peers" in reason:
+            raise NodeError(_unreachable(config)) from None
         raise NodeError(f"DHT node on {config.host_maddr} failed to start: {reason}") from e
     finally:
+        _forking_worker_of = None
         if not started:
             _reap(_processes_of(dht), timeout=5.0)
     return dht
+
+
+def _unreachable(config: NodeConfig, when: str = "") -> str:
+    """The one line for initial peers that did not answer: their addresses, not ours or p2pd's log."""
+    peers = " ".join(config.initial_peers)
+    return (f"could not reach the initial peer{'s' * (len(config.initial_peers) > 1)} {peers}{when}: "
+            "check the address and its /p2p id, and that the node is up")  # fmt: skip
+
+
+def _register_guard() -> None:
+    global _guard_registered
+    if not _guard_registered:
+        os.register_at_fork(after_in_child=_guard_worker)
+        _guard_registered = True
+
+
+def _guard_worker() -> None:
+    """In a freshly forked DHT worker (and no other fork): watch the parent from a daemon thread."""
+    parent = _forking_worker_of
+    if parent is not None and os.getppid() == parent:
+        threading.Thread(target=_die_with, args=(parent,), name="murmur-orphan-guard", daemon=True).start()
+
+
+def _die_with(parent: int) -> None:
+    """Once `parent` is gone (killed without a chance to stop us): kill this worker's p2pd, then the worker."""
+    while os.getppid() == parent:
+        time.sleep(_ORPHAN_POLL)
+    try:
+        children = psutil.Process().children(recursive=True)
+    except psutil.Error:
+        children = []
+    for child in children:
+        for path in _socket_paths(child):
+            path.unlink(missing_ok=True)
+        try:
+            child.kill()
+        except psutil.Error:
+            pass
+    os.kill(os.getpid(), signal.SIGKILL)
 
 
 def _ensure_identity_not_taken(identity_path: str, initial_peers: tuple[str, ...]) -> None:

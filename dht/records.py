@@ -122,7 +122,10 @@ class RunRecord(_Record):
         max_length=_MAX_CONFIG_ITEMS
     )
     created_by: PeerId
-    # The creator's signature over the three fields above (dht.signing), kept in the record so that
+    # a private run: an HMAC of the run id under the run's secret (averaging.access.AccessPolicy.run_check), so
+    # that a joiner knows at once whether it may train here; None for an open run
+    secret_check: str | None = Field(default=None, pattern=r"^[0-9a-f]{64}$")
+    # The creator's signature over the fields above (dht.signing), kept in the record so that
     # any peer can republish the creator's config unchanged; None on nodes without run validators.
     public_key: str | None = Field(default=None, max_length=2048)
     signature: str | None = Field(default=None, max_length=2048)

@@ -8,11 +8,15 @@
 * ``trainer``   ``Trainer``: the inner loop (mixed precision, accumulation), evaluation, compute-time accounting
 * ``outer``     ``OuterOptimizer``: what a round offers, and the outer Nesterov step with consensus
 * ``state``     state download on join: what a joiner takes (anchor, momentum, step counters) and ``StateSharing``
-* ``checkpoint`` checkpoint files: atomic writes, a header with a sha256, weights-only loads, fallback
+* ``checkpoint`` checkpoint files: atomic writes, a header with a sha256, weights-only loads, fallback, pruning
+  only among files that verify
+* ``rundir``    whether a run folder holds an earlier run (refused without ``--resume``; simulate moves on)
+* ``verdict``   ``RunVerdict``: when a peer stops with one line (non-finite rounds, no peer with its layout)
 * ``runner``    ``VolunteerPeer``: a peer on the real network (DHT node, P2P, heartbeat, rounds, report)
 * ``api``       the Python API: ``Swarm`` (a run's bootstrap node) and ``Peer`` (any ``nn.Module``)
 * ``metrics``   the per-round metrics log, ``PeerReport`` / ``SwarmReport``, the consensus distance
 * ``sim/``      the simulators (``virtual``, ``scale``, ``simulate``): many peers on one machine, the same code
 * ``ops/``      the operator's tools (``status``, ``report``, ``doctor``, ``progress``)
+* ``flags``     every flag of the command line, range-checked, parsed without torch or hivemind
 * ``cli``       the ``murmur`` entry point: parse, build, run, close
 """

@@ -11,7 +11,10 @@ read only with `torch.load(weights_only=True)`: tensors, dicts, lists, tuples, s
 numbers, never arbitrary objects.
 
 `save_checkpoint` writes a hidden temp file in the same folder, fsyncs it, renames it into place
-and fsyncs the folder, so a crash leaves the previous checkpoint whole; it keeps the newest `keep`.
+and fsyncs the folder, so a crash leaves the previous checkpoint whole. It then prunes to the newest
+`keep` checkpoints of its run and model *that verify* (frame, header and sha256): a corrupt file is
+never counted, so it can never push out a good one, and it is never deleted either (nor is another
+run's file), so the newest checkpoint that loads is always kept.
 `CheckpointWriter` does the same off the training thread: the loop only takes the snapshot.
 `latest_checkpoint` returns the newest usable one for a run and model, skipping each other one
 with a warning. `load_state_dict` methods check saved state with `check_tensors` and `check_count`.
@@ -50,7 +53,7 @@ class CheckpointError(ValueError):
 
 
 def save_checkpoint(directory: Path, state: dict[str, Any], *, keep: int = 2) -> Path:
-    """Write `state` atomically as `directory/ckpt-<step>.pt`; keep the newest `keep` checkpoints.
+    """Write `state` atomically as `directory/ckpt-<step>.pt`; keep the newest `keep` that verify (see `prune`).
 
     `state` carries "run_id" (str), "model" (str) and "step" (int) for the header and the name;
     everything in it must be loadable with `torch.load(weights_only=True)`.
@@ -69,7 +72,7 @@ def serialize(state: dict[str, Any]) -> tuple[bytes, dict[str, Any]]:
 
 
 def write_frame(directory: Path, serialized: tuple[bytes, dict[str, Any]], *, keep: int = 2) -> Path:
-    """Frame, write, fsync and rename a `serialize()`d state into place; prune to the newest `keep`."""
+    """Frame, write, fsync and rename a `serialize()`d state into place; `prune` to the newest `keep`."""
     if keep < 1:
         raise ValueError(f"keep must be at least 1, got {keep}")
     payload, labels = serialized
@@ -90,11 +93,30 @@ def write_frame(directory: Path, serialized: tuple[bytes, dict[str, Any]], *, ke
             with contextlib.suppress(OSError):
                 os.unlink(temp)
     _fsync_directory(directory)
-    for _, old in _checkpoints(directory)[keep:]:
-        old.unlink(missing_ok=True)
+    prune(directory, run_id=labels["run_id"], model=labels["model"], keep=keep)
     for stale in directory.glob(f"{_TEMP_PREFIX}*.tmp"):  # left by a crash mid-write
         stale.unlink(missing_ok=True)
     return path
+
+
+def prune(directory: Path, *, run_id: str, model: str, keep: int) -> list[Path]:
+    """Delete all but the newest `keep` checkpoints of this run and model that verify; returns what went.
+
+    Only files that verified are counted and only they are deleted: a truncated or corrupt file (which
+    `latest_checkpoint` skips) neither takes a good file's place nor disappears, and another run's or
+    model's file in the same folder is left alone.
+    """
+    kept, removed = 0, []
+    for _, path in _checkpoints(directory):
+        try:
+            _read_frame(path, run_id=run_id, model=model)
+        except CheckpointError:
+            continue
+        kept += 1
+        if kept > keep:
+            path.unlink(missing_ok=True)
+            removed.append(path)
+    return removed
 
 
 class CheckpointWriter:
@@ -167,52 +189,60 @@ def encode_frame(payload: bytes, *, run_id: str, model: str, step: int, version:
 def load_checkpoint(path: Path, *, run_id: str | None = None, model: str | None = None) -> dict[str, Any]:
     """The state saved in `path`, after checking its frame, hash and (if given) run id and model."""
     path = Path(path)
-
-    def fail(why: str) -> CheckpointError:
-        return CheckpointError(f"checkpoint {path} {why}")
-
-    try:
-        data = path.read_bytes()
-    except OSError as e:
-        raise fail(f"cannot be read: {e.strerror or e}") from None
-    start = len(MAGIC) + _LENGTH.size
-    if not data:
-        raise fail("is empty")
-    if not data.startswith(MAGIC[: len(data)]):
-        raise fail("is not a murmur checkpoint (no MURMURCK header)")
-    if len(data) < start:
-        raise fail("is truncated")
-    (head_len,) = _LENGTH.unpack_from(data, len(MAGIC))
-    if head_len > MAX_HEADER_BYTES:
-        raise fail(f"is corrupt: header length {head_len}")
-    if len(data) < start + head_len:
-        raise fail("is truncated")
-    try:
-        header = json.loads(data[start : start + head_len])
-    except (UnicodeDecodeError, json.JSONDecodeError):
-        raise fail("is corrupt: unreadable header") from None
-    fields = {"format": int, "run_id": str, "model": str, "step": int, "payload_bytes": int, "sha256": str}
-    if not isinstance(header, dict) or any(type(header.get(k)) is not t for k, t in fields.items()):
-        raise fail("is corrupt: malformed header")
-    if header["format"] > FORMAT:
-        raise fail(f"was written by a newer format {header['format']} (this peer reads format {FORMAT})")
-    payload = data[start + head_len :]
-    if len(payload) < header["payload_bytes"]:
-        raise fail(f"is truncated: {len(payload)} of {header['payload_bytes']} payload bytes")
-    if len(payload) > header["payload_bytes"]:
-        raise fail(f"is corrupt: {len(payload) - header['payload_bytes']} bytes after the payload")
-    if hashlib.sha256(payload).hexdigest() != header["sha256"]:
-        raise fail("is corrupt: sha256 mismatch")
+    header, payload = _read_frame(path, run_id=run_id, model=model)
     try:
         state = torch.load(io.BytesIO(payload), map_location="cpu", weights_only=True)
     except Exception as e:  # the unpickler's errors span many lines and types: keep the first line
-        raise fail(f"is corrupt: its payload is not plain tensors and containers ({_first_line(e)})") from None
+        why = f"is corrupt: its payload is not plain tensors and containers ({_first_line(e)})"
+        raise _failure(path, why) from None
     if not isinstance(state, dict) or any(state.get(k) != header[k] for k in ("run_id", "model", "step")):
-        raise fail("is corrupt: header and payload disagree")
+        raise _failure(path, "is corrupt: header and payload disagree")
+    return state
+
+
+def _failure(path: Path, why: str) -> CheckpointError:
+    return CheckpointError(f"checkpoint {path} {why}")
+
+
+def _read_frame(path: Path, *, run_id: str | None, model: str | None) -> tuple[dict[str, Any], bytes]:
+    """A checkpoint file's header and payload, once its frame, length, sha256, run id and model check out;
+    nothing is deserialized."""
+    try:
+        data = path.read_bytes()
+    except OSError as e:
+        raise _failure(path, f"cannot be read: {e.strerror or e}") from None
+    start = len(MAGIC) + _LENGTH.size
+    if not data:
+        raise _failure(path, "is empty")
+    if not data.startswith(MAGIC[: len(data)]):
+        raise _failure(path, "is not a murmur checkpoint (no MURMURCK header)")
+    if len(data) < start:
+        raise _failure(path, "is truncated")
+    (head_len,) = _LENGTH.unpack_from(data, len(MAGIC))
+    if head_len > MAX_HEADER_BYTES:
+        raise _failure(path, f"is corrupt: header length {head_len}")
+    if len(data) < start + head_len:
+        raise _failure(path, "is truncated")
+    try:
+        header = json.loads(data[start : start + head_len])
+    except (UnicodeDecodeError, json.JSONDecodeError):
+        raise _failure(path, "is corrupt: unreadable header") from None
+    fields = {"format": int, "run_id": str, "model": str, "step": int, "payload_bytes": int, "sha256": str}
+    if not isinstance(header, dict) or any(type(header.get(k)) is not t for k, t in fields.items()):
+        raise _failure(path, "is corrupt: malformed header")
+    if header["format"] > FORMAT:
+        raise _failure(path, f"was written by a newer format {header['format']} (this peer reads format {FORMAT})")
+    payload = data[start + head_len :]
+    if len(payload) < header["payload_bytes"]:
+        raise _failure(path, f"is truncated: {len(payload)} of {header['payload_bytes']} payload bytes")
+    if len(payload) > header["payload_bytes"]:
+        raise _failure(path, f"is corrupt: {len(payload) - header['payload_bytes']} bytes after the payload")
+    if hashlib.sha256(payload).hexdigest() != header["sha256"]:
+        raise _failure(path, "is corrupt: sha256 mismatch")
     for key, expected in (("run_id", run_id), ("model", model)):
         if expected is not None and header[key] != expected:
-            raise fail(f"is for {key.replace('_', ' ')} {header[key]!r}, not {expected!r}")
-    return state
+            raise _failure(path, f"is for {key.replace('_', ' ')} {header[key]!r}, not {expected!r}")
+    return header, payload
 
 
 def latest_checkpoint(

@@ -3,6 +3,9 @@
 The bootstrap node publishes it on the DHT as the run record, so a volunteer needs only a
 bootstrap address and a run id. It travels as a flat dict of scalars; `from_record` checks every
 key and value, so a wrong or hostile record gets a one-line error instead of a crash later.
+
+It imports no torch at module level (the model registry and the configs of the compressor and the
+outer optimizer are imported where they are used), so the command line reads its defaults at once.
 """
 
 from __future__ import annotations
@@ -11,14 +14,14 @@ import dataclasses
 import math
 import re
 from dataclasses import dataclass
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
-from averaging.compression import LowRankConfig
-from averaging.groups import ScheduleConfig
-from peer.model import DEFAULT_MODEL, MODELS
-from peer.outer import OuterConfig
-from peer.rounds import RoundConfig
+if TYPE_CHECKING:
+    from averaging.compression import LowRankConfig
+    from peer.outer import OuterConfig
+    from peer.rounds import RoundConfig
 
+DEFAULT_MODEL = "gpt-tiny"  # the registry model a run trains unless told otherwise (peer.model.MODELS)
 _SPEC = re.compile(r"[A-Za-z_][A-Za-z0-9_]*(\.[A-Za-z_][A-Za-z0-9_]*)*:[A-Za-z_][A-Za-z0-9_]*")
 
 
@@ -48,15 +51,17 @@ class TrainConfig:
     rank: int = 4
     # how the pseudo-gradient travels: "sign" (1 bit + row scales), "lowrank" (rank-r factors) or "dense" (fp16)
     codec: str = "sign"
-    # how anchors are pulled together when a group's differ: "int8" (a scale per row; all move to the same mean) or
-    # "lowrank" (a rank-r PowerGossip pull, a fraction of the bytes)
+    # how anchors are pulled together when a group's differ: "int8" (a scale per row; all move to the same mean),
+    # "lowrank" (a rank-r PowerGossip pull, a fraction of the bytes) or "dense" (fp16)
     consensus_codec: str = "int8"
     consensus: bool = True
     error_feedback: bool = True
     solo_after: int = 4  # rounds without a group before a peer takes an outer step alone
-    # rounds on a shared clock (averaging.groups): a round lasts round_seconds (0: H x the swarm's median step
-    # time), peers average in groups of at most group_size, and a leader waits `window` of a round for late members
+    # rounds on a shared clock (averaging.groups): a round lasts round_seconds (0: H steps and an exchange at the
+    # swarm's pace), peers average in groups of at most group_size, and a leader waits `window` of a round for
+    # late members
     round_seconds: float = 0.0
+    shortest_round: float = 2.0  # seconds: an automatic round is no shorter (appointments travel through the DHT)
     group_size: int = 8
     window: float = 0.25
     # when a peer's training ends (its --duration): rounds that average anchors only, so that the final models
@@ -67,6 +72,8 @@ class TrainConfig:
     heldout_fraction: float = 0.1
 
     def __post_init__(self) -> None:
+        from peer.model import MODELS
+
         if self.model not in MODELS and not is_spec(self.model):
             raise ConfigError(
                 f"unknown model '{self.model}'; choose one of: {', '.join(MODELS)}, or pkg.module:build_model"
@@ -78,8 +85,9 @@ class TrainConfig:
             value = getattr(self, name)
             if not (math.isfinite(value) and value > 0):
                 raise ConfigError(f"{name} must be a positive finite number, got {value}")
-        if self.warmup_steps < 0 or self.weight_decay < 0 or self.finish_rounds < 0:
-            raise ConfigError("warmup_steps, weight_decay and finish_rounds must not be negative")
+        for name in ("warmup_steps", "weight_decay", "finish_rounds", "seed"):
+            if not getattr(self, name) >= 0:  # NaN fails too
+                raise ConfigError(f"{name} must not be negative, got {getattr(self, name)}")
         try:
             self.outer()
             self.compression()
@@ -90,6 +98,8 @@ class TrainConfig:
             raise ConfigError(str(e)) from None
 
     def outer(self) -> OuterConfig:
+        from peer.outer import OuterConfig
+
         return OuterConfig(
             lr=self.outer_lr,
             momentum=self.outer_momentum,
@@ -98,11 +108,18 @@ class TrainConfig:
         )
 
     def rounds(self) -> RoundConfig:
+        """The round engine's config (`peer.rounds`): the round's length, the schedule, lonely rounds, the finish."""
+        from averaging.groups import ScheduleConfig
+        from peer.rounds import RoundConfig
+
         schedule = ScheduleConfig(group_size=self.group_size, window=self.window)
         return RoundConfig(inner_steps=self.inner_steps, round_seconds=self.round_seconds, solo_after=self.solo_after,
-                           finish_rounds=self.finish_rounds, schedule=schedule)  # fmt: skip
+                           finish_rounds=self.finish_rounds, schedule=schedule,
+                           shortest_round=self.shortest_round)  # fmt: skip
 
     def compression(self) -> LowRankConfig:
+        from averaging.compression import LowRankConfig
+
         return LowRankConfig(
             rank=self.rank, seed=self.seed, mean_codec=self.codec, diff_codec=self.consensus_codec
         )  # fmt: skip
@@ -110,6 +127,8 @@ class TrainConfig:
     def finish_compression(self) -> LowRankConfig:
         """How a finish round's anchors travel: whole in fp16 ("dense"), or as int8 with a scale per row; a
         low-rank pull would need many more rounds to agree."""
+        from averaging.compression import LowRankConfig
+
         return LowRankConfig(rank=self.rank, seed=self.seed, mean_codec=self.codec, diff_codec=self.finish_codec)
 
     def to_record(self) -> dict[str, Any]:

@@ -21,10 +21,10 @@ from typing import Literal
 
 import torch
 
+from peer.flags import DEVICES, PRECISIONS  # the --device and --precision choices
+
 DeviceChoice = Literal["auto", "cpu", "cuda"]
 PrecisionChoice = Literal["auto", "fp32", "bf16", "fp16"]
-DEVICES: tuple[str, ...] = ("auto", "cpu", "cuda")
-PRECISIONS: tuple[str, ...] = ("auto", "fp32", "bf16", "fp16")
 _DTYPES = {"bf16": torch.bfloat16, "fp16": torch.float16}
 
 
@@ -138,18 +138,6 @@ class DeviceConfig:
         for flag, value in (("--grad-accum", self.grad_accum), ("--batch-size", self.micro_batch)):
             if value is not None and value < 1:
                 raise DeviceError(f"{flag} must be at least 1, got {value}")
-
-
-def add_device_flags(parser: argparse.ArgumentParser, *, batching: bool) -> None:
-    group = parser.add_argument_group("device")
-    group.add_argument("--device", choices=DEVICES, default="auto", help="auto: CUDA if available (default: auto)")
-    group.add_argument("--precision", choices=PRECISIONS, default="auto",
-                       help="auto: bf16 on CUDA if supported, else fp16 with a grad scaler; fp32 on CPU")  # fmt: skip
-    if batching:
-        group.add_argument("--batch-size", type=int, metavar="B", dest="micro_batch",
-                           help="sequences per forward pass; the run's batch size is reached by accumulation "
-                           "(default: fit the card's free memory)")  # fmt: skip
-        group.add_argument("--grad-accum", type=int, metavar="N", help="micro-batches per inner step")
 
 
 def device_config(args: argparse.Namespace) -> DeviceConfig:

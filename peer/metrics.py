@@ -12,9 +12,12 @@ import json
 import math
 from collections.abc import Mapping
 from pathlib import Path
+from typing import TYPE_CHECKING
 
-import torch
 from pydantic import BaseModel, ConfigDict, Field
+
+if TYPE_CHECKING:
+    import torch
 
 
 class PeerReport(BaseModel):
@@ -84,6 +87,8 @@ def consensus_distance(anchors: list[Mapping[str, torch.Tensor]]) -> float | Non
 
 def anchor_distances(anchors: list[Mapping[str, torch.Tensor]]) -> list[float]:
     """‖φ_i − φ̄‖ / ‖φ̄‖ for each peer's anchor, in order (φ̄: the mean over all of them)."""
+    import torch  # here, not at the top: `murmur report` reads metrics without torch
+
     if not anchors:
         return []
     names = sorted(anchors[0])

@@ -14,6 +14,8 @@ import torch.nn as nn
 import torch.nn.functional as F
 from torch import Tensor
 
+from peer.config import DEFAULT_MODEL  # noqa: F401  (the registry's default, as the run config names it)
+
 
 @dataclass(frozen=True, kw_only=True)
 class GPTConfig:
@@ -125,7 +127,6 @@ MODELS: dict[str, GPTConfig] = {
     "gpt-tiny": GPTConfig(n_layer=2, n_head=4, n_embd=128, block_size=64),
     "gpt-small": GPTConfig(n_layer=4, n_head=6, n_embd=192, block_size=128),
 }
-DEFAULT_MODEL = "gpt-tiny"
 
 
 def build_model(name: str, *, seed: int) -> GPT:

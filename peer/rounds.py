@@ -13,7 +13,7 @@ peer's inputs into a fresh engine and check that it decides the same.
     gather(now, roster)       at the appointment: the plan (leaders to try, members to wait for)
     ended(now, members)       the exchange's outcome (members averaged, or None): step with the group,
                               keep the work pending, or step alone after `solo_after` lonely rounds
-    finish(now)               the peer's training is over: up to `finish_rounds` rounds of anchors only
+    finish(now)               the peer's training is over: up to `finish_rounds` exchanges of anchors only
     next_finish(now, roster)  a finish round's appointment
 
 A round lasts R: the run config's `round_seconds`, or, when that is 0, the length the swarm's announced
@@ -70,7 +70,8 @@ class Seen:
 @dataclass(frozen=True, kw_only=True)
 class RoundConfig:
     inner_steps: int = 20  # H
-    round_seconds: float = 0.0  # the run's round length; 0: H steps and an exchange at the swarm's pace
+    round_seconds: float = 0.0  # the run's round length; 0: H steps and an exchange at the swarm's pace...
+    shortest_round: float = 2.0  # ...but no shorter: peers learn each other's appointments through the DHT
     solo_after: int = 4  # lonely rounds in a row before a peer steps alone
     finish_rounds: int = 0  # rounds of averaging anchors only once training is over
     schedule: ScheduleConfig = field(default_factory=ScheduleConfig)
@@ -78,8 +79,9 @@ class RoundConfig:
     def __post_init__(self) -> None:
         if self.inner_steps < 1 or self.solo_after < 1 or self.finish_rounds < 0:
             raise ValueError("inner_steps and solo_after must be at least 1, finish_rounds at least 0")
-        if not (math.isfinite(self.round_seconds) and self.round_seconds >= 0):
-            raise ValueError(f"round_seconds must be a non-negative number, got {self.round_seconds}")
+        for name in ("round_seconds", "shortest_round"):
+            if not (math.isfinite(getattr(self, name)) and getattr(self, name) >= 0):
+                raise ValueError(f"{name} must be a non-negative number of seconds, got {getattr(self, name)}")
 
 
 @dataclass(frozen=True)
@@ -119,6 +121,8 @@ class RoundEngine:
         self.lonely = 0  # lonely rounds in a row
         self.finish_left = 0
         self._started = 0.0  # when the round began
+        self._finish_grid = 1.0  # the finish rounds' length: a fraction of a training round, as the DHT allows
+        self._finish_patience = 2  # lonely finish rounds in a row that end the finish
         self._step = _Mean()  # this peer's seconds per inner step
         self._exchange = _Mean(span=5)  # ... and from an appointment to the end of its exchange
         self._roster: tuple[Seen, ...] = ()
@@ -185,9 +189,9 @@ class RoundEngine:
             step = Step.PENDING
             if self.phase != Phase.FINISHING and self.lonely >= self.config.solo_after:
                 self.lonely, step = 0, Step.ALONE
-        if self.phase == Phase.FINISHING:
-            self.finish_left -= 1
-            if self.finish_left <= 0 or self.lonely >= 2:  # nobody left to finish with
+        if self.phase == Phase.FINISHING:  # up to finish_rounds exchanges, until nobody has come for two rounds
+            self.finish_left -= step == Step.GROUP
+            if self.finish_left <= 0 or self.lonely >= self._finish_patience:
                 self.phase = Phase.DONE
         else:
             self.phase = Phase.TRAINING
@@ -197,6 +201,9 @@ class RoundEngine:
     # -- the finish --------------------------------------------------------------------------------------
     def finish(self, now: float) -> bool:
         """Training is over: True if finish rounds follow (the driver flushes pending work first)."""
+        length = self._seconds() or (self.appointment.seconds if self.appointment is not None else 1.0)
+        self._finish_grid = max(length / FINISH_GRID, min(length, self.config.shortest_round))
+        self._finish_patience = max(2, math.ceil(2 * length / self._finish_grid))  # lonely rounds: two rounds' time
         self.finish_left = self.config.finish_rounds
         self.lonely = 0
         self.phase = Phase.FINISHING if self.finish_left > 0 else Phase.DONE
@@ -204,12 +211,13 @@ class RoundEngine:
         return self.phase == Phase.FINISHING
 
     def next_finish(self, now: float, roster: Iterable[Seen]) -> Appointment | None:
-        """A finish round's appointment (None once the finish is done): the next instant of a grid `FINISH_GRID`
-        times finer than the training rounds' (the same for every finishing peer)."""
+        """A finish round's appointment (None once the finish is done): the next instant of a grid up to
+        `FINISH_GRID` times finer than the training rounds' (the same for every finishing peer), but no finer
+        than the shortest round the DHT coordinates; two rounds' time without a group ends the finish."""
         if self.phase != Phase.FINISHING:
             return None
         self._roster = tuple(roster)
-        seconds = (self._seconds() or 1.0) / FINISH_GRID  # nothing to train: finish rounds follow closely
+        seconds = self._finish_grid  # nothing to train: finish rounds follow closely, as the DHT allows
         self.appointment = next_appointment(now, seconds, _NO_MIN_PHASE)
         self._log("next_finish", now, self._roster, self.appointment)
         return self.appointment
@@ -232,8 +240,9 @@ class RoundEngine:
         steps += [self.step_seconds] if self.step_seconds is not None else []
         exchanges += [self._exchange.value] if self._exchange.value is not None else []
         estimate = pace(self.config.inner_steps, steps, exchanges)
-        announced = [r for s in seen if (r := Appointment.seconds_of(s.appointment)) is not None]
-        return round_seconds(self.config.round_seconds, estimate, announced)
+        training = (Phase.TRAINING, Phase.GATHERING)  # a finishing peer's appointments are on a finer grid
+        announced = [r for s in seen if s.state in training and (r := Appointment.seconds_of(s.appointment))]
+        return round_seconds(self.config.round_seconds, estimate, announced, self.config.shortest_round)
 
     def _same_kind(self, seen: Seen) -> bool:
         """Training peers group with training peers, finishing ones with finishing ones."""

@@ -29,6 +29,7 @@ from typing import Any
 
 import torch
 
+from averaging.access import AccessPolicy
 from averaging.compression import LowRankCompressor
 from averaging.group import GroupAverager, GroupConfig, GroupPlan, GroupResult
 from averaging.state_transfer import TransferConfig
@@ -45,8 +46,10 @@ from peer.metrics import MetricsLog, PeerReport
 from peer.ops.progress import Progress, ProgressLine
 from peer.outer import finish_layout
 from peer.rounds import Plan, RoundEngine, Seen, Step
+from peer.rundir import check_fresh
 from peer.state import StateSharing, catch_up
 from peer.trainer import NonFiniteLoss, Trainer
+from peer.verdict import RunVerdict, all_finite
 from peer.workload import WorkloadSource, WorkloadSpec
 
 logger = logging.getLogger("murmur.peer")
@@ -94,6 +97,8 @@ class PeerOptions:
             )
         if self.resume and self.checkpoints is None:
             raise ValueError("resume needs a checkpoint folder: give --checkpoint-dir or --out-dir")
+        if self.duration is not None and not (0 < self.duration < math.inf):
+            raise ValueError(f"duration must be a positive number of seconds, got {self.duration}")
 
     @property
     def checkpoints(self) -> Path | None:
@@ -103,23 +108,28 @@ class PeerOptions:
         return self.out_dir / "checkpoints" if self.out_dir is not None else None
 
 
-def fetch_train_config(records: RunRecords, wait: float) -> TrainConfig:
+def fetch_train_config(records: RunRecords, wait: float, access: AccessPolicy | None = None) -> TrainConfig:
+    """The run's config from its record; PeerError if there is none, or if the run is private and `access` does
+    not hold its secret (the record says so: nothing is tried that the run would refuse)."""
     deadline = time.monotonic() + wait
     while True:
         record = records.fetch_config()
         if record is not None:
+            if access is not None and (why := access.refuses_run(record.run_id, record.secret_check)):
+                raise PeerError(why)
             return TrainConfig.from_record(record.config)
         if time.monotonic() >= deadline:
             raise PeerError(f"run '{records.run_id}' has no config on the DHT: check the run id and the address")
         time.sleep(0.5)
 
 
-def checkpoint_state(run_id: str, trainer: Trainer, compressor: LowRankCompressor) -> dict[str, Any]:
+def checkpoint_state(run_id: str, trainer: Trainer, compressor: LowRankCompressor, peer_id: str = "") -> dict[str, Any]:
     """What a peer checkpoints: its trainer and its compressor's warm starts, labelled for the file header."""
     return {
         "run_id": run_id,
         "model": trainer.config.model,
         "step": trainer.steps,
+        "peer_id": peer_id,  # who wrote it: a restarted peer does not ask its dead predecessor
         "trainer": trainer.state_dict(),
         "warm_starts": compressor.state_dict(),
     }
@@ -161,18 +171,22 @@ class VolunteerPeer:
         self.metrics_log = MetricsLog(options.out_dir / "metrics.jsonl") if options.out_dir else None
         self.progress = ProgressLine(every=options.eval_every or 5) if options.verbose else None
         self._metrics_at = -math.inf  # when this peer's metrics were last published to the DHT
+        self.peers_alive = 1  # live peers in the run's announcements, this one included
+        self.evaluated = (time.time(), 0)  # when, and after how many samples, the held-out loss was last measured
+        self.verdict = RunVerdict()  # why the run must stop with an error, if it must
         directory = options.checkpoints
         self.writer = CheckpointWriter(directory) if directory is not None else None
 
     @classmethod
     def create(cls, options: PeerOptions) -> VolunteerPeer:
+        check_fresh(options.out_dir, options.checkpoints, resume=options.resume)  # never over an earlier run
         torch.set_num_threads(1)
         runtime = Runtime.resolve(options.device)  # before the node: a missing GPU fails fast
         dht = start_node(options.node)
         peer = None
         try:
             records = RunRecords(dht, options.run_id)
-            config = fetch_train_config(records, options.config_wait)
+            config = fetch_train_config(records, options.config_wait, options.exchange.access)
             workload = options.workload.build(config)
             trainer = Trainer.fitted(config, workload, data_seed=options.data_seed, runtime=runtime)
             peer = cls(options, dht, trainer, records)
@@ -185,6 +199,7 @@ class VolunteerPeer:
             resumed = options.resume and peer._resume()
             if options.state_download:  # a resumed peer takes a live state only if the swarm moved on
                 peer._log(*catch_up(peer.loop.run, peer.sharing, peer.trainer, resumed=resumed))
+            peer.trainer.check_batches()  # bad data is one line, before anyone hears of this peer
             peer.sharing.publish(peer.trainer)
             peer.heartbeat = Heartbeat(records, peer.announcement, keep_config=True).start()
             peer.watch.start()
@@ -211,6 +226,7 @@ class VolunteerPeer:
             config=self.options.exchange,
             seed=self.options.data_seed,
             client_mode=self.options.node.client_mode,
+            phase="finish" if finish else "training",
         )
         await averager.start()
         return averager
@@ -225,6 +241,9 @@ class VolunteerPeer:
         if found is None:
             logger.warning("no usable checkpoint in %s", directory)
             return False
+        predecessor = found[0].get("peer_id")
+        if isinstance(predecessor, str) and predecessor and predecessor != self.peer_id:  # killed: its announcement
+            self.loop.run(self.averager.avoid(predecessor, self.records.announce_ttl))  # outlives it for a while
         self._log(logging.INFO, f"resumed from {found[1]} at step {trainer.steps} (outer step {trainer.outer.step})")
         return True
 
@@ -237,8 +256,12 @@ class VolunteerPeer:
         """Snapshot the state for the checkpoint writer, if there is a checkpoint folder. Never stops training."""
         if self.writer is None:
             return
+        if not all_finite(self.trainer.model.state_dict(), self.trainer.outer.anchor):
+            logger.warning("checkpoint not taken: the model is not finite")
+            return
         try:
-            self.writer.submit(checkpoint_state(self.options.run_id, self.trainer, self.averager.compressor))
+            self.writer.submit(checkpoint_state(self.options.run_id, self.trainer, self.averager.compressor,
+                                                self.peer_id))  # fmt: skip
         except Exception as e:  # a checkpoint that cannot be taken never stops training
             logger.warning("checkpoint not taken: %s", e)
 
@@ -291,15 +314,15 @@ class VolunteerPeer:
         trainer, options = self.trainer, self.options
         started = time.monotonic()
         deadline = started + options.duration if options.duration is not None else float("inf")
-        initial_loss = eval_loss = trainer.evaluate()
+        initial_loss = eval_loss = self._evaluate()
         rounds = saved = 0  # rounds done, and done at the last checkpoint
         saved_at = started
-        while not stop.is_set() and time.monotonic() < deadline:
+        while not stop.is_set() and time.monotonic() < deadline and self.verdict.failure is None:
             round_start = time.monotonic()
             try:
                 loss, steps = self._inner_phase(stop)
             except NonFiniteLoss as e:
-                logger.warning("%s; round discarded", e)
+                self.verdict.non_finite(str(e))
                 continue
             if stop.is_set():
                 break
@@ -307,6 +330,8 @@ class VolunteerPeer:
             offer = trainer.outer.offer()
             result = self._exchange(self.averager, offer)
             blocked = time.monotonic() - waiting  # no compute while gathering and exchanging
+            self.verdict.finite_round()
+            self.verdict.check_layout(self.averager, rounds + 1)
             step = self.engine.ended(time.time(), result.size if result is not None else None)
             trainer.finish_round(offer, result, alone=step == Step.ALONE)
             self.sharing.publish(trainer)
@@ -314,7 +339,7 @@ class VolunteerPeer:
             self.samples_per_second = trainer.config.batch_size * steps / elapsed
             rounds += 1
             if options.eval_every and rounds % options.eval_every == 0:
-                eval_loss = trainer.evaluate()
+                eval_loss = self._evaluate()
             self._log_round(rounds, loss, eval_loss, result, blocked)
             if (
                 rounds - saved >= options.checkpoint_every
@@ -322,10 +347,20 @@ class VolunteerPeer:
             ):
                 self.checkpoint()
                 saved, saved_at = rounds, time.monotonic()
-        finished = self.finish(stop) if not stop.is_set() else 0
+        failed = self.verdict.failure is not None
+        finished = self.finish(stop) if not stop.is_set() and not failed else 0
         if rounds > saved or finished:  # a clean stop: keep the rounds since the last checkpoint
             self.checkpoint()
-        return self._report(started, rounds, initial_loss, finished)
+        report = self._report(started, rounds, initial_loss, finished)
+        if failed:  # the work so far is saved; the error is one line
+            raise PeerError(self.verdict.failure)
+        return report
+
+    def _evaluate(self) -> float:
+        """The held-out loss now, remembered with when and after how many samples it was measured."""
+        loss = self.trainer.evaluate()
+        self.evaluated = (time.time(), self.trainer.samples)
+        return loss
 
     def _inner_phase(self, stop: threading.Event) -> tuple[float, int]:
         """A round's inner steps, one at a time while the engine lets one fit before the appointment: their
@@ -379,11 +414,13 @@ class VolunteerPeer:
     def _log_round(self, rounds: int, loss: float, eval_loss: float, result, blocked: float) -> None:
         stats, traffic, trainer = self.averager.stats, self.averager.transport.traffic, self.trainer
         partner = result.partner if result else None
+        self.peers_alive = max(1, len(self.watch.peers))  # the last read of the run's announcements (never waits)
         if self.metrics_log is not None:
             self.metrics_log.write(
                 t=time.time(), round=rounds, step=trainer.steps, samples=trainer.samples, loss=loss,
-                eval_loss=eval_loss, exchanges_ok=stats.ok, exchanges_failed=stats.failed, partner=partner,
-                exchanges_unreachable=stats.unreachable,
+                eval_loss=eval_loss, eval_t=self.evaluated[0], eval_samples=self.evaluated[1],
+                exchanges_ok=stats.ok, exchanges_failed=stats.failed, partner=partner,
+                exchanges_unreachable=stats.unreachable, peer=self.peer_id, peers=self.peers_alive,
                 bytes_sent=traffic.bytes_sent, bytes_received=traffic.bytes_received, blocked=round(blocked, 3),
             )  # fmt: skip
         if time.monotonic() - self._metrics_at >= self.options.metrics_interval:
@@ -400,7 +437,7 @@ class VolunteerPeer:
             self.progress.show(
                 Progress(
                     round=rounds, step=trainer.steps, loss=loss, eval_loss=eval_loss,
-                    samples_per_second=self.samples_per_second, peers_seen=len(self.watch.peers),
+                    samples_per_second=self.samples_per_second, peers_seen=self.peers_alive,
                     exchanges_ok=stats.ok, exchanges_failed=stats.failed, partner=last_partner,
                     seconds_since_exchange=since, bytes_sent=traffic.bytes_sent, bytes_received=traffic.bytes_received,
                 )
@@ -421,7 +458,10 @@ class VolunteerPeer:
         )  # fmt: skip
         if self.options.out_dir is not None:
             self.options.out_dir.mkdir(parents=True, exist_ok=True)
-            torch.save({n: t.cpu() for n, t in trainer.outer.anchor.items()}, self.options.out_dir / "anchor.pt")
+            if all_finite(trainer.outer.anchor):  # a non-finite model is never written
+                torch.save({n: t.cpu() for n, t in trainer.outer.anchor.items()}, self.options.out_dir / "anchor.pt")
+            else:
+                logger.warning("anchor.pt not written: the model is not finite")
             (self.options.out_dir / "report.json").write_text(report.model_dump_json(indent=2))
         return report
 

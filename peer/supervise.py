@@ -10,7 +10,9 @@ the newest checkpoint, in about a second.
 
 - The peer runs in its own session and process group (its DHT worker and `p2pd` with it), so a kill
   of the group is a kill of the peer alone, and the supervisor outlives it. If the supervisor itself
-  dies, the kernel sends the peer SIGTERM (`PR_SET_PDEATHSIG`): no orphan keeps training.
+  dies, the kernel sends the peer SIGTERM (`PR_SET_PDEATHSIG`): no orphan keeps training. When the
+  peer dies, whatever is left of its group (a DHT worker, a `p2pd` that a `kill -9` of the peer alone
+  orphaned) gets SIGKILL before the next start, so the new peer never shares the run with a ghost.
 - Ctrl-C or SIGTERM to the supervisor is forwarded to the peer, which stops cleanly (withdraws,
   checkpoints, exits); then the supervisor exits with the peer's code.
 - What is not restarted: a clean exit (0), an expected error (1: a bad flag, address or config would
@@ -144,6 +146,8 @@ def supervise(
                 forward(signal.SIGTERM, None)
             _, status = os.waitpid(child, 0)  # retried after a signal handler runs (PEP 475)
             lived = time.monotonic() - started
+            with contextlib.suppress(ProcessLookupError, PermissionError):
+                os.killpg(child, signal.SIGKILL)  # the dead peer's group: its orphaned DHT worker and p2pd
             child = 0
             if stopping.is_set() or not restartable(status):
                 return exit_code(status)

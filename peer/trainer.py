@@ -25,7 +25,7 @@ from peer.data import Corpus, evaluate
 from peer.device import Runtime, capabilities, fit_grad_accum, probe_step_memory, split_batch, step_memory
 from peer.model import loss_of
 from peer.outer import OuterOptimizer
-from peer.workload import Workload, builtin
+from peer.workload import Workload, WorkloadError, builtin
 
 
 def to_device(t: torch.Tensor, device: torch.device) -> torch.Tensor:
@@ -107,6 +107,39 @@ class Trainer:
             self.compute_seconds += time.perf_counter() - started
         self.last_loss = total / max(steps, 1)
         return self.last_loss
+
+    def check_batches(self) -> None:
+        """Try the next training batch and the first held-out one on the model, without a step and without
+        consuming either: a batch that is not a tuple of tensors, does not fit the model (a wrong shape, dtype
+        or count) or gives a non-finite loss is one line (WorkloadError), before the peer announces itself."""
+        try:
+            batch = next(self.batches)
+        except StopIteration:
+            raise WorkloadError("the training stream gave no batch") from None
+        self.batches = chain([batch], self.batches)
+        was_training = self.model.training
+        self.model.eval()
+        try:
+            for split, first in (("training", batch), ("held-out", self.eval_set[0])):
+                if (
+                    not isinstance(first, tuple | list)
+                    or not first
+                    or not all(isinstance(t, torch.Tensor) for t in first)
+                ):
+                    raise WorkloadError(f"the first {split} batch is not a tuple of tensors: {type(first).__name__}")
+                try:
+                    with torch.no_grad(), torch.random.fork_rng(devices=[]):  # the training RNG is not touched
+                        loss = self._loss(tuple(first)).item()
+                except Exception as e:  # whatever the model raises on a batch it cannot take
+                    shapes = ", ".join(str(tuple(t.shape)) for t in first)
+                    reason = " ".join(str(e).split())[:200] or type(e).__name__
+                    raise WorkloadError(
+                        f"the first {split} batch (shapes {shapes}) does not fit the model: {reason}"
+                    ) from None
+                if not math.isfinite(loss):
+                    raise WorkloadError(f"the first {split} batch gives a non-finite loss ({loss}): check the data")
+        finally:
+            self.model.train(was_training)
 
     def _accumulate(self, batch: tuple[torch.Tensor, ...]) -> float:
         """Gradients of the batch's mean loss, summed over its micro-batches; returns that loss."""

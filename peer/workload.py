@@ -16,7 +16,6 @@ never imported: a peer imports only what its own user asked for.
 
 from __future__ import annotations
 
-import argparse
 import importlib
 import itertools
 from collections.abc import Callable, Iterable, Iterator
@@ -114,13 +113,6 @@ def custom(
         train=lambda seed, batch_size: iter(build_batches("train", seed=seed, batch_size=batch_size)),
         eval_set=eval_set,
     )
-
-
-def add_workload_flags(parser: argparse.ArgumentParser) -> None:
-    group = parser.add_argument_group("a researcher's own model and data (imported from this machine only)")
-    group.add_argument("--model", metavar="PKG.MODULE:FUNCTION", help="builds the run's model: build_model() -> Module")
-    group.add_argument("--data", metavar="PKG.MODULE:FUNCTION",
-                       help="batches: build_batches(split, *, seed, batch_size) -> iterator of tuples")  # fmt: skip
 
 
 class WorkloadSource(Protocol):

@@ -1,12 +1,12 @@
 """Convergence per byte: ddp, synchronous DiLoCo and Murmur's gossip on one model, data and budget.
 
 N peers run in one process in virtual time (peer/sim/virtual.py): each peer has a compute speed, each
-link a bandwidth and a latency, and waiting counts. Two scenarios: all peers equal, and one peer
-3x slower. Writes bench_convergence.json and bench_convergence.png (loss against samples and
-against virtual time) into --out.
+link a bandwidth and a latency, and waiting counts. Three scenarios: all peers equal; speeds 0.6 ...
+1.3 with an inner step of 1 virtual second; one peer 3x slower. Writes bench_convergence.json and
+bench_convergence.png (loss against samples and against virtual time) into --out.
 
     .venv/bin/python scripts/bench_convergence.py --quick     # about 2-4 minutes
-    .venv/bin/python scripts/bench_convergence.py             # the full run, about 30 minutes
+    .venv/bin/python scripts/bench_convergence.py             # the full run, about 90 minutes
     .venv/bin/python scripts/bench_convergence.py --sweep     # the learning-rate sweep, about 6 minutes
     .venv/bin/python scripts/bench_convergence.py --sweep --rounds 30   # the sweep on 30 rounds of H=20
 """
@@ -26,17 +26,16 @@ from peer.data import load_corpus
 from peer.sim.virtual import Link, MethodResult, Scenario, run_ddp, run_diloco, run_murmur
 
 
-def variants(base: TrainConfig) -> dict[str, tuple[TrainConfig, dict]]:
-    """Murmur's variants: (config, extra arguments of run_murmur). `base` is murmur's own setting."""
-    lowrank = base.with_overrides(codec="lowrank")
+def variants(base: TrainConfig) -> dict[str, TrainConfig]:
+    """Murmur's variants, each a run config (`base` is murmur's own setting): what a real swarm would run."""
     return {
-        "murmur": (base, {}),
-        "murmur-g4": (base, {"group": 4}),
-        "murmur-no-ef": (base.with_overrides(error_feedback=False), {}),
-        "murmur-int8-cons": (base.with_overrides(consensus_codec="int8"), {}),
-        "murmur-lowrank-r1": (lowrank.with_overrides(rank=1), {}),
-        "murmur-lowrank-r4": (lowrank.with_overrides(rank=4), {}),
-        "murmur-lowrank-r16": (lowrank.with_overrides(rank=16), {}),
+        "murmur": base,
+        "murmur-exact": base.with_overrides(codec="dense", consensus_codec="dense"),  # fp16 whole: mixing alone
+        "murmur-g4": base.with_overrides(group_size=4),
+        "murmur-g2": base.with_overrides(group_size=2),  # pairs: one partner a round
+        "murmur-no-ef": base.with_overrides(error_feedback=False),
+        "murmur-lowrank-cons": base.with_overrides(consensus_codec="lowrank"),
+        "murmur-lowrank-r4": base.with_overrides(codec="lowrank", rank=4),  # the pseudo-gradient by PowerSGD
     }
 
 
@@ -47,8 +46,7 @@ def run_method(
         return run_ddp(base, corpus, scenario, lr=ddp_lr)
     if name == "diloco":
         return run_diloco(base, corpus, scenario)
-    config, extra = variants(base)[name]
-    return run_murmur(config, corpus, scenario, name=name, target=target, **extra)
+    return run_murmur(variants(base)[name], corpus, scenario, name=name, target=target)
 
 
 def main() -> None:
@@ -66,7 +64,11 @@ def main() -> None:
     parser.add_argument("--outer-momentum", type=float, default=0.0)
     parser.add_argument("--ddp-lr", type=float, help="ddp's AdamW lr (default: --inner-lr)")
     parser.add_argument("--codec", default="sign", help="murmur's pseudo-gradient codec: sign or lowrank")
-    parser.add_argument("--consensus-codec", default="lowrank", help="murmur's anchor consensus: lowrank or int8")
+    parser.add_argument(
+        "--consensus-codec",
+        default=TrainConfig().consensus_codec,
+        help="how murmur pulls anchors that differ: int8, lowrank or dense (default: %(default)s)",
+    )
     parser.add_argument("--out", type=Path, default=Path("."))
     # one thread: on a busy 2-core machine two torch threads per process spin against each other (6x slower)
     parser.add_argument("--threads", type=int, default=1, help="torch threads (default: %(default)s)")
@@ -92,12 +94,17 @@ def main() -> None:
     link = Link(bandwidth_bps=args.bandwidth_mbps * 1e6, latency_s=args.latency_ms / 1e3)
     scenarios = {
         "equal": Scenario(peers=peers, sample_budget=budget, link=link, eval_points=rounds),
+        # speeds 0.6 ... 1.3 in steps of 0.1 (8 peers), an inner step of 1 virtual second: a round of about 20 s
+        "heterogeneous": Scenario(
+            peers=peers, speeds=spread(peers), step_seconds=1.0, sample_budget=budget, link=link, eval_points=rounds
+        ),  # fmt: skip
         "straggler": Scenario(
             peers=peers, speeds=(1 / 3,) + (1.0,) * (peers - 1), sample_budget=budget, link=link, eval_points=rounds
         ),
     }
-    gossip = ["murmur", "murmur-g4", "murmur-lowrank-r4"] if args.quick else list(variants(base))
-    methods = {"equal": ["ddp", "diloco", *gossip], "straggler": ["ddp", "diloco", "murmur"]}
+    gossip = ["murmur", "murmur-exact", "murmur-g2"] if args.quick else list(variants(base))
+    methods = {"equal": ["ddp", "diloco", *gossip], "heterogeneous": ["ddp", "diloco", "murmur", "murmur-exact"],
+               "straggler": ["ddp", "diloco", "murmur"]}  # fmt: skip
     corpus = load_corpus()
     results: dict[str, dict[str, MethodResult]] = {}
     started = time.monotonic()
@@ -130,6 +137,11 @@ def main() -> None:
     (args.out / "bench_convergence.json").write_text(json.dumps(report, indent=2))
     plot(results, args.out / "bench_convergence.png")
     print_table(summary)
+
+
+def spread(peers: int) -> tuple[float, ...]:
+    """The heterogeneous scenario's speeds: 0.6, 0.7, ... one tenth apart (0.6 ... 1.3 for 8 peers)."""
+    return tuple(round(0.6 + 0.1 * i, 1) for i in range(peers))
 
 
 SWEEP_OUTER = [(0.7, 0.9), (0.7, 0.5), (1.0, 0.5), (1.0, 0.0)]  # (outer lr, outer momentum)
@@ -181,7 +193,10 @@ def summarize(results: dict[str, dict[str, MethodResult]]) -> dict:
                 "bytes_vs_diloco": r.bytes_sent_per_peer / diloco.bytes_sent_per_peer,
                 "virtual_time_vs_diloco": r.virtual_seconds / diloco.virtual_seconds,
                 "consensus_distance": r.consensus_distance,
-            }
+                "lonely_share": r.lonely_rounds / r.rounds if r.rounds else None,
+                "mean_anchor_vs_diloco": (r.mean_anchor_loss / diloco.final_eval_loss
+                                          if r.method not in ("ddp", "diloco") and r.mean_anchor_loss else None),
+            }  # fmt: skip
             if scenario == "straggler":
                 reached = r.curve.time_to(diloco.final_eval_loss)
                 r_time = None if reached is None else reached / diloco.virtual_seconds
@@ -194,17 +209,46 @@ def summarize(results: dict[str, dict[str, MethodResult]]) -> dict:
 def print_table(summary: dict) -> None:
     for scenario, rows in summary.items():
         print(f"\n{scenario}: ratios against diloco (and ddp)")
-        print(f"{'method':18s} {'loss':>7s} {'worst':>7s} {'vs ddp':>7s} {'bytes':>8s} {'time':>7s} {'consensus':>9s}"
-              + ("  time to diloco loss" if scenario == "straggler" else ""))  # fmt: skip
+        extra = "  time to diloco loss" if scenario == "straggler" else ""
+        print(f"{'method':19s} {'loss':>7s} {'worst':>7s} {'vs ddp':>7s} {'bytes':>8s} {'time':>7s} {'consensus':>9s}"
+              f" {'lonely':>7s} {'mean anchor':>11s}{extra}")  # fmt: skip
         for name, row in rows.items():
+            lonely, anchor = row["lonely_share"], row["mean_anchor_vs_diloco"]
             line = (
-                f"{name:18s} {row['loss_vs_diloco']:7.3f} {row['worst_vs_diloco']:7.3f} {row['loss_vs_ddp']:7.3f} "
-                f"{row['bytes_vs_diloco']:8.4f} {row['virtual_time_vs_diloco']:7.3f} {row['consensus_distance']:9.4f}"
+                f"{name:19s} {row['loss_vs_diloco']:7.3f} {row['worst_vs_diloco']:7.3f} {row['loss_vs_ddp']:7.3f} "
+                f"{row['bytes_vs_diloco']:8.4f} {row['virtual_time_vs_diloco']:7.3f} {row['consensus_distance']:9.4f} "
+                f"{'' if lonely is None else f'{lonely:.3f}':>7s} {'' if anchor is None else f'{anchor:.3f}':>11s}"
             )
             if scenario == "straggler":
                 t = row["time_to_diloco_loss_vs_diloco"]
                 line += f"  {'not reached' if t is None else f'{t:.3f}'}"
             print(line)
+    for line in targets(summary):
+        print(line)
+
+
+TARGETS = [  # (scenario, method, column, limit, what)
+    ("equal", "murmur", "loss_vs_diloco", 1.02, "murmur mean loss <= 1.02x diloco"),
+    ("equal", "murmur", "worst_vs_diloco", 1.04, "murmur worst peer <= 1.04x diloco"),
+    ("equal", "murmur", "bytes_vs_diloco", 0.10, "murmur bytes <= 1/10 of diloco's"),
+    ("equal", "murmur-exact", "loss_vs_diloco", 1.01, "murmur-exact <= 1.01x diloco"),
+    ("equal", "murmur", "consensus_distance", 0.03, "consensus distance <= 0.03 (no finish rounds)"),
+    ("heterogeneous", "murmur", "lonely_share", 0.05, "heterogeneous: lonely rounds <= 5%"),
+    ("heterogeneous", "murmur", "loss_vs_diloco", 1.03, "heterogeneous: murmur <= 1.03x diloco"),
+    ("straggler", "murmur", "time_to_diloco_loss_vs_diloco", 0.6, "straggler: diloco's loss in <= 0.6x its time"),
+]
+
+
+def targets(summary: dict) -> list[str]:
+    """Each target of the issue against the measured figure, met or missed."""
+    out = ["\ntargets:"]
+    for scenario, method, column, limit, what in TARGETS:
+        value = summary.get(scenario, {}).get(method, {}).get(column)
+        if value is None:
+            out.append(f"  {what}: not measured")
+        else:
+            out.append(f"  {what}: {'met' if value <= limit else 'MISSED'} ({value:.4f})")
+    return out
 
 
 def plot(results: dict[str, dict[str, MethodResult]], path: Path) -> None:
@@ -214,7 +258,7 @@ def plot(results: dict[str, dict[str, MethodResult]], path: Path) -> None:
     import matplotlib.pyplot as plt
 
     fig, (by_samples, by_time) = plt.subplots(1, 2, figsize=(13, 5))
-    for scenario, style in (("equal", "-"), ("straggler", "--")):
+    for scenario, style in (("equal", "-"), ("heterogeneous", ":"), ("straggler", "--")):
         for name, r in results[scenario].items():
             label = f"{name} ({scenario})"
             by_samples.plot(r.curve.samples, r.curve.mean_loss, style, label=label)

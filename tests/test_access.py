@@ -1,6 +1,7 @@
 """Private runs: an unauthorized peer is refused with a clear reason and never receives model data."""
 
 import asyncio
+import logging
 import subprocess
 import sys
 from dataclasses import replace
@@ -105,6 +106,46 @@ def test_a_member_sends_no_model_data_to_a_roster_member_off_its_allowlist(order
     assert results["M"] is None
     from_m = [m for src, dst, _, m in frames if src == "M" and dst == "L" and m.kind == wire.Kind.ABORT]
     assert from_m and all("allowlist" in m.meta.get("reason", "") for m in from_m), "M tells its leader why it leaves"
+
+
+def test_an_outsider_that_keeps_joining_is_refused_once_in_the_log_and_cooled_down(caplog):
+    async def main():
+        net = InMemoryNetwork()
+        sent = []
+
+        async def record(src, dst, frame):
+            sent.extend([wire.decode(frame)] if src == "L" and dst == "X" else [])
+            return frame
+
+        net.before_send = record
+        leader, outsider = await started(make_averager(net, "L", replace(QUICK, access=PRIVATE)),
+                                         make_averager(net, "X", QUICK))  # fmt: skip
+        for _ in range(3):  # the outsider asks every round
+            plan_of = led_by("L", ["X"], window=0.2)
+            rounds = leader.average(make_offer(1), plan_of["L"]), outsider.average(make_offer(2), plan_of["X"])
+            await asyncio.gather(*rounds)
+        return leader, sent
+
+    caplog.set_level(logging.WARNING, logger="murmur.averaging")
+    leader, sent = asyncio.run(main())
+    reasons = [m.meta["reason"] for m in sent]
+    assert [m.kind for m in sent] == [wire.Kind.DECLINE] * 3 and all(not m.tensors for m in sent)
+    assert "not authorized" in reasons[0] and reasons[-1] == "cooling down after bad messages"
+    assert len([r for r in caplog.records if "peer X refused" in r.getMessage()]) == 1
+    assert leader.cooldown.cooling("X")
+
+
+def test_the_run_record_tells_a_joiner_that_the_run_is_private():
+    run = AccessPolicy(secret=SECRET)
+    check = run.run_check("my-run")
+    assert check is not None and SECRET.hex() not in check and AccessPolicy().run_check("my-run") is None
+    assert run.refuses_run("my-run", check) is None and AccessPolicy().refuses_run("my-run", None) is None
+    assert AccessPolicy().refuses_run("my-run", check) == (
+        "run 'my-run' is private: pass --run-secret-file FILE with the run's secret"
+    )
+    wrong = AccessPolicy(secret=b"another secret of 16+ bytes")
+    assert "is not its secret" in wrong.refuses_run("my-run", check)
+    assert run.refuses_run("other-run", check) is not None  # a check is for one run only
 
 
 def test_the_policy_is_a_callable_check_for_other_handlers():

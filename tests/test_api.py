@@ -71,9 +71,9 @@ def test_a_custom_workload_trains_with_its_own_optimizer() -> None:
 
 @pytest.mark.slow
 def test_readme_example_trains_two_real_peers_one_in_client_mode(capsys: pytest.CaptureFixture[str]) -> None:
-    reports = tiny_mlp.main(duration=6.0, run=f"api-{uuid.uuid4().hex[:8]}")
+    reports = tiny_mlp.main(duration=14.0, run=f"api-{uuid.uuid4().hex[:8]}")  # rounds of at least 2 s
     progress = [line for line in capsys.readouterr().out.splitlines() if line.startswith("round ")]
-    assert progress and all(" | 2 peers seen | " in line for line in progress), progress  # peer 0's live line
+    assert progress and all(" | 1 other peer | " in line for line in progress), progress  # peer 0's live line
     assert all(r is not None for r in reports)
     for report in reports:
         assert report.final_eval_loss < 0.5 * report.initial_eval_loss

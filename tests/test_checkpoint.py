@@ -174,6 +174,24 @@ def test_keeps_the_newest_two(tmp_path):
     assert sorted(p.name for p in tmp_path.iterdir()) == ["ckpt-00000007.pt", "ckpt-00000012.pt"]
 
 
+def test_pruning_counts_and_deletes_only_checkpoints_that_verify(tmp_path):
+    save_checkpoint(tmp_path, small_state(1))
+    newest = save_checkpoint(tmp_path, small_state(2))
+    newest.write_bytes(newest.read_bytes()[:-7])  # truncated: a resume falls back to step 1 and goes on from there
+    foreign = save_checkpoint(tmp_path, small_state(50, run_id="other-run"), keep=1)
+    for step in (3, 4):
+        save_checkpoint(tmp_path, small_state(step))
+    # step 1 is pruned by two newer good ones; the truncated step 2 and the other run's file stay
+    names = ["ckpt-00000002.pt", "ckpt-00000003.pt", "ckpt-00000004.pt", foreign.name]
+    assert sorted(p.name for p in tmp_path.iterdir()) == sorted(names)
+    assert latest_checkpoint(tmp_path, run_id=RUN, model="m")[0]["step"] == 4
+    for path in (tmp_path / "ckpt-00000003.pt", tmp_path / "ckpt-00000004.pt"):
+        path.write_bytes(b"")  # now every file of this run is corrupt: the new progress must survive its own write
+    save_checkpoint(tmp_path, small_state(5))
+    assert latest_checkpoint(tmp_path, run_id=RUN, model="m")[0]["step"] == 5
+    assert len(list(tmp_path.glob("ckpt-*.pt"))) == 5
+
+
 def test_the_writer_snapshots_at_submit_and_keeps_only_the_newest_pending(tmp_path, monkeypatch):
     gate, started, written = threading.Event(), threading.Event(), []
     real_write = checkpoint.write_frame
@@ -282,12 +300,19 @@ def test_checkpoint_options(tmp_path, capsys):
         tmp_path / "c"
     )
     join = ["join", "--initial-peers", BOOTSTRAP, "--run", RUN]
-    for flags, needle in [(["--resume"], "resume needs a checkpoint folder"),
-                          (["--checkpoint-every", "0"], "checkpoint_every must be at least 1"),
-                          (["--checkpoint-interval", "-1"], "checkpoint_interval must be a non-negative")]:  # fmt: skip
-        assert main([*join, *flags]) == 1  # refused before any node starts
+    restart = "--restart resumes from checkpoints: give --out-dir or --checkpoint-dir"
+    for flags, needle in [(["--resume"], "resume needs a checkpoint folder"), (["--restart"], restart)]:
+        assert main([*join, *flags]) == 1  # refused before any node starts (and before any fork)
         err = capsys.readouterr().err
         assert needle in err and len(err.strip().splitlines()) == 1, err
+    for flags, needle in [
+        (["--checkpoint-every", "0"], "argument --checkpoint-every: must be at least 1, got 0"),
+        (["--checkpoint-interval", "-1"], "argument --checkpoint-interval: must be a non-negative"),
+    ]:
+        with pytest.raises(SystemExit) as exit_info:
+            main([*join, *flags])
+        err = capsys.readouterr().err
+        assert exit_info.value.code == 2 and needle in err and len(err.strip().splitlines()) == 1, err
 
 
 @pytest.mark.slow

@@ -1,13 +1,20 @@
 """The `murmur` command line: help screens and one-line errors, never a traceback."""
 
+import argparse
 import subprocess
 import sys
+from pathlib import Path
 
 import pytest
 import torch
 
+from averaging.group import GroupConfig
+from dht.node import NodeConfig
 from peer.cli import main
 from peer.config import ConfigError, TrainConfig
+from peer.flags import DEVICES, JOIN_DEFAULTS, build_parser
+from peer.model import DEFAULT_MODEL, MODELS
+from peer.runner import PeerOptions
 
 PEER = "/ip4/127.0.0.1/tcp/1/p2p/QmNnooDu7bfjPFoTZYxMNLWUQJyrVwtbZg5gBMjTezGAJN"  # never dialled: errors come first
 JOIN = ["join", "--initial-peers", PEER, "--run", "r"]
@@ -50,13 +57,23 @@ def test_help_screens(command, capsys):
     ("argv", "needle"),
     [
         (["join", "--run", "r"], "--initial-peers"),
-        (["simulate", "--peers", "many"], "invalid int value"),
+        (["simulate", "--peers", "many"], "argument --peers: must be a whole number, got 'many'"),
         (["fly"], "invalid choice"),
         (["join", "--initial-peers", PEER, "--run", "r", "--device", "tpu"], "invalid choice: 'tpu'"),
         (["join", "--initial-peers", PEER, "--run", "r", "--precision", "fp8"], "invalid choice: 'fp8'"),
-        (["join", "--initial-peers", PEER, "--run", "r", "--grad-accum", "two"], "invalid int value"),
+        (["join", "--initial-peers", PEER, "--run", "r", "--grad-accum", "two"], "must be a whole number"),
         (["simulate", "--device", "gpu"], "invalid choice: 'gpu'"),
-        (["doctor", "--port", "http"], "invalid int value"),
+        (["doctor", "--port", "http"], "argument --port: must be a whole number"),
+        ([*JOIN, "--eval-every", "-1"], "argument --eval-every: must be at least 0, got -1"),
+        (["simulate", "--rank", "0"], "argument --rank: must be at least 1, got 0"),
+        (["simulate", "--peers", "0"], "argument --peers: must be between 1 and 64, got 0"),
+        (["simulate", "--inner-lr", "nan"], "argument --inner-lr: must be a positive number, got nan"),
+        (["simulate", "--finish-rounds", "-1"], "argument --finish-rounds: must be at least 0, got -1"),
+        ([*JOIN, "--grad-accum", "0"], "argument --grad-accum: must be at least 1, got 0"),
+        ([*JOIN, "--batch-size", "-3"], "argument --batch-size: must be at least 1, got -3"),
+        ([*JOIN, "--duration", "-5"], "argument --duration: must be a positive number, got -5"),
+        ([*JOIN, "--duration", "0"], "argument --duration: must be a positive number, got 0"),
+        (["doctor", "--port", "70000"], "argument --port: must be between 0 and 65535, got 70000"),
         (["join", "--initial-peers", PEER, "--run", "r", "--use-auto-relay=yes"], "ignored explicit argument"),
         (["join", "--initial-peers", PEER, "--run", "r", "--client-mode=1"], "ignored explicit argument"),
     ],
@@ -75,19 +92,12 @@ def test_bad_flags_exit_2_with_one_line(argv, needle, capsys):
         (["join", "--initial-peers", "not-a-multiaddr", "--run", "r"], "not-a-multiaddr"),
         (["join", "--initial-peers", "/ip4/127.0.0.1/tcp/1", "--run", "r"], "/p2p/"),
         (["join", "--initial-peers", "not-a-multiaddr", "--run", "r", "--restart"], "not-a-multiaddr"),  # no fork
-        ([*JOIN, "--eval-every", "-1"], "eval_every and metrics_interval must not be negative"),
         (["join", "--initial-peers", "/ip4/127.0.0.1/tcp/99999/p2p/QmXyz", "--run", "r"], "99999"),
-        (["simulate", "--rank", "0"], "rank must be at least 1"),
         (["simulate", "--model", "gpt-huge"], "unknown model 'gpt-huge'"),
-        (["simulate", "--peers", "0"], "--peers must be between 1 and 64"),
-        (["simulate", "--inner-lr", "nan"], "inner_lr must be a positive finite number"),
-        ([*JOIN, "--grad-accum", "0"], "--grad-accum must be at least 1, got 0"),
-        ([*JOIN, "--batch-size", "-3"], "--batch-size must be at least 1, got -3"),
         ([*JOIN, "--grad-accum", "2", "--batch-size", "4"], "give --grad-accum or --batch-size, not both"),
         ([*JOIN, "--model", "os.system"], "--model 'os.system' is not of the form pkg.module:function"),
         ([*JOIN, "--data", "data.py"], "--data 'data.py' is not of the form pkg.module:function"),
         (["simulate", "--model", "pkg.mod:build"], "simulate trains registry models"),
-        (["doctor", "--port", "70000"], "port must be an int in 0..65535"),
         (["doctor", "--host", "localhost"], "localhost"),
         *(
             []
@@ -104,6 +114,52 @@ def test_bad_values_are_one_line_errors(argv, needle, capsys):
     err = capsys.readouterr().err
     assert needle in err, err
     assert len(err.strip().splitlines()) == 1 and "Traceback" not in err
+
+
+def numeric_flags():
+    """(command, flag) for every flag of every command that takes a number."""
+    parser = build_parser()
+    commands = next(a for a in parser._actions if isinstance(a, argparse._SubParsersAction)).choices
+    for name, sub in commands.items():
+        for action in sub._actions:
+            if action.type is not None and action.option_strings and action.type not in (str, Path):
+                yield name, action.option_strings[-1], action.type
+
+
+@pytest.mark.parametrize(("command", "flag", "kind"), list(numeric_flags()), ids=lambda x: str(x))
+def test_every_numeric_flag_is_range_checked_and_named_alone(command, flag, kind, capsys):
+    assert kind not in (int, float)  # a bare int or float would take -5, nan and inf
+    base = {"join": JOIN, "status": ["status", "--initial-peers", PEER, "--run", "r"]}.get(command, [command])
+    for bad in ("-1", "nan", "inf", "1e999", "x"):
+        with pytest.raises(SystemExit) as exit_info:
+            main([*base, flag, bad])
+        err = capsys.readouterr().err
+        assert exit_info.value.code == 2, (flag, bad)
+        assert err.startswith(f"murmur {command}: error: argument {flag}: ") and err.count("\n") == 1, err
+        assert err.count("--") == 1, err  # only the flag that is wrong
+
+
+def test_help_bad_flags_and_report_answer_without_torch_or_hivemind(tmp_path):
+    (tmp_path / "metrics.jsonl").write_text('{"t": 1.0, "round": 1, "samples": 16, "loss": 3.0, "eval_loss": 3.1}\n')
+    code = "import sys; from peer.cli import main; main(sys.argv[1:])"
+    plotless = {"matplotlib"}
+    runs = [(["--help"], plotless), (["join", "--help"], plotless), (["join", "--run", "r"], plotless),
+            (["simulate", "--duration", "-5"], plotless), (["report", str(tmp_path)], set())]  # fmt: skip
+    for argv, also in runs:
+        done = subprocess.run([sys.executable, "-X", "importtime", "-c", code, *argv], capture_output=True, text=True)
+        imported = {line.split("|")[-1].strip() for line in done.stderr.splitlines() if line.startswith("import time")}
+        assert not imported & ({"torch", "hivemind"} | also), argv
+    assert (tmp_path / "report.png").exists()
+
+
+def test_the_help_shows_the_defaults_the_peer_uses():
+    options = PeerOptions(run_id="r", node=NodeConfig())
+    assert JOIN_DEFAULTS == {
+        "exchange_timeout": GroupConfig().exchange_timeout,
+        "eval_every": options.eval_every, "checkpoint_every": options.checkpoint_every,
+        "checkpoint_interval": options.checkpoint_interval,
+    }  # fmt: skip
+    assert DEVICES == ("auto", "cpu", "cuda") and DEFAULT_MODEL in MODELS
 
 
 def test_console_entry_point_reports_a_bad_address_in_one_line():

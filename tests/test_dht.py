@@ -3,10 +3,14 @@
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import gc
 import math
 import os
+import signal
 import socket
+import subprocess
+import sys
 import time
 import uuid
 from collections.abc import Callable, Iterator
@@ -610,8 +614,31 @@ def test_unreachable_initial_peer_is_a_node_error(tmp_path: Path) -> None:
             with pytest.raises(NodeError) as caught:
                 start_node(NodeConfig(initial_peers=(address,), startup_timeout=timeout))
             assert time.monotonic() - started < timeout + 6.0
+            assert str(caught.value).startswith(f"could not reach the initial peer {address}")
             assert "\n" not in str(caught.value)
     assert descendants() <= before
+
+
+@pytest.mark.slow
+def test_a_node_dies_with_the_process_that_started_it() -> None:
+    """kill -9 of a node's owner (the OOM killer): its DHT worker and p2pd follow it within a second."""
+    code = "from dht.node import NodeConfig, start_node; import os, sys, time; d = start_node(NodeConfig()); " \
+           "print(d.pid, flush=True); time.sleep(60)"  # fmt: skip
+    owner = subprocess.Popen([sys.executable, "-c", code], stdout=subprocess.PIPE, text=True, start_new_session=True)
+    try:
+        worker = psutil.Process(int(owner.stdout.readline()))
+        orphans = [worker, *worker.children(recursive=True)]
+        assert [p.name() for p in orphans[1:]] == ["p2pd"]
+        owner.kill()
+        owner.wait()
+        deadline = time.monotonic() + 2.0
+        while any(p.is_running() and p.status() != psutil.STATUS_ZOMBIE for p in orphans):
+            assert time.monotonic() < deadline, "the DHT worker or its p2pd outlived the process that started them"
+            time.sleep(0.05)
+    finally:
+        with contextlib.suppress(ProcessLookupError):
+            os.killpg(owner.pid, signal.SIGKILL)
+        owner.wait()
 
 
 @pytest.mark.slow

@@ -1,17 +1,30 @@
 """The group exchange over the in-memory transport: the same protocol code the real peers run."""
 
 import asyncio
+import logging
 from dataclasses import replace
 
 import pytest
 import torch
 
 from averaging import wire
-from averaging.compression import plan, scaled_decode, scaled_encode
+from averaging.compression import LowRankCompressor, LowRankConfig, plan, scaled_decode, scaled_encode
 from averaging.exchange import going_on
-from averaging.group import GroupPlan
+from averaging.group import GroupAverager, GroupPlan, Offer
 from averaging.transport import InMemoryNetwork
-from tests.groupkit import APPOINTMENT, FAST, MODES, SHAPES, make_averager, make_offer, one_round, plans, started
+from peer.verdict import RunVerdict
+from tests.groupkit import (
+    APPOINTMENT,
+    FAST,
+    MODES,
+    SHAPES,
+    led_by,
+    make_averager,
+    make_offer,
+    one_round,
+    plans,
+    started,
+)
 
 Kind = wire.Kind
 
@@ -265,3 +278,59 @@ def test_the_first_message_is_read_with_a_small_cap_before_anyone_is_authenticat
     a = asyncio.run(main())
     assert a.cooldown.strikes("X") == 1
     assert MODES["anchor/w"] == "diff"  # the layout these tests share
+
+
+def test_a_leader_with_another_model_layout_is_named_once_and_not_asked_again(caplog):
+    other = {**SHAPES, "anchor/w": (24, 8)}  # the same names, one tensor of another shape: another model
+
+    async def main():
+        net = InMemoryNetwork()
+        joins = []
+
+        async def count(src, dst, frame):
+            joins.extend([src] if wire.decode(frame).kind == Kind.JOIN else [])
+            return frame
+
+        net.before_send = count
+        a = make_averager(net, "A")
+        b = GroupAverager(net.transport("B"), LowRankCompressor(LowRankConfig(rank=4, mean_codec="sign",
+                          diff_codec="int8")), shapes=other, modes=MODES, run_id="r", config=FAST)  # fmt: skip
+        await started(a, b)
+        offer_b = Offer(step=0, tensors={n: torch.ones(s) for n, s in other.items()}, modes=dict(MODES))
+        results = []
+        for _ in range(3):
+            plan_of = led_by("B", ["A"], window=0.2)
+            results += await asyncio.gather(a.average(make_offer(1), plan_of["A"]), b.average(offer_b, plan_of["B"]))
+        return a, b, results, joins
+
+    caplog.set_level(logging.WARNING, logger="murmur.averaging")
+    a, b, results, joins = asyncio.run(main())
+    assert results == [None] * 6 and joins == ["A"], "asked once, then never again"
+    said = [r.getMessage() for r in caplog.records if "layout" in r.getMessage()]  # once by each side
+    asked, answered = (
+        "model layout differs from the run's: peer A asked with another model layout",
+        "model layout differs from the run's: peer B has tensor 'w' of shape (24, 8), this peer (24, 16)",
+    )
+    assert sorted(said) == sorted([asked, answered])
+    assert a.incompatible == {"B": answered} and b.incompatible == {"A": asked} and not a.compatible
+    assert a.stats.failed == 0
+    verdict = RunVerdict()
+    verdict.check_layout(a, rounds=3)  # what the real peer checks after each round: it stops, in one line
+    assert verdict.failure == answered + "; no peer of the run shares this model's layout"
+
+
+def test_finish_rounds_decline_training_peers_without_a_layout_complaint(caplog):
+    async def main():
+        net = InMemoryNetwork()
+        a = make_averager(net, "A")
+        b = GroupAverager(net.transport("B"), LowRankCompressor(LowRankConfig(rank=4, mean_codec="sign",
+                          diff_codec="int8")), shapes=SHAPES, modes=MODES, run_id="r", config=FAST,
+                          phase="finish")  # fmt: skip
+        await started(a, b)
+        plan_of = led_by("B", ["A"], window=0.2)
+        return a, await asyncio.gather(a.average(make_offer(1), plan_of["A"]), b.average(make_offer(2), plan_of["B"]))
+
+    caplog.set_level(logging.WARNING, logger="murmur.averaging")
+    a, results = asyncio.run(main())
+    assert results == [None, None] and a.stats.declined >= 1 and not a.incompatible
+    assert not [r for r in caplog.records if "layout" in r.getMessage()]

@@ -15,14 +15,14 @@ SNAPSHOT = Progress(
 
 def test_render_shows_every_field() -> None:
     assert render_progress(SNAPSHOT) == (
-        "round 12 step 240 | loss 2.346 eval 2.500 | 81.2 samples/s | 3 peers seen | "
+        "round 12 inner step 240 | loss 2.346 eval 2.500 | 81.2 samples/s | 2 other peers | "
         "exchanges 9 ok / 1 failed, last exchange with eQAJU5SA 4s ago | sent 1.2 MB received 987 B"
     )
 
 
 def test_render_before_any_exchange() -> None:
     line = render_progress(Progress(**{**SNAPSHOT.__dict__, "partner": None, "peers_seen": 1, "exchanges_ok": 0}))
-    assert "no exchange yet" in line and "1 peer seen" in line
+    assert "no exchange yet" in line and "no other peer yet" in line
 
 
 def test_a_log_gets_a_line_every_few_rounds() -> None:

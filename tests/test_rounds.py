@@ -28,7 +28,7 @@ from peer.runner import PeerOptions, VolunteerPeer
 from peer.sim.swarm import VirtualSwarm
 from peer.sim.virtual import Scenario, _trainers
 
-CONFIG = RoundConfig(inner_steps=10, solo_after=3, finish_rounds=2)
+CONFIG = RoundConfig(inner_steps=10, solo_after=3, finish_rounds=2, shortest_round=0.0)
 
 
 def seen(peer, key=None, step=0.1, state="training", exchange=None, client=False):
@@ -127,12 +127,14 @@ def test_lonely_rounds_keep_the_work_pending_then_step_alone_and_the_finish_stop
     engine._roster = (seen("a", step=0.1),)
     finish = engine.next_finish(5.0, [seen("a", Appointment(seconds=1.0, slot=5).key, 0.1)])
     assert finish.seconds == pytest.approx(1.0 / FINISH_GRID)
-    assert engine.ended(5.2, 2) == Step.GROUP and engine.phase == Phase.FINISHING
-    assert engine.ended(5.4, 2) == Step.GROUP and engine.phase == Phase.DONE  # finish_rounds = 2
+    assert engine.ended(5.2, None) == Step.PENDING and engine.phase == Phase.FINISHING  # a lonely one: not counted
+    assert engine.ended(5.3, 2) == Step.GROUP and engine.phase == Phase.FINISHING
+    assert engine.ended(5.4, 2) == Step.GROUP and engine.phase == Phase.DONE  # finish_rounds = 2 exchanges
     alone = RoundEngine("x", CONFIG)
     alone.finish(0.0)
-    alone.ended(0.1, None)
-    assert alone.phase == Phase.FINISHING and alone.ended(0.2, None) == Step.PENDING and alone.phase == Phase.DONE
+    for t in range(2 * FINISH_GRID - 1):  # nobody came for two training rounds' time of finish rounds: done
+        assert alone.ended(float(t), None) == Step.PENDING and alone.phase == Phase.FINISHING
+    assert alone.ended(99.0, None) == Step.PENDING and alone.phase == Phase.DONE
     assert not RoundEngine("y", dataclasses.replace(CONFIG, finish_rounds=0)).finish(0.0)
 
 

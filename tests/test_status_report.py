@@ -97,6 +97,26 @@ def test_report_without_metrics_is_a_one_line_error(tmp_path: Path, make: Any, c
     assert not (run_dir / "report.png").exists()
 
 
+def test_report_draws_evaluations_as_points_and_the_swarm_as_each_peer_saw_it(tmp_path: Path) -> None:
+    folder = tmp_path / "me"
+    folder.mkdir()
+    rows = [
+        dict(t=100.0 + 2 * i, round=i + 1, samples=320 * (i + 1), loss=3.0 - 0.1 * i, eval_loss=5.3 - (i // 5),
+             eval_t=99.0 + 10 * (i // 5), eval_samples=1600 * (i // 5), bytes_sent=0, bytes_received=0,
+             peer="QmSomePeerIdXYZ12345", peers=2)
+        for i in range(12)
+    ]  # fmt: skip
+    (folder / "metrics.jsonl").write_text("".join(json.dumps(r) + "\n" for r in rows))
+    by_time, by_samples, _, alive = build_figure(load_logs(folder)).axes
+    loss, held_out = by_time.lines
+    assert held_out.get_linestyle() == "None" and held_out.get_marker() == "o"  # points, not a held step
+    assert list(held_out.get_xdata()) == [0.0, 10.0, 20.0] and list(held_out.get_ydata()) == [5.3, 4.3, 3.3]
+    assert loss.get_xdata()[0] == 1.0  # wall time counts from the first evaluation, before the first round
+    assert list(by_samples.lines[1].get_xdata()) == [0, 1600, 3200]  # the samples each was measured after
+    assert [t.get_text() for t in by_time.get_legend().texts] == ["XYZ12345"]  # the peer id, not the folder
+    assert set(alive.lines[0].get_ydata()) == {2}  # the swarm this one peer saw, itself included
+
+
 def test_peers_alive_counts_each_peer_from_first_to_last_record() -> None:
     times, counts = alive_over_time([(0.0, 10.0), (3.0, 5.0), (5.0, 12.0)])
     assert list(zip(times, counts, strict=True)) == [(0.0, 1), (3.0, 2), (5.0, 3), (5.0, 2), (10.0, 1), (12.0, 0)]

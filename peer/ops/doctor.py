@@ -10,7 +10,6 @@ private or loopback addresses, nobody outside can dial it. Each check is a funct
 
 from __future__ import annotations
 
-import errno
 import ipaddress
 import socket
 import time
@@ -21,6 +20,7 @@ from enum import StrEnum
 import psutil
 import torch
 
+from dht.addresses import port_problem
 from dht.node import NodeConfig, start_node, stop_node, visible_addresses
 from peer.device import Capabilities, capabilities
 
@@ -64,19 +64,13 @@ def check_p2pd(start: Callable[[], object] = lambda: start_node(NodeConfig()), s
 
 
 def check_port(host: str, port: int) -> Verdict:
-    """Whether `port` on `host` can be listened on (0: any free port the OS picks)."""
-    family = socket.AF_INET6 if ipaddress.ip_address(host).version == 6 else socket.AF_INET
-    with socket.socket(family, socket.SOCK_STREAM) as s:
-        try:
-            s.bind((host, port))
-        except OSError as e:
-            reason = "is in use" if e.errno == errno.EADDRINUSE else f"cannot be bound: {e.strerror}"
-            return Verdict(
-                check="port", level=Level.FAIL, detail=f"{host}:{port} {reason}",
-                fix="pass another --port to murmur join, or stop the program that holds this one",
-            )  # fmt: skip
-        bound = s.getsockname()[1]
-    detail = f"{host}:{port} is free" if port else f"port 0: the OS picks a free one (e.g. {bound})"
+    """Whether `port` on `host` can be listened on (0: any free port the OS picks), as every command checks it."""
+    if problem := port_problem(host, port):
+        return Verdict(
+            check="port", level=Level.FAIL, detail=problem,
+            fix="pass another --port to murmur join, or stop the program that holds this one",
+        )  # fmt: skip
+    detail = f"{host}:{port} is free" if port else "port 0: the OS picks a free one"
     return Verdict(check="port", level=Level.OK, detail=detail)
 
 

@@ -36,15 +36,18 @@ def _bytes(n: int) -> str:
 
 
 def render_progress(p: Progress) -> str:
-    """One line: step, losses, throughput, peers, the last exchange and its partner, traffic."""
+    """One line: round and inner step, losses, throughput, the other peers, the last exchange and its partner,
+    traffic."""
     if p.partner is None:
         last = "no exchange yet"
     else:
         ago = f" {p.seconds_since_exchange:.0f}s ago" if p.seconds_since_exchange is not None else ""
         last = f"last exchange with {p.partner[-8:]}{ago}"
+    others = p.peers_seen - 1  # the count includes this peer
+    seen = f"{others} other peer{'s' * (others != 1)}" if others > 0 else "no other peer yet"
     return (
-        f"round {p.round} step {p.step} | loss {p.loss:.3f} eval {p.eval_loss:.3f} | "
-        f"{p.samples_per_second:.1f} samples/s | {p.peers_seen} peer{'s' * (p.peers_seen != 1)} seen | "
+        f"round {p.round} inner step {p.step} | loss {p.loss:.3f} eval {p.eval_loss:.3f} | "
+        f"{p.samples_per_second:.1f} samples/s | {seen} | "
         f"exchanges {p.exchanges_ok} ok / {p.exchanges_failed} failed, {last} | "
         f"sent {_bytes(p.bytes_sent)} received {_bytes(p.bytes_received)}"
     )

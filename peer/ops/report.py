@@ -2,10 +2,13 @@
 
 RUN_DIR is a peer folder holding `metrics.jsonl` (`murmur join --out-dir`) or a simulation folder
 holding `peer-*/metrics.jsonl` (`murmur simulate --out-dir`). The figure has four panels with one
-line per peer: training and held-out loss against wall time, the same against samples, bytes sent
-and received against wall time, and how many peers were alive (between a peer's first and last
-record). Wall time counts from the first record of any peer. matplotlib is imported only when a
-figure is built, and draws on its Agg canvas: no pyplot, no global backend switch.
+series per peer, labelled with its peer id: training loss (a line) and held-out loss (a point at
+each evaluation: the time and samples it was measured at) against wall time, the same against
+samples, bytes sent and received against wall time, and how many peers were alive: the live peers
+each peer saw in the run's announcements, itself included (logs from before that field: between
+each folder's first and last record). Wall time counts from the first record or evaluation of any peer.
+matplotlib is imported only when a figure is built, and draws on its Agg canvas: no pyplot, no
+global backend switch, no layout engine (it would double the time to draw).
 """
 
 from __future__ import annotations
@@ -55,28 +58,62 @@ def alive_over_time(spans: list[tuple[float, float]]) -> tuple[list[float], list
     return times, counts
 
 
+def evaluations(records: list[dict]) -> list[dict]:
+    """The held-out evaluations in a log, each once: {"t", "samples", "eval_loss"} where it was measured.
+
+    A peer logs the latest evaluation with every round (`eval_loss`, and since `eval_t`/`eval_samples` when
+    and after how many samples it was taken); an older log without them gives each change of `eval_loss`
+    at the round that first carried it.
+    """
+    points, seen = [], set()
+    for r in records:
+        if not _is_number(r.get("eval_loss")):
+            continue
+        timed = _is_number(r.get("eval_t")) and _is_number(r.get("eval_samples"))
+        key = (r["eval_t"], r["eval_samples"]) if timed else r["eval_loss"]
+        if key in seen or (not timed and points and points[-1]["eval_loss"] == r["eval_loss"]):
+            continue
+        seen.add(key)
+        t, samples = (r["eval_t"], r["eval_samples"]) if timed else (r["t"], r.get("samples"))
+        points.append({"t": t, "samples": samples, "eval_loss": r["eval_loss"]})
+    return points
+
+
+def peer_label(name: str, records: list[dict]) -> str:
+    """A peer's series label: its short peer id when the log names it, else the folder's name."""
+    ids = [r["peer"] for r in records if isinstance(r.get("peer"), str)]
+    return ids[-1][-8:] if ids else name
+
+
 def build_figure(logs: dict[str, list[dict]], title: str = "") -> Figure:
     """The four-panel figure (axes titled as in PANEL_TITLES), on an Agg canvas."""
     from matplotlib.backends.backend_agg import FigureCanvasAgg
     from matplotlib.figure import Figure
 
-    figure = Figure(figsize=(12, 8), layout="constrained")
+    figure = Figure(figsize=(12, 8))
     FigureCanvasAgg(figure)
+    figure.subplots_adjust(left=0.06, right=0.98, top=0.92, bottom=0.07, hspace=0.3, wspace=0.18)
     (by_time, by_samples), (traffic, alive) = figure.subplots(2, 2)
-    t0 = min(r["t"] for records in logs.values() for r in records)
-    spans = []
+    starts = [p["t"] for records in logs.values() for p in [*records[:1], *evaluations(records)[:1]]]
+    t0 = min(starts)  # the first record, or the first evaluation (a peer evaluates before its first round)
+    spans, counted = [], False
     for i, (name, records) in enumerate(logs.items()):
-        color = f"C{i % 10}"
+        color, label = f"C{i % 10}", peer_label(name, records)
+        points = evaluations(records)
         for axes, x in ((by_time, "t"), (by_samples, "samples")):
-            _plot(axes, records, x, "loss", t0 if x == "t" else 0.0, color=color, label=name)
-            # eval_loss is the latest evaluation, held until the next one: drawn as steps
-            _plot(axes, records, x, "eval_loss", t0 if x == "t" else 0.0, color=color, ls="--", drawstyle="steps-post")
+            _plot(axes, records, x, "loss", t0 if x == "t" else 0.0, color=color, label=label)
+            _plot(axes, points, x, "eval_loss", t0 if x == "t" else 0.0, color=color, ls="", marker="o", ms=4)
         _plot(traffic, records, "t", "bytes_sent", t0, scale=1e-6, color=color)
         _plot(traffic, records, "t", "bytes_received", t0, scale=1e-6, color=color, linestyle="--")
+        if any(_is_number(r.get("peers")) for r in records):  # what this peer saw of the swarm
+            counted = True
+            _plot(alive, records, "t", "peers", t0, color=color, drawstyle="steps-post", label=label)
         spans.append((records[0]["t"] - t0, records[-1]["t"] - t0))
-    times, counts = alive_over_time(spans)
-    alive.step(times, counts, where="post", color="C0")
-    alive.set_ylim(0, max(counts) + 1)
+    if not counted:  # logs without a count: each folder's peer alive from its first record to its last
+        times, counts = alive_over_time(spans)
+        alive.step(times, counts, where="post", color="C0")
+    top = max((y for line in alive.lines for y in line.get_ydata()), default=0)
+    alive.set_ylim(0, top + 1)
     alive.yaxis.get_major_locator().set_params(integer=True)
 
     for axes, panel, xlabel, ylabel in zip(
@@ -92,7 +129,7 @@ def build_figure(logs: dict[str, list[dict]], title: str = "") -> Figure:
         axes.grid(alpha=0.3)
     if len(logs) <= 16:
         by_time.legend(fontsize="small", title="peer")
-    by_samples.legend(handles=_styles("training", "held-out"), fontsize="small")
+    by_samples.legend(handles=_styles("training", "held-out (evaluations)"), fontsize="small")
     traffic.legend(handles=_styles("sent", "received"), fontsize="small")
     figure.suptitle(title or f"{len(logs)} peer{'s' * (len(logs) != 1)}")
     return figure
@@ -115,10 +152,12 @@ def _plot(axes: Axes, records: list[dict], x: str, y: str, x0: float, scale: flo
         axes.plot(xs, ys, **style)
 
 
-def _styles(solid: str, dashed: str) -> list:
+def _styles(solid: str, other: str) -> list:
+    """Legend entries: a solid line, and the dashed line of bytes received or the points of evaluations."""
     from matplotlib.lines import Line2D
 
-    return [Line2D([], [], color="gray", label=solid), Line2D([], [], color="gray", linestyle="--", label=dashed)]
+    style = {"linestyle": "", "marker": "o"} if "evaluations" in other else {"linestyle": "--"}
+    return [Line2D([], [], color="gray", label=solid), Line2D([], [], color="gray", label=other, **style)]
 
 
 def _is_number(value: object) -> bool:

@@ -95,14 +95,15 @@ def render_status(status: RunStatus) -> RenderableType:
     if not status.peers:
         return Group(Text(config_summary(status)), Text("no live peers"))
     title = f"{len(status.peers)} live peer{'s' * (len(status.peers) != 1)}"
-    caption = "step: outer steps, inner: inner steps, seen: since last announced, client: never dialled"
+    caption = ("outer step: rounds that took an outer step, inner step: AdamW steps, seen: since last announced, "
+               "client: never dialled")  # fmt: skip
     table = Table(
         title=title, caption=caption, title_justify="left", caption_justify="left", box=box.SIMPLE_HEAD,
         show_edge=False, collapse_padding=True,
     )  # fmt: skip
     table.add_column("peer", no_wrap=True, min_width=8)
     table.add_column("state", no_wrap=True)
-    for column in ("step", "inner", "samples", "loss", "samples/s", "ver", "seen"):
+    for column in ("outer step", "inner step", "samples", "loss", "samples/s", "ver", "seen"):
         table.add_column(column, justify="right")
     for p in status.peers:
         state = p.state + (" (client)" if p.client_mode else "")

@@ -4,12 +4,15 @@ Each peer is `python -m peer.cli join ...` in its own process group (its DHT wor
 inherit the group), so the simulator can stop a peer and everything under it by PID: SIGTERM to
 the peer first, SIGKILL to its group after a grace period. That happens in `finally`, on a
 normal end, an error or Ctrl-C alike. Progress comes from the peers' metrics logs; the report gathers their reports and
-the consensus distance of their final anchors.
+the consensus distance of their final anchors. A folder that holds an earlier simulation is left as it is: this one
+goes to the next free `RUN-2`, `RUN-3` ... (`peer.rundir.fresh_folder`), and says so.
 """
 
 from __future__ import annotations
 
 import contextlib
+import dataclasses
+import math
 import os
 import signal
 import subprocess
@@ -30,6 +33,7 @@ from peer.config import TrainConfig, is_spec
 from peer.device import DeviceConfig, Runtime
 from peer.metrics import PeerReport, SwarmReport, consensus_distance, read_metrics
 from peer.model import build_model
+from peer.rundir import fresh_folder
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -37,6 +41,7 @@ class SimulationConfig:
     peers: int = 4
     duration: float = 60.0
     run_id: str = "sim"
+    port: int = 0  # the bootstrap node's; every peer listens on a free port
     out_dir: Path = Path("runs/sim")
     report: Path = Path("report.json")
     train: TrainConfig = field(default_factory=TrainConfig)
@@ -49,8 +54,8 @@ class SimulationConfig:
     def __post_init__(self) -> None:
         if not 1 <= self.peers <= 64:
             raise ValueError(f"--peers must be between 1 and 64, got {self.peers}")
-        if not self.duration > 0:
-            raise ValueError(f"--duration must be positive, got {self.duration}")
+        if not 0 < self.duration < math.inf:
+            raise ValueError(f"--duration must be a positive number of seconds, got {self.duration}")
         if is_spec(self.train.model):
             raise ValueError("simulate trains registry models; run a custom model with murmur join or peer.api")
 
@@ -79,13 +84,18 @@ def launch(command: list[str], log: Path) -> subprocess.Popen:
         return subprocess.Popen(command, stdout=out, stderr=subprocess.STDOUT, start_new_session=True, env=env)
 
 
-def start_bootstrap(run_id: str, train: TrainConfig, host: str = "127.0.0.1"):
-    """An in-process bootstrap node that has published the run's config; returns it and its multiaddrs."""
+def start_bootstrap(
+    run_id: str, train: TrainConfig, host: str = "127.0.0.1", secret_check: str | None = None, port: int = 0
+):
+    """An in-process bootstrap node that has published the run's config (and, for a private run, the
+    `AccessPolicy.run_check` of its secret); returns it and its multiaddrs."""
     # signs the config, as every node of the run signs its records
-    boot = start_node(NodeConfig(run_id=run_id, host=host))
+    boot = start_node(NodeConfig(run_id=run_id, host=host, port=port))
     try:
         RunRecords(boot, run_id).publish_config(
-            RunRecord(run_id=run_id, config=train.to_record(), created_by=boot.peer_id.to_base58())
+            RunRecord(
+                run_id=run_id, config=train.to_record(), created_by=boot.peer_id.to_base58(), secret_check=secret_check
+            )  # fmt: skip
         )
         return boot, visible_addresses(boot)
     except BaseException:
@@ -132,8 +142,9 @@ def group_leaders_below(pid: int) -> list[int]:
 
 
 def _progress_table(config: SimulationConfig, elapsed: float) -> Table:
-    table = Table(title=f"murmur simulate: {config.peers} peers, {elapsed:.0f}/{config.duration:.0f} s")
-    for column in ("peer", "round", "step", "loss", "eval loss", "exchanges ok/failed", "sent"):
+    title = f"murmur simulate: {config.peers} peers training {config.duration:.0f} s each, {elapsed:.0f} s elapsed"
+    table = Table(title=title)
+    for column in ("peer", "round", "inner step", "loss", "eval loss", "exchanges ok/failed", "sent"):
         table.add_column(column, justify="right")
     for i in range(config.peers):
         records = read_metrics(config.out_dir / f"peer-{i}" / "metrics.jsonl")
@@ -149,14 +160,19 @@ def _progress_table(config: SimulationConfig, elapsed: float) -> Table:
 
 
 def simulate(config: SimulationConfig, console: Console | None = None) -> SwarmReport:
+    from averaging.access import load_policy
+
     console = console or Console(stderr=True)
     Runtime.resolve(config.device)  # a device this machine lacks fails here, not in every peer
+    secret_check = load_policy(config.run_secret_file, config.allow_peers).run_check(config.run_id)
+    out_dir = fresh_folder(config.out_dir)  # an earlier simulation's files are kept, never overwritten
+    if out_dir != config.out_dir:
+        console.print(f"{config.out_dir} holds an earlier simulation, kept as it is; this one writes to {out_dir}",
+                      soft_wrap=True, markup=False, highlight=False)  # fmt: skip
+        config = dataclasses.replace(config, out_dir=out_dir)
     config.out_dir.mkdir(parents=True, exist_ok=True)
-    for i in range(config.peers):  # a previous simulation's files would pass for this one's
-        for name in ("metrics.jsonl", "report.json", "anchor.pt"):
-            (config.out_dir / f"peer-{i}" / name).unlink(missing_ok=True)
     started = time.monotonic()
-    boot, maddrs = start_bootstrap(config.run_id, config.train)
+    boot, maddrs = start_bootstrap(config.run_id, config.train, secret_check=secret_check, port=config.port)
     procs: list[subprocess.Popen] = []
     try:
         for i in range(config.peers):

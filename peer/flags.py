@@ -1,0 +1,226 @@
+"""The `murmur` command line: every flag, its help text and its range, without torch or hivemind.
+
+`build_parser` imports nothing heavy, so `murmur --help`, a bad flag and `murmur report` answer at
+once; the commands import what they use. Every number is range-checked here, when it is parsed, so a
+bad one is one line naming that flag (`argument --duration: must be a positive number, got -5`)
+and exit code 2, before anything starts. The defaults shown for the peer's own flags are
+`JOIN_DEFAULTS`; a test checks them against `GroupConfig` and `PeerOptions`, which own them.
+"""
+
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import math
+from collections.abc import Callable
+from pathlib import Path
+
+from peer.config import TrainConfig
+
+DEVICES: tuple[str, ...] = ("auto", "cpu", "cuda")
+PRECISIONS: tuple[str, ...] = ("auto", "fp32", "bf16", "fp16")
+# the defaults of GroupConfig (exchange_timeout) and PeerOptions, as --help shows them
+JOIN_DEFAULTS = {"exchange_timeout": 10.0, "eval_every": 5, "checkpoint_every": 1, "checkpoint_interval": 30.0}
+MAX_PEERS = 64  # murmur simulate on one machine
+
+
+class Parser(argparse.ArgumentParser):
+    def error(self, message: str) -> None:  # one line, exit code 2
+        self.exit(2, f"{self.prog}: error: {message}\n")
+
+
+def integer(minimum: int, maximum: int | None = None) -> Callable[[str], int]:
+    """An argparse type: a whole number in [minimum, maximum]."""
+
+    def parse(text: str) -> int:
+        try:
+            value = int(text)
+        except ValueError:
+            raise argparse.ArgumentTypeError(f"must be a whole number, got {text!r}") from None
+        if value < minimum or (maximum is not None and value > maximum):
+            span = f"between {minimum} and {maximum}" if maximum is not None else f"at least {minimum}"
+            raise argparse.ArgumentTypeError(f"must be {span}, got {value}")
+        return value
+
+    return parse
+
+
+def number(*, zero: bool = False) -> Callable[[str], float]:
+    """An argparse type: a finite number above 0 (or at least 0, with `zero`)."""
+
+    def parse(text: str) -> float:
+        try:
+            value = float(text)
+        except ValueError:
+            raise argparse.ArgumentTypeError(f"must be a number, got {text!r}") from None
+        if not math.isfinite(value) or value < 0 or (value == 0 and not zero):
+            raise argparse.ArgumentTypeError(f"must be a {'non-negative' if zero else 'positive'} number, got {text}")
+        return value
+
+    return parse
+
+
+PORT = integer(0, 65535)
+
+
+def share(text: str) -> float:
+    """An argparse type: a share of a round, in (0, 1]."""
+    value = number()(text)
+    if value > 1:
+        raise argparse.ArgumentTypeError(f"must be a share of a round in (0, 1], got {text}")
+    return value
+
+
+def train_flags(parser: argparse.ArgumentParser) -> None:
+    group = parser.add_argument_group("run config (published to the DHT; joiners take it from there)")
+    defaults = {f.name: f.default for f in dataclasses.fields(TrainConfig)}
+    group.add_argument("--model", default=defaults["model"], help="model from the registry (default: %(default)s)")
+    group.add_argument("--seed", type=integer(0), help=f"model init seed (default: {defaults['seed']})")
+    group.add_argument("--batch-size", type=integer(1),
+                       help=f"sequences per inner step (default: {defaults['batch_size']})")  # fmt: skip
+    group.add_argument("--inner-steps", type=integer(1),
+                       help=f"H, inner steps per round (default: {defaults['inner_steps']})")  # fmt: skip
+    group.add_argument("--inner-lr", type=number(), help=f"AdamW learning rate (default: {defaults['inner_lr']})")
+    group.add_argument("--outer-lr", type=number(),
+                       help=f"outer Nesterov learning rate (default: {defaults['outer_lr']})")  # fmt: skip
+    group.add_argument("--rank", type=integer(1), help=f"low-rank compression rank (default: {defaults['rank']})")
+    group.add_argument("--round-seconds", type=number(zero=True), metavar="SECONDS",
+                       help="length of a round; 0: H steps and an exchange at the swarm's pace "
+                            f"(default: {defaults['round_seconds']:g})")  # fmt: skip
+    group.add_argument(
+        "--group-size",
+        type=integer(2),
+        metavar="G",
+        help=f"the most peers averaged together in a round (default: {defaults['group_size']})",
+    )
+    group.add_argument("--window", type=share, metavar="SHARE",
+                       help="share of a round a group's leader waits for late members, in (0, 1] "
+                            f"(default: {defaults['window']})")  # fmt: skip
+    group.add_argument("--finish-rounds", type=integer(0), metavar="K",
+                       help="when a peer's --duration is over: K rounds that only average anchors, so that the "
+                            f"final models agree (default: {defaults['finish_rounds']})")  # fmt: skip
+
+
+def node_flags(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument("--host", default="127.0.0.1", help="address to listen on (default: %(default)s)")
+    parser.add_argument("--port", type=PORT, default=0, help="TCP port, 0 picks a free one (default: %(default)s)")
+    parser.add_argument("--identity", help="key file that keeps this node's peer id across restarts")
+
+
+def access_flags(parser: argparse.ArgumentParser) -> None:
+    group = parser.add_argument_group("private runs (see averaging/access.py)")
+    group.add_argument("--run-secret-file", type=Path, metavar="FILE",
+                       help="shared run secret: only peers that know it pair")  # fmt: skip
+    group.add_argument("--allow-peers", nargs="+", metavar="PEER_ID", help="only these peer ids may pair")
+
+
+def device_flags(parser: argparse.ArgumentParser, *, batching: bool) -> None:
+    group = parser.add_argument_group("device")
+    group.add_argument("--device", choices=DEVICES, default="auto", help="auto: CUDA if available (default: auto)")
+    group.add_argument("--precision", choices=PRECISIONS, default="auto",
+                       help="auto: bf16 on CUDA if supported, else fp16 with a grad scaler; fp32 on CPU")  # fmt: skip
+    if batching:
+        group.add_argument("--batch-size", type=integer(1), metavar="B", dest="micro_batch",
+                           help="sequences per forward pass; the run's batch size is reached by accumulation "
+                           "(default: fit the card's free memory)")  # fmt: skip
+        group.add_argument("--grad-accum", type=integer(1), metavar="N", help="micro-batches per inner step")
+
+
+def workload_flags(parser: argparse.ArgumentParser, *, joining: bool) -> None:
+    """--model and --data of a researcher's own workload; the bootstrap node only prints them in its join line."""
+    group = parser.add_argument_group("a researcher's own model and data (imported from this machine only)")
+    if joining:
+        group.add_argument("--model", metavar="PKG.MODULE:FUNCTION",
+                           help="builds the run's model: build_model() -> Module")  # fmt: skip
+    what = "batches" if joining else "with a custom --model: the batch builder joiners pass (for the join line):"
+    group.add_argument("--data", metavar="PKG.MODULE:FUNCTION",
+                       help=f"{what} build_batches(split, *, seed, batch_size) -> iterator of tuples")  # fmt: skip
+
+
+def _join_parser(sub) -> None:
+    join = sub.add_parser("join", help="join a run as a training peer")
+    join.add_argument("--initial-peers", nargs="+", required=True, metavar="MADDR", help="bootstrap multiaddrs")
+    join.add_argument("--run", required=True, help="run id")
+    join.add_argument("--duration", type=number(), metavar="SECONDS", help="seconds to train (default: until Ctrl-C)")
+    join.add_argument("--out-dir", type=Path, help="folder for metrics.jsonl, report.json, anchor.pt, checkpoints/")
+    join.add_argument("--data-seed", type=integer(0), default=0, help="seed of this peer's data stream")
+    join.add_argument("--exchange-timeout", type=number(), default=JOIN_DEFAULTS["exchange_timeout"],
+                      metavar="SECONDS",
+                      help="bound on one group exchange once its group is sealed (default: %(default)s)")  # fmt: skip
+    join.add_argument("--quiet", action="store_true", help="no per-round progress line")
+    join.add_argument("--eval-every", type=integer(0), default=JOIN_DEFAULTS["eval_every"], metavar="N",
+                      help="rounds between held-out evaluations, 0: at start and stop only "
+                           "(default: %(default)s)")  # fmt: skip
+    join.add_argument("--resume", action="store_true", help="continue from the newest usable checkpoint")
+    join.add_argument("--restart", action="store_true",
+                      help="a warm parent restarts the peer with --resume if it is killed or crashes "
+                           "(needs --out-dir or --checkpoint-dir)")  # fmt: skip
+    join.add_argument("--checkpoint-every", type=integer(1), default=JOIN_DEFAULTS["checkpoint_every"], metavar="N",
+                      help="rounds between checkpoints (default: %(default)s)")  # fmt: skip
+    join.add_argument(
+        "--checkpoint-interval",
+        type=number(zero=True),
+        default=JOIN_DEFAULTS["checkpoint_interval"],
+        metavar="SECONDS",
+        help="and at least this many seconds apart (default: %(default)s)",
+    )
+    join.add_argument("--checkpoint-dir", type=Path, metavar="DIR", help="default: OUT_DIR/checkpoints")
+    node_flags(join)
+    join.add_argument("--client-mode", action="store_true",
+                      help="behind NAT, no inbound connections: start every exchange, never be dialled")  # fmt: skip
+    join.add_argument("--use-relay", action=argparse.BooleanOptionalAction, default=True,
+                      help="reach peers through libp2p circuit relays (default: on)")  # fmt: skip
+    join.add_argument("--use-auto-relay", action="store_true", help="find relays and be reachable through them")
+    device_flags(join, batching=True)
+    workload_flags(join, joining=True)
+    access_flags(join)
+
+
+def build_parser() -> argparse.ArgumentParser:
+    parser = Parser(prog="murmur", description="Decentralized training: gossip DiLoCo over a DHT.")
+    parser.add_argument("-v", "--verbose", action="store_true", help="log debug messages")
+    sub = parser.add_subparsers(dest="command", required=True, parser_class=Parser)
+
+    boot = sub.add_parser("bootstrap", help="start a bootstrap node for a run and print the join line")
+    boot.add_argument("--run", required=True, help="run id, shared by every peer of the run")
+    node_flags(boot)
+    train_flags(boot)
+    workload_flags(boot, joining=False)
+    access_flags(boot)
+
+    _join_parser(sub)
+
+    sim = sub.add_parser("simulate", help="run a bootstrap node and N peers on 127.0.0.1, then write a report")
+    sim.add_argument("--peers", type=integer(1, MAX_PEERS), default=4,
+                     help="peer processes to start (default: %(default)s)")  # fmt: skip
+    sim.add_argument("--duration", type=number(), default=60.0, metavar="SECONDS",
+                     help="seconds each peer trains (default: %(default)s)")  # fmt: skip
+    sim.add_argument("--report", type=Path, default=Path("report.json"), metavar="PATH",
+                     help="the swarm's report, as JSON (default: %(default)s)")  # fmt: skip
+    sim.add_argument("--run", default="sim", help="run id")
+    sim.add_argument(
+        "--port",
+        type=PORT,
+        default=0,
+        help="the bootstrap node's port on 127.0.0.1, 0 picks a free one (default: %(default)s)",
+    )
+    sim.add_argument("--out-dir", type=Path,
+                     help="folder for the peers' logs (default: runs/RUN; a folder that holds an earlier "
+                          "simulation is kept, and the next free RUN-2, RUN-3 ... is used)")  # fmt: skip
+    train_flags(sim)
+    device_flags(sim, batching=False)
+    access_flags(sim)
+
+    status = sub.add_parser("status", help="show a run's config and live peers, read from the DHT")
+    status.add_argument("--initial-peers", nargs="+", required=True, metavar="MADDR", help="bootstrap multiaddrs")
+    status.add_argument("--run", required=True, help="run id")
+    status.add_argument("--json", action="store_true", help="print one JSON object instead of a table")
+
+    report = sub.add_parser("report", help="plot a peer's or a simulation's metrics logs to a PNG")
+    report.add_argument("run_dir", type=Path, metavar="RUN_DIR", help="a folder with metrics.jsonl or peer-*/")
+    report.add_argument("--out", type=Path, metavar="PNG", help="output file (default: RUN_DIR/report.png)")
+
+    doctor = sub.add_parser("doctor", help="check that this machine can join a run, with a fix for each problem")
+    doctor.add_argument("--host", default="127.0.0.1", help="address join will listen on (default: %(default)s)")
+    doctor.add_argument("--port", type=PORT, default=0, help="port join will listen on (default: %(default)s)")
+    return parser
