@@ -27,7 +27,7 @@ import contextlib
 import hashlib
 import logging
 import time
-from collections.abc import Callable, Iterable, Mapping
+from collections.abc import Awaitable, Callable, Iterable, Mapping
 from dataclasses import dataclass
 
 import torch
@@ -413,62 +413,70 @@ class SealedExchange:
 
     # -- the pair streams --------------------------------------------------------------------------------
     async def _open(self, j: int) -> None:
-        """We open the pair's stream with j: HELLO, their PHASE1 then ours; later our PHASE2 then theirs."""
+        """We open the pair's stream with j: HELLO, theirs, their PHASE1 then ours; later our PHASE2 then theirs."""
         m, peer, session = self.messenger, self.members[j], self.seal.session
         stream = None
+
+        async def first() -> None:
+            nonlocal stream
+            stream = await asyncio.wait_for(self.transport.open(peer), m.timeout)
+            await m.send(
+                stream, Kind.HELLO, session, self.offer.step, {}, self.credentials("group-hello", peer, session)
+            )
+            hello = await m.recv(stream, Kind.HELLO, session, {}, step=self.offer.step)
+            if why := self.check(peer, session, hello.meta):  # it proves itself before it gets our payload
+                raise Misbehaved(f"member failed the access check ({why})")
+            await self._receive(stream, j, Kind.PHASE1)
+            await m.send_bytes(stream, self.payload1)
+
+        async def second() -> None:
+            if stream is not None and (mine := await self._second(j)) is not None:
+                await m.send_bytes(stream, mine)
+                await self._receive(stream, j, Kind.PHASE2)
+
         try:
-            try:
-                stream = await asyncio.wait_for(self.transport.open(peer), m.timeout)
-                await m.send(stream, Kind.HELLO, session, self.offer.step, {}, self.credentials("group-hello", peer,
-                                                                                              session))  # fmt: skip
-                hello = await m.recv(stream, Kind.HELLO, session, {}, step=self.offer.step)
-                if why := self.check(peer, session, hello.meta):  # it proves itself before it gets our payload
-                    raise Misbehaved(f"member failed the access check ({why})")
-                await self._receive(stream, j, Kind.PHASE1)
-                await m.send_bytes(stream, self.payload1)
-            except (ExchangeFailed, ConnectionError, TimeoutError, wire.WireError) as e:
-                self._failed(j, e)
-            finally:
-                _settle(self.settled[j])
-            try:
-                if stream is not None and j in self.first:
-                    mine = await self.phase2
-                    if mine is not None and j in self.going:
-                        await m.send_bytes(stream, mine)
-                        await self._receive(stream, j, Kind.PHASE2)
-            except (ExchangeFailed, ConnectionError, TimeoutError, wire.WireError) as e:
-                self._failed(j, e)
-            finally:
-                _settle(self.settled2[j])
+            await self._leg(j, self.settled, first)
+            await self._leg(j, self.settled2, second)
         finally:
             if stream is not None:
                 await stream.close()
 
     async def accept(self, stream: Stream, i: int) -> None:
-        """Member i opened the pair's stream (its HELLO checked by the caller): our PHASE1 then theirs; their
-        PHASE2 then ours."""
+        """Member i opened the pair's stream (its HELLO checked by the caller): our HELLO and PHASE1, then theirs;
+        their PHASE2 then ours."""
         m, peer, session = self.messenger, self.members[i], self.seal.session
         self.opened[i].set()
-        try:
+
+        async def first() -> None:
             await m.send(
                 stream, Kind.HELLO, session, self.offer.step, {}, self.credentials("group-hello", peer, session)
             )
             await m.send_bytes(stream, self.payload1)
             await self._receive(stream, i, Kind.PHASE1)
-        except (ExchangeFailed, ConnectionError, TimeoutError, wire.WireError) as e:
-            self._failed(i, e)
-        finally:
-            _settle(self.settled[i])
+
+        async def second() -> None:
+            if (mine := await self._second(i)) is not None:
+                await self._receive(stream, i, Kind.PHASE2)
+                await m.send_bytes(stream, mine)
+
+        await self._leg(i, self.settled, first)
+        await self._leg(i, self.settled2, second)
+
+    async def _leg(self, j: int, settled: dict[int, asyncio.Future], leg: Callable[[], Awaitable[None]]) -> None:
+        """One leg of a pair stream (its phase 1 or 2), settled whatever happens: a failure leaves j out."""
         try:
-            if i in self.first:
-                mine = await self.phase2
-                if mine is not None and i in self.going:
-                    await self._receive(stream, i, Kind.PHASE2)
-                    await m.send_bytes(stream, mine)
+            await leg()
         except (ExchangeFailed, ConnectionError, TimeoutError, wire.WireError) as e:
-            self._failed(i, e)
+            self._failed(j, e)
         finally:
-            _settle(self.settled2[i])
+            _settle(settled[j])
+
+    async def _second(self, j: int) -> bytes | None:
+        """Our PHASE2 for member j once it is known; None if phase 2 does not run between us."""
+        if j not in self.first:
+            return None
+        mine = await self.phase2
+        return mine if mine is not None and j in self.going else None
 
     async def _receive(self, stream: Stream, j: int, kind: Kind) -> None:
         spec = self.spec1 if kind == Kind.PHASE1 else self.spec2
