@@ -175,7 +175,8 @@ def _join_options(args: argparse.Namespace):
         device=device_config(args), workload=WorkloadSpec(model=args.model, data=args.data),
         exchange=GroupConfig(exchange_timeout=args.exchange_timeout,
                              access=load_policy(args.run_secret_file, args.allow_peers)),
-        data_seed=args.data_seed, duration=args.duration, out_dir=args.out_dir, verbose=not args.quiet,
+        data_seed=args.data_seed, duration=args.duration, until=args.until, out_dir=args.out_dir,
+        verbose=not args.quiet,
         checkpoint_dir=args.checkpoint_dir, checkpoint_every=args.checkpoint_every,
         checkpoint_interval=args.checkpoint_interval, resume=args.resume, eval_every=args.eval_every,
     )  # fmt: skip

@@ -142,6 +142,9 @@ def _join_parser(sub) -> None:
     join.add_argument("--initial-peers", nargs="+", required=True, metavar="MADDR", help="bootstrap multiaddrs")
     join.add_argument("--run", required=True, help="run id")
     join.add_argument("--duration", type=number(), metavar="SECONDS", help="seconds to train (default: until Ctrl-C)")
+    join.add_argument("--until", type=number(), metavar="UNIX_TIME",
+                      help="wall-clock end, in seconds since the epoch: no round starts that would end later, so "
+                           "peers given the same --until end on the same round")  # fmt: skip
     join.add_argument("--out-dir", type=Path, help="folder for metrics.jsonl, report.json, anchor.pt, checkpoints/")
     join.add_argument("--data-seed", type=integer(0), default=0, help="seed of this peer's data stream")
     join.add_argument("--exchange-timeout", type=number(), default=JOIN_DEFAULTS["exchange_timeout"],

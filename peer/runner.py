@@ -66,6 +66,9 @@ class PeerOptions:
     exchange: GroupConfig = field(default_factory=GroupConfig)
     data_seed: int = 0
     duration: float | None = None  # seconds of training; None runs until stopped
+    # a wall-clock end (Unix time): no round starts whose appointment is later, so that peers given the same
+    # `until` end on the same round, with the same model
+    until: float | None = None
     out_dir: Path | None = None
     config_wait: float = 20.0  # how long to look for the run's config on the DHT
     eval_every: int = 5  # rounds between held-out evaluations in the metrics log; 0: only at the start and stop
@@ -99,6 +102,8 @@ class PeerOptions:
             raise ValueError("resume needs a checkpoint folder: give --checkpoint-dir or --out-dir")
         if self.duration is not None and not (0 < self.duration < math.inf):
             raise ValueError(f"duration must be a positive number of seconds, got {self.duration}")
+        if self.until is not None and not (0 < self.until < math.inf):
+            raise ValueError(f"until must be a Unix time in seconds, got {self.until}")
 
     @property
     def checkpoints(self) -> Path | None:
@@ -317,15 +322,19 @@ class VolunteerPeer:
         initial_loss = eval_loss = self._evaluate()
         rounds = saved = 0  # rounds done, and done at the last checkpoint
         saved_at = started
-        while not stop.is_set() and time.monotonic() < deadline and self.verdict.failure is None:
+        until = options.until if options.until is not None else math.inf
+        while (
+            not stop.is_set() and time.monotonic() < deadline and time.time() < until and self.verdict.failure is None
+        ):
             round_start = time.monotonic()
             try:
-                loss, steps = self._inner_phase(stop)
+                phase = self._inner_phase(stop)
             except NonFiniteLoss as e:
                 self.verdict.non_finite(str(e))
                 continue
-            if stop.is_set():
+            if stop.is_set() or phase is None:
                 break
+            loss, steps = phase
             waiting = time.monotonic()
             offer = trainer.outer.offer()
             result = self._exchange(self.averager, offer)
@@ -362,11 +371,14 @@ class VolunteerPeer:
         self.evaluated = (time.time(), self.trainer.samples)
         return loss
 
-    def _inner_phase(self, stop: threading.Event) -> tuple[float, int]:
+    def _inner_phase(self, stop: threading.Event) -> tuple[float, int] | None:
         """A round's inner steps, one at a time while the engine lets one fit before the appointment: their
-        mean loss and how many. The appointment is announced as soon as it is known."""
-        engine, trainer = self.engine, self.trainer
-        engine.begin(time.time(), self.roster())
+        mean loss and how many (None: the round would end after `until`). The appointment is announced as soon
+        as it is known."""
+        engine, trainer, until = self.engine, self.trainer, self.options.until
+        appointment = engine.begin(time.time(), self.roster())
+        if until is not None and (appointment.at if appointment is not None else time.time()) > until:
+            return None
         self._announce()
         total, steps = 0.0, 0
         fits = engine.step_fits(time.time())

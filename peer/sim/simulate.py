@@ -46,7 +46,9 @@ class SimulationConfig:
     report: Path = Path("report.json")
     train: TrainConfig = field(default_factory=TrainConfig)
     device: DeviceConfig = field(default_factory=DeviceConfig)  # every peer's; each resolves it itself
-    startup_grace: float = 90.0  # time for a peer process to import, join and load its data
+    startup: float = 10.0  # seconds a peer process usually takes to import, join and load its data: every peer
+    # trains until the same instant, this long and --duration after the launch (a slower start trains less)
+    startup_grace: float = 90.0  # time for a peer process to import, join and load its data, at the most
     stop_grace: float = 15.0  # time between SIGTERM and SIGKILL
     run_secret_file: Path | None = None  # a private run: passed on to every peer
     allow_peers: tuple[str, ...] | None = None
@@ -174,11 +176,13 @@ def simulate(config: SimulationConfig, console: Console | None = None) -> SwarmR
     started = time.monotonic()
     boot, maddrs = start_bootstrap(config.run_id, config.train, secret_check=secret_check, port=config.port)
     procs: list[subprocess.Popen] = []
+    # one wall-clock end for every peer: they stop on the same round, holding the same model
+    until = time.time() + config.startup + config.duration
     try:
         for i in range(config.peers):
             folder, log = config.out_dir / f"peer-{i}", config.out_dir / f"peer-{i}.log"
             log.unlink(missing_ok=True)
-            extra = ("--duration", str(config.duration), "--device", config.device.device,
+            extra = ("--until", f"{until:.3f}", "--device", config.device.device,
                      "--precision", config.device.precision, *config.access_flags())  # fmt: skip
             command = join_command(maddrs, config.run_id, folder, i + 1, *extra)
             procs.append(launch(command, log))
