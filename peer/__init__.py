@@ -12,10 +12,13 @@
   only among files that verify
 * ``rundir``    whether a run folder holds an earlier run (refused without ``--resume``; simulate moves on)
 * ``verdict``   ``RunVerdict``: when a peer stops with one line (non-finite rounds, no peer with its layout)
-* ``runner``    ``VolunteerPeer``: a peer on the real network (DHT node, P2P, heartbeat, rounds, report)
+* ``rounds``    ``RoundEngine``: one peer's rounds as a state machine (appointment, steps, group plan, outcome,
+  finish), no I/O and no clock of its own; ``replay`` checks a recorded trace against it
+* ``runner``    ``VolunteerPeer``: the engine's wall-clock driver on the real network (DHT, P2P, heartbeat, report)
 * ``api``       the Python API: ``Swarm`` (a run's bootstrap node) and ``Peer`` (any ``nn.Module``)
 * ``metrics``   the per-round metrics log, ``PeerReport`` / ``SwarmReport``, the consensus distance
-* ``sim/``      the simulators (``virtual``, ``scale``, ``simulate``): many peers on one machine, the same code
+* ``sim/``      the simulators (``swarm``, ``virtual``, ``scale``, ``simulate``): many peers on one machine, the
+  same engine and exchange
 * ``ops/``      the operator's tools (``status``, ``report``, ``doctor``, ``progress``)
 * ``flags``     every flag of the command line, range-checked, parsed without torch or hivemind
 * ``cli``       the ``murmur`` entry point: parse, build, run, close
