@@ -65,7 +65,9 @@ class GroupResult:
     @property
     def messages(self) -> int:
         """Messages one after another on the exchange's critical path (for a simulated network's clock)."""
-        return 10 if self.two_phase else 6  # ROSTER HELLO PHASE1 PHASE1 HAVE [PROCEED PHASE2 PHASE2 DONE] COMMIT
+        # ROSTER HELLO HELLO PHASE1 PHASE1 HAVE [PROCEED PHASE2 PHASE2 DONE] COMMIT (PROCEED and COMMIT back to back
+        # when there is no phase 2)
+        return 11 if self.two_phase else 7
 
     @property
     def partner(self) -> str:

@@ -15,6 +15,7 @@
 * ``rounds``    ``RoundEngine``: one peer's rounds as a state machine (appointment, steps, group plan, outcome,
   finish), no I/O and no clock of its own; ``replay`` checks a recorded trace against it
 * ``runner``    ``VolunteerPeer``: the engine's wall-clock driver on the real network (DHT, P2P, heartbeat, report)
+* ``journal``   ``Journal``: what a peer says of its rounds (metrics.jsonl, DHT metrics, progress line, report)
 * ``api``       the Python API: ``Swarm`` (a run's bootstrap node) and ``Peer`` (any ``nn.Module``)
 * ``metrics``   the per-round metrics log, ``PeerReport`` / ``SwarmReport``, the consensus distance
 * ``sim/``      the simulators (``swarm``, ``virtual``, ``scale``, ``simulate``): many peers on one machine, the

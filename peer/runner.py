@@ -38,12 +38,12 @@ from averaging.wire import PROTOCOL_VERSION
 from dht.heartbeat import Heartbeat, RosterWatch
 from dht.loop import LoopThread
 from dht.node import NodeConfig, start_node, stop_node, visible_addresses
-from dht.records import Announcement, Metrics, PeerState, RunRecords
+from dht.records import Announcement, PeerState, RunRecords
 from peer.checkpoint import CheckpointWriter, check_tensors, latest_checkpoint
 from peer.config import TrainConfig
 from peer.device import DeviceConfig, Runtime
-from peer.metrics import MetricsLog, PeerReport
-from peer.ops.progress import Progress, ProgressLine
+from peer.journal import Journal
+from peer.metrics import PeerReport
 from peer.outer import finish_layout
 from peer.rounds import Plan, RoundEngine, Seen, Step
 from peer.rundir import check_fresh
@@ -173,10 +173,8 @@ class VolunteerPeer:
         self.heartbeat: Heartbeat | None = None
         self.watch = RosterWatch(records)
         self.sharing: StateSharing | None = None
-        self.metrics_log = MetricsLog(options.out_dir / "metrics.jsonl") if options.out_dir else None
-        self.progress = ProgressLine(every=options.eval_every or 5) if options.verbose else None
-        self._metrics_at = -math.inf  # when this peer's metrics were last published to the DHT
-        self.peers_alive = 1  # live peers in the run's announcements, this one included
+        self.journal = Journal(options.out_dir, verbose=options.verbose, every=options.eval_every or 5,
+                               metrics_interval=options.metrics_interval)  # fmt: skip
         self.evaluated = (time.time(), 0)  # when, and after how many samples, the held-out loss was last measured
         self.verdict = RunVerdict()  # why the run must stop with an error, if it must
         directory = options.checkpoints
@@ -349,7 +347,7 @@ class VolunteerPeer:
             rounds += 1
             if options.eval_every and rounds % options.eval_every == 0:
                 eval_loss = self._evaluate()
-            self._log_round(rounds, loss, eval_loss, result, blocked)
+            self.journal.round(self, rounds, loss, eval_loss, result, blocked)
             if (
                 rounds - saved >= options.checkpoint_every
                 and time.monotonic() - saved_at >= options.checkpoint_interval
@@ -360,7 +358,7 @@ class VolunteerPeer:
         finished = self.finish(stop) if not stop.is_set() and not failed else 0
         if rounds > saved or finished:  # a clean stop: keep the rounds since the last checkpoint
             self.checkpoint()
-        report = self._report(started, rounds, initial_loss, finished)
+        report = self.journal.report(self, started, rounds, initial_loss, finished)
         if failed:  # the work so far is saved; the error is one line
             raise PeerError(self.verdict.failure)
         return report
@@ -423,60 +421,6 @@ class VolunteerPeer:
         self._log(logging.INFO, f"finished: {done} finish exchanges")
         return done
 
-    def _log_round(self, rounds: int, loss: float, eval_loss: float, result, blocked: float) -> None:
-        stats, traffic, trainer = self.averager.stats, self.averager.transport.traffic, self.trainer
-        partner = result.partner if result else None
-        self.peers_alive = max(1, len(self.watch.peers))  # the last read of the run's announcements (never waits)
-        if self.metrics_log is not None:
-            self.metrics_log.write(
-                t=time.time(), round=rounds, step=trainer.steps, samples=trainer.samples, loss=loss,
-                eval_loss=eval_loss, eval_t=self.evaluated[0], eval_samples=self.evaluated[1],
-                exchanges_ok=stats.ok, exchanges_failed=stats.failed, partner=partner,
-                exchanges_unreachable=stats.unreachable, peer=self.peer_id, peers=self.peers_alive,
-                bytes_sent=traffic.bytes_sent, bytes_received=traffic.bytes_received, blocked=round(blocked, 3),
-            )  # fmt: skip
-        if time.monotonic() - self._metrics_at >= self.options.metrics_interval:
-            self._metrics_at = time.monotonic()
-            metrics = Metrics(
-                peer_id=self.peer_id, step=trainer.steps, samples=trainer.samples, loss=loss,
-                exchanges_ok=stats.ok, exchanges_failed=stats.failed,
-                bytes_sent=traffic.bytes_sent, bytes_received=traffic.bytes_received,
-            )  # fmt: skip
-            self.loop.submit(self.records.a_publish_metrics(metrics)).add_done_callback(_log_failure)
-        if self.progress is not None:
-            self.progress.exchanged(partner)
-            last_partner, since = self.progress.last_exchange()
-            self.progress.show(
-                Progress(
-                    round=rounds, step=trainer.steps, loss=loss, eval_loss=eval_loss,
-                    samples_per_second=self.samples_per_second, peers_seen=self.peers_alive,
-                    exchanges_ok=stats.ok, exchanges_failed=stats.failed, partner=last_partner,
-                    seconds_since_exchange=since, bytes_sent=traffic.bytes_sent, bytes_received=traffic.bytes_received,
-                )
-            )  # fmt: skip
-
-    def _report(self, started: float, rounds: int, initial_loss: float, finished: int = 0) -> PeerReport:
-        stats, traffic, trainer = self.averager.stats, self.averager.transport.traffic, self.trainer
-        extra = self.finisher.transport.traffic if self.finisher is not None else None
-        wall = time.monotonic() - started
-        report = PeerReport(
-            peer_id=self.peer_id, steps=trainer.steps, rounds=rounds, samples=trainer.samples,
-            initial_eval_loss=initial_loss, final_eval_loss=trainer.evaluate(),
-            exchanges_ok=stats.ok, exchanges_failed=stats.failed, exchanges_declined=stats.declined,
-            rounds_alone=stats.alone, finish_exchanges=finished,
-            bytes_sent=traffic.bytes_sent + (extra.bytes_sent if extra else 0),
-            bytes_received=traffic.bytes_received + (extra.bytes_received if extra else 0),
-            compute_utilization=min(1.0, trainer.compute_seconds / max(wall, 1e-9)), wall_seconds=wall,
-        )  # fmt: skip
-        if self.options.out_dir is not None:
-            self.options.out_dir.mkdir(parents=True, exist_ok=True)
-            if all_finite(trainer.outer.anchor):  # a non-finite model is never written
-                torch.save({n: t.cpu() for n, t in trainer.outer.anchor.items()}, self.options.out_dir / "anchor.pt")
-            else:
-                logger.warning("anchor.pt not written: the model is not finite")
-            (self.options.out_dir / "report.json").write_text(report.model_dump_json(indent=2))
-        return report
-
     def close(self) -> None:
         """Withdraw, stop the averager (an exchange in flight ends first), the loop and the DHT node."""
         self.watch.stop()
@@ -491,17 +435,8 @@ class VolunteerPeer:
         self.loop.stop()
         if self.writer is not None:
             self.writer.close()  # the last snapshot reaches the disk before the process exits
-        if self.progress is not None:
-            self.progress.close()
-        if self.metrics_log is not None:
-            self.metrics_log.close()
+        self.journal.close()
         stop_node(self.dht)
-
-
-def _log_failure(future) -> None:
-    """A background DHT store's outcome: a failure is logged, never raised into the training loop."""
-    if not future.cancelled() and future.exception() is not None:
-        logger.warning("could not publish metrics: %s", " ".join(str(future.exception()).split()))
 
 
 async def _average(averager: GroupAverager, offer, plan: Plan, group_size: int) -> GroupResult | None:

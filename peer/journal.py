@@ -1,0 +1,101 @@
+"""What a peer says about its rounds: a line per round in `metrics.jsonl`, its running totals on the DHT
+(for `murmur status`), the live progress line, and at the end its report and final model.
+
+Nothing here waits on the DHT: the metrics are published from the event-loop thread, and a failure is a
+log line, never an error in the training loop.
+"""
+
+from __future__ import annotations
+
+import logging
+import math
+import time
+from pathlib import Path
+
+import torch
+
+from dht.records import Metrics
+from peer.metrics import MetricsLog, PeerReport
+from peer.ops.progress import Progress, ProgressLine
+from peer.verdict import all_finite
+
+logger = logging.getLogger("murmur.peer")
+
+
+class Journal:
+    def __init__(self, out_dir: Path | None, *, verbose: bool, every: int, metrics_interval: float) -> None:
+        self.out_dir = out_dir
+        self.metrics_log = MetricsLog(out_dir / "metrics.jsonl") if out_dir else None
+        self.progress = ProgressLine(every=every) if verbose else None
+        self.metrics_interval = metrics_interval
+        self._metrics_at = -math.inf  # when this peer's metrics were last published to the DHT
+        self.peers_alive = 1  # live peers in the run's announcements, this one included
+
+    def round(self, peer, rounds: int, loss: float, eval_loss: float, result, blocked: float) -> None:
+        """A round ended: its line in metrics.jsonl, the DHT's metrics (every `metrics_interval`, never waited
+        on), the progress line."""
+        stats, traffic, trainer = peer.averager.stats, peer.averager.transport.traffic, peer.trainer
+        partner = result.partner if result else None
+        self.peers_alive = max(1, len(peer.watch.peers))  # the last read of the run's announcements (never waits)
+        if self.metrics_log is not None:
+            self.metrics_log.write(
+                t=time.time(), round=rounds, step=trainer.steps, samples=trainer.samples, loss=loss,
+                eval_loss=eval_loss, eval_t=peer.evaluated[0], eval_samples=peer.evaluated[1],
+                exchanges_ok=stats.ok, exchanges_failed=stats.failed, partner=partner,
+                exchanges_unreachable=stats.unreachable, peer=peer.peer_id, peers=self.peers_alive,
+                bytes_sent=traffic.bytes_sent, bytes_received=traffic.bytes_received, blocked=round(blocked, 3),
+            )  # fmt: skip
+        if time.monotonic() - self._metrics_at >= self.metrics_interval:
+            self._metrics_at = time.monotonic()
+            metrics = Metrics(
+                peer_id=peer.peer_id, step=trainer.steps, samples=trainer.samples, loss=loss,
+                exchanges_ok=stats.ok, exchanges_failed=stats.failed,
+                bytes_sent=traffic.bytes_sent, bytes_received=traffic.bytes_received,
+            )  # fmt: skip
+            peer.loop.submit(peer.records.a_publish_metrics(metrics)).add_done_callback(_log_failure)
+        if self.progress is not None:
+            self.progress.exchanged(partner)
+            last_partner, since = self.progress.last_exchange()
+            self.progress.show(
+                Progress(
+                    round=rounds, step=trainer.steps, loss=loss, eval_loss=eval_loss,
+                    samples_per_second=peer.samples_per_second, peers_seen=self.peers_alive,
+                    exchanges_ok=stats.ok, exchanges_failed=stats.failed, partner=last_partner,
+                    seconds_since_exchange=since, bytes_sent=traffic.bytes_sent, bytes_received=traffic.bytes_received,
+                )
+            )  # fmt: skip
+
+    def report(self, peer, started: float, rounds: int, initial_loss: float, finished: int = 0) -> PeerReport:
+        """The peer's report, written with its final model to the out dir (never a model that is not finite)."""
+        stats, traffic, trainer = peer.averager.stats, peer.averager.transport.traffic, peer.trainer
+        extra = peer.finisher.transport.traffic if peer.finisher is not None else None
+        wall = time.monotonic() - started
+        report = PeerReport(
+            peer_id=peer.peer_id, steps=trainer.steps, rounds=rounds, samples=trainer.samples,
+            initial_eval_loss=initial_loss, final_eval_loss=trainer.evaluate(),
+            exchanges_ok=stats.ok, exchanges_failed=stats.failed, exchanges_declined=stats.declined,
+            rounds_alone=stats.alone, finish_exchanges=finished,
+            bytes_sent=traffic.bytes_sent + (extra.bytes_sent if extra else 0),
+            bytes_received=traffic.bytes_received + (extra.bytes_received if extra else 0),
+            compute_utilization=min(1.0, trainer.compute_seconds / max(wall, 1e-9)), wall_seconds=wall,
+        )  # fmt: skip
+        if self.out_dir is not None:
+            self.out_dir.mkdir(parents=True, exist_ok=True)
+            if all_finite(trainer.outer.anchor):  # a non-finite model is never written
+                torch.save({n: t.cpu() for n, t in trainer.outer.anchor.items()}, self.out_dir / "anchor.pt")
+            else:
+                logger.warning("anchor.pt not written: the model is not finite")
+            (self.out_dir / "report.json").write_text(report.model_dump_json(indent=2))
+        return report
+
+    def close(self) -> None:
+        if self.progress is not None:
+            self.progress.close()
+        if self.metrics_log is not None:
+            self.metrics_log.close()
+
+
+def _log_failure(future) -> None:
+    """A background DHT store's outcome: a failure is logged, never raised into the training loop."""
+    if not future.cancelled() and future.exception() is not None:
+        logger.warning("could not publish metrics: %s", " ".join(str(future.exception()).split()))
