@@ -7,7 +7,9 @@ judged per group (the prefix before ``/``, e.g. ``delta`` or ``anchor``), on gro
 
 * "mean" groups (averaged updates): the contribution's norm is clipped to ``clip`` × our own
   group norm. A contribution more than ``reject`` × ours, or with a cosine to ours below
-  ``min_cosine`` (a sign flip), aborts the exchange; noise is only clipped.
+  ``min_cosine`` (a sign flip), aborts the exchange; noise is only clipped. In a group of three or
+  more, the median member's norm is the scale and the mean of the other members' contributions the
+  direction.
 * "diff" groups (consensus pulls on states such as the anchor): the pull ``theirs − own`` is
   clipped to ``diff_clip`` × the norm of our whole state (the group's offered tensors, not their
   projection, which can be tiny when the states differ along directions where ours is small), and
@@ -138,16 +140,22 @@ class RobustAggregator:
         if not contributions:  # nothing travelled (the group's states already agree)
             return {}, {}
         members = len(next(iter(contributions.values())))
-        reference = None
+        reference, totals = None, {}
         if members >= 3:  # the median member sets the scale: honest peers of unequal speed or age differ
             norms = [group_norms({n: c[j] for n, c in contributions.items()}) for j in range(members)]
             reference = {g: statistics.median(n[g] for n in norms) for g in norms[0]}
+            # and the others' mean sets the direction: one honest update can be near orthogonal to ours late
+            # in training, while the rest of the group, noise averaged out, still points where we do
+            totals = {n: torch.stack(list(c)).sum(0) for n, c in contributions.items() if modes[n] == "mean"}
         scales: dict[int, dict[str, float]] = {}
         excluded: dict[int, str] = {}
         for j in range(members):
             if j == me:
                 continue
-            pair = {n: Projection(own=c[me], mean=(c[me] + c[j]) / 2) for n, c in contributions.items()}
+            pair = {}
+            for n, c in contributions.items():
+                base = (totals[n] - c[j]) / (members - 1) if n in totals else c[me]
+                pair[n] = Projection(own=base, mean=(base + c[j]) / 2)
             try:
                 scales[j] = self._scales(pair, modes, offered, reference)
             except Rejected as e:
@@ -212,7 +220,8 @@ class RobustAggregator:
         if ratio > reject:
             raise Rejected(f"group {group!r}: partner's {what} is {ratio:.3g}x {label} (limit {reject:g}x)")
         if mode == "mean" and s.cosine < cfg.min_cosine:
-            raise Rejected(f"group {group!r}: partner's update does not follow ours (cosine {s.cosine:.2f})")
+            follows = "the others'" if label != "ours" else "ours"
+            raise Rejected(f"group {group!r}: partner's update does not follow {follows} (cosine {s.cosine:.2f})")
         if mode == "diff" and s.cosine < 0 and s.pull > cfg.diff_flip * s.own:
             raise Rejected(f"group {group!r}: partner's state opposes ours (cosine {s.cosine:.2f})")
         if ratio <= limit:

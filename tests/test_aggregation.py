@@ -78,6 +78,23 @@ def small_update(offered):
     return {n: t * 0.01 if MODES[n] == "mean" else t for n, t in offered.items()}
 
 
+def test_in_a_group_an_update_is_judged_by_the_others_direction():
+    """Member 1's update opposes ours (cosine -0.38) yet follows the group's; a sign-flipped one opposes both."""
+    d, e = torch.zeros(8), torch.zeros(8)
+    d[0], e[1] = 1.0, 1.0
+    modes = {"delta/w": "mean"}
+    for theirs, left_out in ((d + 1.5 * e, set()), (-d, {1})):
+        contributions = {"delta/w": [d - 1.5 * e, theirs, d.clone(), d.clone()]}
+        assert group_stats({"delta/w": Projection(own=d - 1.5 * e, mean=(d - 1.5 * e + theirs) / 2)})["delta"].cosine < -0.1
+        checked, out = RobustAggregator().check_group(contributions, 0, modes, {"delta/w": d - 1.5 * e})
+        assert set(out) == left_out, out
+        if not left_out:
+            torch.testing.assert_close(checked["delta/w"].mean, sum(contributions["delta/w"]) / 4)
+        else:
+            assert "does not follow the others'" in out[1]
+            torch.testing.assert_close(checked["delta/w"].mean, (2 * d - 1.5 * e + d) / 3)
+
+
 def test_a_far_state_is_pulled_at_most_diff_clip_and_an_absurd_one_rejected():
     cfg = AggregationConfig(diff_clip=0.5, diff_reject=1.0)
     checked, _ = judge(p := projections(pull=0.8), small_update(own_of(p)), RobustAggregator(cfg))
