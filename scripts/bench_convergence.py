@@ -158,18 +158,18 @@ def sweep(out: Path, peers: int, rounds: int, inner_steps: int, codec: str) -> N
     scenario = Scenario(peers=peers, sample_budget=peers * 16 * inner_steps * rounds, eval_points=1)
     base = TrainConfig(inner_steps=inner_steps, codec=codec)
     rows = []
-    for lr in [*SWEEP_INNER, 8e-3]:
-        r = run_ddp(base, corpus, scenario, lr=lr)
-        rows.append({"method": "ddp", "inner_lr": lr, "loss": r.final_eval_loss, "worst": r.worst_peer_eval_loss})
-        print(rows[-1], flush=True)
     outer = SWEEP_OUTER if rounds <= 8 else SWEEP_OUTER_LONG
-    for method in ("diloco", "murmur"):
+    for method in ("murmur", "diloco"):
         for (outer_lr, momentum), lr in itertools.product(outer, SWEEP_INNER):
             config = base.with_overrides(inner_lr=lr, outer_lr=outer_lr, outer_momentum=momentum)
             r = run_method(method, config, corpus, scenario, None)
             rows.append({"method": method, "inner_lr": lr, "outer_lr": outer_lr, "outer_momentum": momentum,
                          "loss": r.final_eval_loss, "worst": r.worst_peer_eval_loss})  # fmt: skip
             print(rows[-1], flush=True)
+    for lr in [*SWEEP_INNER, 8e-3]:
+        r = run_ddp(base, corpus, scenario, lr=lr)
+        rows.append({"method": "ddp", "inner_lr": lr, "loss": r.final_eval_loss, "worst": r.worst_peer_eval_loss})
+        print(rows[-1], flush=True)
     best = {m: min((r for r in rows if r["method"] == m), key=lambda r: r["loss"]) for m in ("ddp", "diloco", "murmur")}
     out.mkdir(parents=True, exist_ok=True)
     budget = {"peers": peers, "rounds": rounds, "inner_steps": inner_steps, "codec": codec}
