@@ -54,13 +54,13 @@ class Journal:
             )  # fmt: skip
             peer.loop.submit(peer.records.a_publish_metrics(metrics)).add_done_callback(_log_failure)
         if self.progress is not None:
-            self.progress.exchanged(partner)
-            last_partner, since = self.progress.last_exchange()
+            self.progress.exchanged(tuple(m for m in result.members if m != peer.peer_id) if result else None)
+            group, since = self.progress.last_exchange()
             self.progress.show(
                 Progress(
                     round=rounds, step=trainer.steps, loss=loss, eval_loss=eval_loss,
                     samples_per_second=peer.samples_per_second, peers_seen=self.peers_alive,
-                    exchanges_ok=stats.ok, exchanges_failed=stats.failed, partner=last_partner,
+                    exchanges_ok=stats.ok, exchanges_failed=stats.failed, group=group,
                     seconds_since_exchange=since, bytes_sent=traffic.bytes_sent, bytes_received=traffic.bytes_received,
                 )
             )  # fmt: skip

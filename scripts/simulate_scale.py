@@ -1,7 +1,8 @@
 """Gossip DiLoCo at internet scale, in virtual time: 64 to 4096 peers on a digits MLP.
 
-Each swarm runs peer/sim/scale.py: real trainers, the real exchange protocol over the in-memory
-transport, the real partner policy and state download, with consumer-internet links, a compute
+Each swarm runs peer/sim/scale.py: real trainers, the real round engine (rounds on the shared clock,
+groups planned from the roster), the real group exchange over the in-memory transport and the real
+state download, with consumer-internet links, a compute
 spread and churn drawn from seeded distributions. Every swarm trains the same samples per peer,
 then finishes as real peers do at their deadline (`--finish-rounds`, the run config's
 finish_rounds: rounds that average anchors only). Per peer count it reports the final held-out
@@ -139,7 +140,7 @@ def verdict(results: dict[int, ScaleResult], dht: dict | None = None) -> dict:
     unreached = [n for n in ns if results[n].spread_reached < results[n].spread_tags]
     if unreached:
         breaks.append(f"some tagged updates did not reach 99% of the peers before the run ended at N = {unreached}")
-    if dht is not None:  # every partner search reads the run's whole ready list, which names every peer
+    if dht is not None:  # every round's roster read fetches the run's whole peers key, which names every peer
         for n in ns:
             ratio = dht_cost(dht, n)["ready_list_bytes"] / results[n].bytes_per_peer_round
             if ratio > 1:

@@ -85,7 +85,8 @@ def test_in_a_group_an_update_is_judged_by_the_others_direction():
     modes = {"delta/w": "mean"}
     for theirs, left_out in ((d + 1.5 * e, set()), (-d, {1})):
         contributions = {"delta/w": [d - 1.5 * e, theirs, d.clone(), d.clone()]}
-        assert group_stats({"delta/w": Projection(own=d - 1.5 * e, mean=(d - 1.5 * e + theirs) / 2)})["delta"].cosine < -0.1
+        as_a_pair = Projection(own=d - 1.5 * e, mean=(d - 1.5 * e + theirs) / 2)
+        assert group_stats({"delta/w": as_a_pair})["delta"].cosine < -0.1
         checked, out = RobustAggregator().check_group(contributions, 0, modes, {"delta/w": d - 1.5 * e})
         assert set(out) == left_out, out
         if not left_out:

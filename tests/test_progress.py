@@ -8,7 +8,7 @@ from peer.ops.progress import Progress, ProgressLine, render_progress
 
 SNAPSHOT = Progress(
     round=12, step=240, loss=2.3456, eval_loss=2.5, samples_per_second=81.25, peers_seen=3, exchanges_ok=9,
-    exchanges_failed=1, partner="12D3KooWD3eckifWpRn9wQpMG9R9hX3sD158z7EqHWmweQAJU5SA", seconds_since_exchange=4.2,
+    exchanges_failed=1, group=("12D3KooWD3eckifWpRn9wQpMG9R9hX3sD158z7EqHWmweQAJU5SA",), seconds_since_exchange=4.2,
     bytes_sent=1_234_567, bytes_received=987,
 )  # fmt: skip
 
@@ -20,8 +20,24 @@ def test_render_shows_every_field() -> None:
     )
 
 
+def test_render_names_a_group_by_its_size() -> None:
+    group = ("12D3KooWAAAAAAAAAAAAAAAAaaaaaaaa", "12D3KooWBBBBBBBBBBBBBBBBbbbbbbbb", "12D3KooWCCCCCCCCCCCCCCCCcccccccc")
+    line = render_progress(Progress(**{**SNAPSHOT.__dict__, "group": group}))
+    assert "last exchange with 3 peers 4s ago" in line
+
+
+def test_the_line_remembers_the_last_group_through_lonely_rounds() -> None:
+    progress = ProgressLine(every=1, stream=io.StringIO())
+    assert progress.last_exchange() == (None, None)
+    progress.exchanged(("12D3KooWAAAAaaaa",))
+    progress.exchanged(None)  # a lonely round
+    progress.exchanged(())
+    group, since = progress.last_exchange()
+    assert group == ("12D3KooWAAAAaaaa",) and 0 <= since < 5
+
+
 def test_render_before_any_exchange() -> None:
-    line = render_progress(Progress(**{**SNAPSHOT.__dict__, "partner": None, "peers_seen": 1, "exchanges_ok": 0}))
+    line = render_progress(Progress(**{**SNAPSHOT.__dict__, "group": None, "peers_seen": 1, "exchanges_ok": 0}))
     assert "no exchange yet" in line and "no other peer yet" in line
 
 

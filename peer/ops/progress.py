@@ -22,7 +22,7 @@ class Progress:
     peers_seen: int  # live peers in the run's announcements, this one included
     exchanges_ok: int
     exchanges_failed: int
-    partner: str | None  # partner of the last successful exchange, None before the first
+    group: tuple[str, ...] | None  # the other members of the last successful exchange, None before the first
     seconds_since_exchange: float | None
     bytes_sent: int
     bytes_received: int
@@ -36,13 +36,14 @@ def _bytes(n: int) -> str:
 
 
 def render_progress(p: Progress) -> str:
-    """One line: round and inner step, losses, throughput, the other peers, the last exchange and its partner,
-    traffic."""
-    if p.partner is None:
+    """One line: round and inner step, losses, throughput, the other peers, the last exchange (its partner, or
+    how many others its group had), traffic."""
+    if not p.group:
         last = "no exchange yet"
     else:
         ago = f" {p.seconds_since_exchange:.0f}s ago" if p.seconds_since_exchange is not None else ""
-        last = f"last exchange with {p.partner[-8:]}{ago}"
+        with_whom = p.group[0][-8:] if len(p.group) == 1 else f"{len(p.group)} peers"
+        last = f"last exchange with {with_whom}{ago}"
     others = p.peers_seen - 1  # the count includes this peer
     seen = f"{others} other peer{'s' * (others != 1)}" if others > 0 else "no other peer yet"
     return (
@@ -60,17 +61,18 @@ class ProgressLine:
         self.stream = stream or sys.stdout
         self.every = every
         self.live = self.stream.isatty()
-        self._last_partner: tuple[str, float] | None = None
+        self._last_group: tuple[tuple[str, ...], float] | None = None
 
-    def exchanged(self, partner: str | None) -> None:
-        if partner is not None:
-            self._last_partner = (partner, time.monotonic())
+    def exchanged(self, group: tuple[str, ...] | None) -> None:
+        """An exchange with these other members completed now (None or empty: this round had none)."""
+        if group:
+            self._last_group = (tuple(group), time.monotonic())
 
-    def last_exchange(self) -> tuple[str | None, float | None]:
-        if self._last_partner is None:
+    def last_exchange(self) -> tuple[tuple[str, ...] | None, float | None]:
+        if self._last_group is None:
             return None, None
-        partner, at = self._last_partner
-        return partner, time.monotonic() - at
+        group, at = self._last_group
+        return group, time.monotonic() - at
 
     def show(self, progress: Progress) -> None:
         if self.live:
