@@ -319,7 +319,7 @@ class VolunteerPeer:
         deadline = started + options.duration if options.duration is not None else float("inf")
         initial_loss = eval_loss = self._evaluate()
         rounds = saved = 0  # rounds done, and done at the last checkpoint
-        saved_at = started
+        saved_at, saved_steps = started, trainer.steps
         until = options.until if options.until is not None else math.inf
         while (
             not stop.is_set() and time.monotonic() < deadline and time.time() < until and self.verdict.failure is None
@@ -353,10 +353,11 @@ class VolunteerPeer:
                 and time.monotonic() - saved_at >= options.checkpoint_interval
             ):
                 self.checkpoint()
-                saved, saved_at = rounds, time.monotonic()
+                saved, saved_at, saved_steps = rounds, time.monotonic(), trainer.steps
         failed = self.verdict.failure is not None
         finished = self.finish(stop) if not stop.is_set() and not failed else 0
-        if rounds > saved or finished:  # a clean stop: keep the rounds since the last checkpoint
+        if trainer.steps > saved_steps or finished:  # a clean stop keeps every step since the last checkpoint,
+            # a round that a stop cut short included (the model holds its inner steps; the next round goes on)
             self.checkpoint()
         report = self.journal.report(self, started, rounds, initial_loss, finished)
         if failed:  # the work so far is saved; the error is one line

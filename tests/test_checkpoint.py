@@ -6,6 +6,7 @@ import logging
 import os
 import pickle
 import threading
+import time
 
 import pytest
 import torch
@@ -334,5 +335,39 @@ def test_a_real_peer_checkpoints_and_resumes(tmp_path, caplog):
             second = run_peer(dataclasses.replace(options, resume=True), threading.Event())
         assert f"resumed from {saved[0]} at step {first.steps}" in caplog.text
         assert second.steps > first.steps and second.samples > first.samples
+    finally:
+        stop_node(boot)
+
+
+@pytest.mark.slow
+def test_a_stop_in_the_middle_of_a_long_round_stops_at_once_and_keeps_its_steps(tmp_path):
+    """Ctrl-C during a round of minutes: the peer stops after the inner step in flight, not at the round's
+    end, and the steps it took are in the checkpoint although no round was completed."""
+    boot = start_node(NodeConfig())
+    try:
+        config = TrainConfig(inner_steps=2, batch_size=4, eval_batches=1, round_seconds=120.0)
+        record = RunRecord(run_id=RUN, config=config.to_record(), created_by=boot.peer_id.to_base58())
+        RunRecords(boot, RUN).publish_config(record)
+        node = NodeConfig(initial_peers=tuple(visible_addresses(boot)))
+        options = PeerOptions(run_id=RUN, node=node, out_dir=tmp_path, checkpoint_every=1, checkpoint_interval=0)
+        stop, stopped_at = threading.Event(), []
+
+        def stop_after_some_steps(peer) -> None:
+            def watch() -> None:
+                while peer.trainer.steps < 3 and not stop.wait(0.05):
+                    pass
+                stopped_at.append(time.monotonic())
+                stop.set()
+
+            threading.Thread(target=watch, daemon=True).start()
+
+        try:
+            report = run_peer(options, stop, on_start=stop_after_some_steps)
+        finally:
+            stop.set()
+        assert stopped_at and time.monotonic() - stopped_at[0] < 10.0  # teardown included; not the 120 s round
+        assert report.rounds == 0 and report.steps > 0
+        saved = sorted((tmp_path / "checkpoints").glob("ckpt-*.pt"))
+        assert [p.name for p in saved] == [f"ckpt-{report.steps:08d}.pt"]
     finally:
         stop_node(boot)
