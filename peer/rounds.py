@@ -218,7 +218,13 @@ class RoundEngine:
             return None
         self._roster = tuple(roster)
         seconds = self._finish_grid  # nothing to train: finish rounds follow closely, as the DHT allows
-        self.appointment = next_appointment(now, seconds, _NO_MIN_PHASE)
+        appointment = next_appointment(now, seconds, _NO_MIN_PHASE)
+        last = self.appointment
+        if last is not None and last.seconds == seconds and appointment.slot <= last.slot:
+            # a lonely finish round can end at its own instant (the leader sealed it alone at once): the next
+            # one is the next instant, never the same again, or the patience would be spent in no time
+            appointment = Appointment(seconds=seconds, slot=last.slot + 1)
+        self.appointment = appointment
         self._log("next_finish", now, self._roster, self.appointment)
         return self.appointment
 

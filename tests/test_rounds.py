@@ -139,6 +139,22 @@ def test_lonely_rounds_keep_the_work_pending_then_step_alone_and_the_finish_stop
     assert not RoundEngine("y", dataclasses.replace(CONFIG, finish_rounds=0)).finish(0.0)
 
 
+def test_a_lonely_finish_round_that_ends_at_its_own_instant_moves_to_the_next_one():
+    """On a virtual clock a leader alone seals at the very instant; the next finish round must not be the same
+    appointment again (a 1024-peer simulation spent a peer's whole patience at one instant that way)."""
+    engine = RoundEngine("me", CONFIG)
+    engine._roster = (seen("a", step=0.1),)
+    engine.finish(179.0)
+    roster = [seen("a", Appointment(seconds=1.0, slot=179).key, 0.1, state="finishing")]
+    first = engine.next_finish(180.0, roster)
+    assert first.at == pytest.approx(180.0)  # now is a grid instant: this one
+    slots = [first.slot]
+    for _ in range(3):
+        assert engine.ended(180.0, None) == Step.PENDING and engine.phase == Phase.FINISHING
+        slots.append(engine.next_finish(180.0, roster).slot)
+    assert slots == [first.slot + k for k in range(4)]
+
+
 def test_a_replay_makes_the_same_decisions_and_a_changed_input_is_caught():
     engine = RoundEngine("me", CONFIG)
     roster = [seen("a", "1.0@2")]
