@@ -105,6 +105,9 @@ def finish_cost(r: ScaleResult) -> dict:
             "mean_rounds_of_time": r.finish_seconds / r.mean_round_seconds}  # fmt: skip
 
 
+FLOOR = 1e-5  # below this a watched figure counts as zero (a finished swarm's consensus distance)
+
+
 def verdict(results: dict[int, ScaleResult], dht: dict | None = None) -> dict:
     """The two targets, and where scaling breaks (a metric growing with N), said plainly."""
     out: dict = {}
@@ -134,7 +137,11 @@ def verdict(results: dict[int, ScaleResult], dht: dict | None = None) -> dict:
         values = [getattr(results[n], key) for n in ns]
         if None in values or len(ns) < 2:
             continue
-        growth = values[-1] / values[0] if values[0] else math.inf
+        if values[0] < FLOOR:  # a distance of about zero grows by no meaningful factor: say where it ends
+            if values[-1] >= 100 * FLOOR:
+                breaks.append(f"{label} goes from {values[0]:.1e} to {values[-1]:.4f} from {ns[0]} to {ns[-1]} peers")
+            continue
+        growth = values[-1] / values[0]
         if growth > 1.25:
             breaks.append(f"{label} grows {growth:.2f}x from {ns[0]} to {ns[-1]} peers")
     unreached = [n for n in ns if results[n].spread_reached < results[n].spread_tags]

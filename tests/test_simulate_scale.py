@@ -126,6 +126,12 @@ def test_verdict_names_the_ready_list_and_reuse_refuses_other_settings(quick):
         breaks = script.verdict(results, {**dht, "announcement_bytes": size})["scaling_breaks"]
         assert any("DHT ready list" in b for b in breaks) == named
     assert script.dht_cost(dht, 1024)["round_ms"] == pytest.approx(5.0 + 10.0 * 10)
+    cases = ((0.0, 0.05, "goes from 0.0e+00 to 0.0500"), (0.0, 1e-4, None), (0.01, 0.05, "grows 5.00x"))
+    for first, last, says in cases:
+        varied = {16: dataclasses.replace(results[16], consensus_distance=first),
+                  64: dataclasses.replace(results[64], consensus_distance=last)}  # fmt: skip
+        named = [b for b in script.verdict(varied, None)["scaling_breaks"] if b.startswith("consensus distance")]
+        assert named == ([] if says is None else [f"consensus distance {says} from 16 to 64 peers"]), named
     done, reused_dht = script.reuse([out / "simulate_scale.json"], script.QUICK)
     assert set(done) == {16, 64} and reused_dht is None and done[64].samples == report["results"]["64"]["samples"]
     with pytest.raises(SystemExit, match="other settings"):
