@@ -168,22 +168,29 @@ def print_table(results: dict[int, ScaleResult], dht: dict | None) -> None:
         first = next(iter(finished.values()))
         print(f"\nthe finish: once the budget was spent, every peer averaged its anchor only, up to "
               f"{first.finish_rounds} times:")  # fmt: skip
-        print(f"{'peers':>6s} {'consensus before':>16s} {'after':>7s} {'finish kB/peer':>14s} "
+        print(f"{'peers':>6s} {'consensus before':>16s} {'after':>9s} {'finish kB/peer':>14s} "
               f"{'x training bytes':>16s} {'finish rounds of time':>21s}")  # fmt: skip
         for n, r in finished.items():
             cost = finish_cost(r)
-            print(f"{n:6d} {r.consensus_before_finish:16.4f} {r.consensus_distance:7.4f} "
+            print(f"{n:6d} {r.consensus_before_finish:16.4f} {_small(r.consensus_distance):>9s} "
                   f"{r.finish_bytes_per_peer / 1e3:14.1f} {cost['bytes_vs_training']:16.2f} "
                   f"{cost['mean_rounds_of_time']:21.2f}")  # fmt: skip
-    anatomy = {n: r for n, r in sorted(results.items()) if r.consensus_current is not None}
+    anatomy = {n: r for n, r in sorted(results.items()) if r.consensus_median is not None}
     if anatomy:
         print("\nthe consensus distance is the farthest peer's; by how stale each peer's anchor is (current: an outer")
-        print("step within the last mean round):")
-        print(f"{'peers':>6s} {'median':>7s} {'current max':>11s} {'current %':>9s} {'farthest stale':>14s} "
+        print("step within the last mean round; none after a finish longer than a round):")
+        print(f"{'peers':>6s} {'median':>9s} {'current max':>11s} {'current %':>9s} {'farthest stale':>14s} "
               f"{'worst current loss':>18s}")  # fmt: skip
         for n, r in anatomy.items():
-            print(f"{n:6d} {r.consensus_median:7.4f} {r.consensus_current:11.4f} {100 * r.current_share:9.1f} "
-                  f"{r.stalest_rounds:14.2f} {r.worst_current_eval_loss:18.4f}")  # fmt: skip
+            current = "-" if r.consensus_current is None else _small(r.consensus_current)
+            worst = "-" if r.worst_current_eval_loss is None else f"{r.worst_current_eval_loss:.4f}"
+            print(f"{n:6d} {_small(r.consensus_median):>9s} {current:>11s} {100 * r.current_share:9.1f} "
+                  f"{r.stalest_rounds:14.2f} {worst:>18s}")  # fmt: skip
+
+
+def _small(x: float) -> str:
+    """A distance in 9 characters: fixed point, or in powers of ten once it is under 1e-3."""
+    return f"{x:.4f}" if x >= 1e-3 or x == 0 else f"{x:.2e}"
 
 
 def _row(n: int, r: ScaleResult, dht: dict | None) -> None:
