@@ -54,7 +54,7 @@ class _Stop:
     process (dht.node).
     """
 
-    GRACE = 0.8
+    GRACE = 0.5  # the whole stop must fit in 1 s, the process teardown included
     current: _Stop | None = None  # the latest of this process: the "interrupted" line is printed once
 
     def __init__(self, command: str) -> None:

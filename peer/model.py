@@ -123,9 +123,15 @@ class GPT(nn.Module):
         return logits, loss
 
 
+GPT2_VOCAB = 50257  # GPT-2's BPE vocabulary: the built-in byte data uses its first 256 ids
+
 MODELS: dict[str, GPTConfig] = {
-    "gpt-tiny": GPTConfig(n_layer=2, n_head=4, n_embd=128, block_size=64),
-    "gpt-small": GPTConfig(n_layer=4, n_head=6, n_embd=192, block_size=128),
+    "gpt-tiny": GPTConfig(n_layer=2, n_head=4, n_embd=128, block_size=64),  # 0.44M parameters
+    "gpt-small": GPTConfig(n_layer=4, n_head=6, n_embd=192, block_size=128),  # 1.9M
+    "gpt-20m": GPTConfig(n_layer=6, n_head=8, n_embd=512, block_size=256),  # 19.2M, a GPU volunteer's first run
+    # GPT-2 small and medium, shape for shape (124,439,808 and 354,823,168 parameters, as released)
+    "gpt2-small": GPTConfig(vocab_size=GPT2_VOCAB, n_layer=12, n_head=12, n_embd=768, block_size=1024),
+    "gpt2-medium": GPTConfig(vocab_size=GPT2_VOCAB, n_layer=24, n_head=16, n_embd=1024, block_size=1024),
 }
 
 

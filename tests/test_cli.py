@@ -139,12 +139,12 @@ def test_every_numeric_flag_is_range_checked_and_named_alone(command, flag, kind
         assert err.count("--") == 1, err  # only the flag that is wrong
 
 
-def test_help_bad_flags_and_report_answer_without_torch_or_hivemind(tmp_path):
+def test_help_bad_flags_and_report_answer_without_torch_hivemind_or_matplotlib(tmp_path):
     (tmp_path / "metrics.jsonl").write_text('{"t": 1.0, "round": 1, "samples": 16, "loss": 3.0, "eval_loss": 3.1}\n')
     code = "import sys; from peer.cli import main; main(sys.argv[1:])"
     plotless = {"matplotlib"}
     runs = [(["--help"], plotless), (["join", "--help"], plotless), (["join", "--run", "r"], plotless),
-            (["simulate", "--duration", "-5"], plotless), (["report", str(tmp_path)], set())]  # fmt: skip
+            (["simulate", "--duration", "-5"], plotless), (["report", str(tmp_path)], plotless)]  # fmt: skip
     for argv, also in runs:
         done = subprocess.run([sys.executable, "-X", "importtime", "-c", code, *argv], capture_output=True, text=True)
         imported = {line.split("|")[-1].strip() for line in done.stderr.splitlines() if line.startswith("import time")}

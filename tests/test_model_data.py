@@ -45,6 +45,16 @@ def test_registry_sizes():
     assert (small.n_layer, small.n_embd, small.block_size) == (4, 192, 128)
 
 
+@pytest.mark.parametrize("name, count", [("gpt-20m", 19_177_472), ("gpt2-small", 124_439_808),
+                                         ("gpt2-medium", 354_823_168)])  # fmt: skip
+def test_the_gpu_sizes_have_gpt2s_parameter_counts(name: str, count: int) -> None:
+    """GPT-2 small and medium as released (tied embeddings, biases): the counts of the published checkpoints."""
+    with torch.device("meta"):  # shapes only: nothing is allocated
+        model = GPT(MODELS[name])
+    assert count_parameters(model) == count
+    assert MODELS[name].block_size >= 256
+
+
 def test_build_model_is_deterministic_and_leaves_global_rng_alone():
     rng_before = torch.get_rng_state()
     a, b = build_model("gpt-tiny", seed=7), build_model("gpt-tiny", seed=7)

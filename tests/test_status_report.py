@@ -25,7 +25,8 @@ from dht import (
 )
 from peer.cli import main
 from peer.config import TrainConfig
-from peer.ops.report import PANEL_TITLES, alive_over_time, build_figure, load_logs
+from peer.ops.chart import Chart, Panel, Series, nice_ticks
+from peer.ops.report import PANEL_TITLES, alive_over_time, build_chart, load_logs
 from peer.ops.status import PeerStatus, RunStatus, render_status
 
 PNG_SIGNATURE = b"\x89PNG\r\n\x1a\n"
@@ -70,12 +71,12 @@ def test_report_plots_a_simulation_folder(tmp_path: Path, capsys: pytest.Capture
 
     logs = load_logs(tmp_path)
     assert list(logs) == ["peer-0", "peer-1", "peer-2"] and all(len(records) == 12 for records in logs.values())
-    figure = build_figure(logs)
-    assert tuple(axes.get_title() for axes in figure.axes) == PANEL_TITLES
-    by_time, by_samples, traffic, alive = figure.axes
-    assert len(by_time.lines) == len(by_samples.lines) == len(traffic.lines) == 6  # two lines per peer
-    assert min(by_time.lines[0].get_xdata()) == 0.0  # wall time counts from the first record of any peer
-    assert max(alive.lines[0].get_ydata()) == 3
+    chart = build_chart(logs)
+    assert tuple(panel.title for panel in chart.panels) == PANEL_TITLES
+    by_time, by_samples, traffic, alive = chart.panels
+    assert len(by_time.series) == len(by_samples.series) == len(traffic.series) == 6  # two lines per peer
+    assert min(by_time.series[0].xs) == 0.0  # wall time counts from the first record of any peer
+    assert max(alive.series[0].ys) == 3
 
 
 def test_report_plots_a_single_peer_folder(tmp_path: Path) -> None:
@@ -107,20 +108,40 @@ def test_report_draws_evaluations_as_points_and_the_swarm_as_each_peer_saw_it(tm
         for i in range(12)
     ]  # fmt: skip
     (folder / "metrics.jsonl").write_text("".join(json.dumps(r) + "\n" for r in rows))
-    by_time, by_samples, _, alive = build_figure(load_logs(folder)).axes
-    loss, held_out = by_time.lines
-    assert held_out.get_linestyle() == "None" and held_out.get_marker() == "o"  # points, not a held step
-    assert list(held_out.get_xdata()) == [0.0, 10.0, 20.0] and list(held_out.get_ydata()) == [5.3, 4.3, 3.3]
-    assert loss.get_xdata()[0] == 1.0  # wall time counts from the first evaluation, before the first round
-    assert list(by_samples.lines[1].get_xdata()) == [0, 1600, 3200]  # the samples each was measured after
-    assert [t.get_text() for t in by_time.get_legend().texts] == ["XYZ12345"]  # the peer id, not the folder
-    assert set(alive.lines[0].get_ydata()) == {2}  # the swarm this one peer saw, itself included
+    by_time, by_samples, _, alive = build_chart(load_logs(folder)).panels
+    loss, held_out = by_time.series
+    assert held_out.style == "points" and loss.style == "line"  # points, not a held step
+    assert list(held_out.xs) == [0.0, 10.0, 20.0] and list(held_out.ys) == [5.3, 4.3, 3.3]
+    assert loss.xs[0] == 1.0  # wall time counts from the first evaluation, before the first round
+    assert list(by_samples.series[1].xs) == [0, 1600, 3200]  # the samples each was measured after
+    assert [label for label, _, _ in by_time.legend] == ["XYZ12345"]  # the peer id, not the folder
+    assert set(alive.series[0].ys) == {2}  # the swarm this one peer saw, itself included
 
 
 def test_peers_alive_counts_each_peer_from_first_to_last_record() -> None:
     times, counts = alive_over_time([(0.0, 10.0), (3.0, 5.0), (5.0, 12.0)])
     assert list(zip(times, counts, strict=True)) == [(0.0, 1), (3.0, 2), (5.0, 3), (5.0, 2), (10.0, 1), (12.0, 0)]
 
+
+
+def test_ticks_are_round_numbers_covering_the_range() -> None:
+    assert nice_ticks(0.0, 10.5) == [0.0, 2.0, 4.0, 6.0, 8.0, 10.0]
+    assert nice_ticks(2.31, 2.58) == [2.35, 2.4, 2.45, 2.5, 2.55]
+    assert nice_ticks(3.0, 3.0) == [3.0]
+
+
+def test_a_chart_draws_each_series_in_its_colour_and_style(tmp_path: Path) -> None:
+    from PIL import Image
+
+    def pixels(style: str) -> int:
+        series = Series([0.0, 1.0, 2.0], [0.0, 1.0, 0.5], color="#ff0000", style=style)  # type: ignore[arg-type]
+        Chart([Panel("p", series=[series])], columns=1, size=(400, 300)).save(tmp_path / f"{style}.png")
+        image = Image.open(tmp_path / f"{style}.png").convert("RGB")
+        return sum(1 for r, g, b in image.getdata() if r > 200 and g < 60 and b < 60)
+
+    drawn = {style: pixels(style) for style in ("line", "dashed", "points", "steps")}
+    assert all(count > 20 for count in drawn.values()), drawn
+    assert drawn["dashed"] < drawn["line"] < drawn["steps"] and drawn["points"] < drawn["line"], drawn
 
 # ---------------------------------------------------------------- murmur status (real DHT on loopback)
 

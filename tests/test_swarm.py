@@ -21,7 +21,7 @@ from dht.loop import LoopThread
 from dht.node import NodeConfig, start_node, stop_node, visible_addresses
 from peer.cli import main
 from peer.metrics import consensus_distance, read_metrics
-from peer.ops.report import PANEL_TITLES, build_figure, load_logs
+from peer.ops.report import PANEL_TITLES, build_chart, load_logs
 from tests.groupkit import APPOINTMENT, plans
 
 pytestmark = pytest.mark.slow
@@ -131,11 +131,11 @@ def test_simulate_command_trains_a_swarm_and_reaps_everything(tmp_path):
     assert len(png) > 10_000 and png.startswith(b"\x89PNG\r\n\x1a\n")
     logs = load_logs(tmp_path / "runs")
     assert list(logs) == ["peer-0", "peer-1"] and all(len(records) >= 2 for records in logs.values())
-    figure = build_figure(logs)
-    assert tuple(axes.get_title() for axes in figure.axes) == PANEL_TITLES
-    by_time, by_samples, traffic, alive = figure.axes
-    assert len(by_time.lines) == len(by_samples.lines) == len(traffic.lines) == 4
-    assert max(traffic.lines[0].get_ydata()) > 0 and max(alive.lines[0].get_ydata()) == 2
+    chart = build_chart(logs)
+    assert tuple(panel.title for panel in chart.panels) == PANEL_TITLES
+    by_time, by_samples, traffic, alive = chart.panels
+    assert len(by_time.series) == len(by_samples.series) == len(traffic.series) == 4
+    assert max(traffic.series[0].ys) > 0 and max(alive.series[0].ys) == 2
 
 
 def tagged_processes(tag: str, settle: float = 10.0) -> list[str]:

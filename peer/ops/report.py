@@ -7,21 +7,17 @@ each evaluation: the time and samples it was measured at) against wall time, the
 samples, bytes sent and received against wall time, and how many peers were alive: the live peers
 each peer saw in the run's announcements, itself included (logs from before that field: between
 each folder's first and last record). Wall time counts from the first record or evaluation of any peer.
-matplotlib is imported only when a figure is built, and draws on its Agg canvas: no pyplot, no
-global backend switch, no layout engine (it would double the time to draw).
+The figure is a `peer.ops.chart.Chart` drawn with Pillow, not matplotlib, whose import alone would
+take the command past a second.
 """
 
 from __future__ import annotations
 
 import re
 from pathlib import Path
-from typing import TYPE_CHECKING
 
 from peer.metrics import read_metrics
-
-if TYPE_CHECKING:
-    from matplotlib.axes import Axes
-    from matplotlib.figure import Figure
+from peer.ops.chart import GRAY, PALETTE, Chart, Panel
 
 PANEL_TITLES = ("loss vs wall time", "loss vs samples", "bytes sent / received", "peers alive")
 
@@ -85,79 +81,51 @@ def peer_label(name: str, records: list[dict]) -> str:
     return ids[-1][-8:] if ids else name
 
 
-def build_figure(logs: dict[str, list[dict]], title: str = "") -> Figure:
-    """The four-panel figure (axes titled as in PANEL_TITLES), on an Agg canvas."""
-    from matplotlib.backends.backend_agg import FigureCanvasAgg
-    from matplotlib.figure import Figure
-
-    figure = Figure(figsize=(12, 8))
-    FigureCanvasAgg(figure)
-    figure.subplots_adjust(left=0.06, right=0.98, top=0.92, bottom=0.07, hspace=0.3, wspace=0.18)
-    (by_time, by_samples), (traffic, alive) = figure.subplots(2, 2)
+def build_chart(logs: dict[str, list[dict]], title: str = "") -> Chart:
+    """The four panels (titled as in PANEL_TITLES), one colour per peer."""
+    by_time, by_samples, traffic, alive = (
+        Panel(PANEL_TITLES[0], "seconds since first record", "loss"),
+        Panel(PANEL_TITLES[1], "samples", "loss"),
+        Panel(PANEL_TITLES[2], "seconds since first record", "MB", ymin=0.0),
+        Panel(PANEL_TITLES[3], "seconds since first record", "peers", ymin=0.0, integer_y=True),
+    )
     starts = [p["t"] for records in logs.values() for p in [*records[:1], *evaluations(records)[:1]]]
     t0 = min(starts)  # the first record, or the first evaluation (a peer evaluates before its first round)
     spans, counted = [], False
     for i, (name, records) in enumerate(logs.items()):
-        color, label = f"C{i % 10}", peer_label(name, records)
+        color, label = PALETTE[i % len(PALETTE)], peer_label(name, records)
         points = evaluations(records)
-        for axes, x in ((by_time, "t"), (by_samples, "samples")):
-            _plot(axes, records, x, "loss", t0 if x == "t" else 0.0, color=color, label=label)
-            _plot(axes, points, x, "eval_loss", t0 if x == "t" else 0.0, color=color, ls="", marker="o", ms=4)
-        _plot(traffic, records, "t", "bytes_sent", t0, scale=1e-6, color=color)
-        _plot(traffic, records, "t", "bytes_received", t0, scale=1e-6, color=color, linestyle="--")
+        for panel, x in ((by_time, "t"), (by_samples, "samples")):
+            panel.add(*_points(records, x, "loss", t0 if x == "t" else 0.0), color=color, label=label)
+            panel.add(*_points(points, x, "eval_loss", t0 if x == "t" else 0.0), color=color, style="points")
+        traffic.add(*_points(records, "t", "bytes_sent", t0, scale=1e-6), color=color)
+        traffic.add(*_points(records, "t", "bytes_received", t0, scale=1e-6), color=color, style="dashed")
         if any(_is_number(r.get("peers")) for r in records):  # what this peer saw of the swarm
             counted = True
-            _plot(alive, records, "t", "peers", t0, color=color, drawstyle="steps-post", label=label)
+            alive.add(*_points(records, "t", "peers", t0), color=color, style="steps", label=label)
         spans.append((records[0]["t"] - t0, records[-1]["t"] - t0))
     if not counted:  # logs without a count: each folder's peer alive from its first record to its last
-        times, counts = alive_over_time(spans)
-        alive.step(times, counts, where="post", color="C0")
-    top = max((y for line in alive.lines for y in line.get_ydata()), default=0)
-    alive.set_ylim(0, top + 1)
-    alive.yaxis.get_major_locator().set_params(integer=True)
-
-    for axes, panel, xlabel, ylabel in zip(
-        (by_time, by_samples, traffic, alive),
-        PANEL_TITLES,
-        ("seconds since first record", "samples", "seconds since first record", "seconds since first record"),
-        ("loss", "loss", "MB", "peers"),
-        strict=True,
-    ):
-        axes.set_title(panel)
-        axes.set_xlabel(xlabel)
-        axes.set_ylabel(ylabel)
-        axes.grid(alpha=0.3)
+        alive.add(*alive_over_time(spans), color=PALETTE[0], style="steps")
     if len(logs) <= 16:
-        by_time.legend(fontsize="small", title="peer")
-    by_samples.legend(handles=_styles("training", "held-out (evaluations)"), fontsize="small")
-    traffic.legend(handles=_styles("sent", "received"), fontsize="small")
-    figure.suptitle(title or f"{len(logs)} peer{'s' * (len(logs) != 1)}")
-    return figure
+        by_time.legend = [(s.label, s.color, "line") for s in by_time.series if s.label]
+    by_samples.legend = [("training", GRAY, "line"), ("held-out (evaluations)", GRAY, "points")]
+    traffic.legend = [("sent", GRAY, "line"), ("received", GRAY, "dashed")]
+    return Chart([by_time, by_samples, traffic, alive], title=title or f"{len(logs)} peer{'s' * (len(logs) != 1)}")
 
 
 def write_report(run_dir: Path, out: Path | None = None) -> Path:
     """Plot RUN_DIR's metrics logs to `out` (default RUN_DIR/report.png); returns the path written."""
     logs = load_logs(run_dir)
     out = out or run_dir / "report.png"
-    figure = build_figure(logs, title=f"{run_dir}: {len(logs)} peer{'s' * (len(logs) != 1)}")
+    chart = build_chart(logs, title=f"{run_dir}: {len(logs)} peer{'s' * (len(logs) != 1)}")
     out.parent.mkdir(parents=True, exist_ok=True)
-    figure.savefig(out, dpi=100)
+    chart.save(out)
     return out
 
 
-def _plot(axes: Axes, records: list[dict], x: str, y: str, x0: float, scale: float = 1.0, **style) -> None:
+def _points(records: list[dict], x: str, y: str, x0: float, scale: float = 1.0) -> tuple[list[float], list[float]]:
     points = [(r[x] - x0, r[y] * scale) for r in records if _is_number(r.get(x)) and _is_number(r.get(y))]
-    if points:
-        xs, ys = zip(*points, strict=True)
-        axes.plot(xs, ys, **style)
-
-
-def _styles(solid: str, other: str) -> list:
-    """Legend entries: a solid line, and the dashed line of bytes received or the points of evaluations."""
-    from matplotlib.lines import Line2D
-
-    style = {"linestyle": "", "marker": "o"} if "evaluations" in other else {"linestyle": "--"}
-    return [Line2D([], [], color="gray", label=solid), Line2D([], [], color="gray", label=other, **style)]
+    return [p[0] for p in points], [p[1] for p in points]
 
 
 def _is_number(value: object) -> bool:
