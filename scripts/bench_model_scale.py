@@ -1,0 +1,218 @@
+"""What one exchange costs as the model grows: time, memory and bytes, from 0.44M to 124M parameters and up.
+
+For each registry size, two peers run in one fresh process on one CPU thread (so that peak RSS is
+that size's alone): each builds the model, takes one AdamW step on one batch (plain training), and
+then, in the murmur phase, builds its outer optimizer (`peer.outer.OuterOptimizer`) and its real
+`GroupAverager`, the two average one round over the in-memory transport with the run's default
+codecs, and each applies the result. A second process does the plain training alone, so
+
+    added copies = (peak RSS with the exchange − peak RSS of plain training) / 2 peers / (4 B × params)
+
+is what Murmur holds beyond training (outer state and exchange together), in fp32 model copies.
+Beside it: the offer, exchange and apply seconds per side and nanoseconds per parameter per side,
+the bytes one side sent, the state download (a `StateDonor` to a `StateDownloader` over the in-memory
+transport: the whole training state, chunked and hashed), and one checkpoint write.
+
+    .venv/bin/python scripts/bench_model_scale.py --quick      # gpt-tiny and gpt-small: seconds
+    .venv/bin/python scripts/bench_model_scale.py              # up to gpt2-small (124M): minutes
+    .venv/bin/python scripts/bench_model_scale.py --models gpt-tiny,gpt-20m,gpt2-small,gpt2-medium
+
+Writes scripts/results/bench_model_scale.json (or --out).
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import json
+import resource
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+RESULTS = Path(__file__).resolve().parent / "results"
+QUICK = ("gpt-tiny", "gpt-small")
+FULL = ("gpt-tiny", "gpt-small", "gpt-20m", "gpt2-small")
+BATCH, SEQUENCE = 2, 64  # one small batch: the training step's activations stay far below the parameters
+TARGET_COPIES, TARGET_NS, TARGET_SPREAD = 3.0, 25.0, 1.5
+
+
+def peak_rss() -> int:
+    return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024  # Linux: kB
+
+
+def plain_peers(name: str) -> list:
+    """Two peers' models after one AdamW step each: (model, optimizer) pairs."""
+    import torch
+
+    from peer.model import build_model, loss_of
+
+    peers = []
+    for seed in (1, 2):
+        model = build_model(name, seed=0)
+        optimizer = torch.optim.AdamW(model.parameters(), lr=1e-4)
+        gen = torch.Generator().manual_seed(seed)
+        block = min(SEQUENCE, model.config.block_size)
+        idx = torch.randint(0, 256, (BATCH, block + 1), generator=gen)
+        loss_of(model(idx[:, :-1], idx[:, 1:])).backward()
+        optimizer.step()
+        optimizer.zero_grad(set_to_none=True)
+        peers.append((model, optimizer))
+    return peers
+
+
+def run_plain(name: str) -> dict:
+    plain_peers(name)
+    return {"peak_rss": peak_rss()}
+
+
+def run_murmur(name: str) -> dict:
+    import torch
+
+    from averaging.group import GroupAverager, GroupConfig, GroupPlan
+    from averaging.groups import Appointment
+    from averaging.state_transfer import StateDonor, StateDownloader, TransferConfig
+    from averaging.transport import InMemoryNetwork
+    from peer.checkpoint import save_checkpoint
+    from peer.config import TrainConfig
+    from peer.model import count_parameters
+    from peer.outer import OuterOptimizer
+
+    config = TrainConfig(model=name)
+    peers = plain_peers(name)
+    params = count_parameters(peers[0][0])
+    outers = [OuterOptimizer(model, config.outer()) for model, _ in peers]
+    for outer, (model, _) in zip(outers, peers, strict=True):  # the round's inner steps moved the model
+        with torch.no_grad():
+            for p in model.parameters():
+                p.add_(torch.randn_like(p), alpha=1e-3)
+    appointment = Appointment(seconds=600.0, slot=1)
+    timing: dict[str, float] = {}
+
+    async def exchange() -> tuple[list, list]:
+        network = InMemoryNetwork()
+        averagers = []
+        for i, outer in enumerate(outers):
+            averager = GroupAverager(network.transport(f"peer-{i}"), compressor(config), shapes=outer.shapes,
+                                     modes=outer.modes, run_id="scale", seed=i,
+                                     config=GroupConfig(exchange_timeout=600.0, message_timeout=600.0))  # fmt: skip
+            await averager.start()
+            averager.expect(appointment.key)
+            averagers.append(averager)
+        started = time.perf_counter()
+        offers = [outer.offer() for outer in outers]
+        timing["offer"] = time.perf_counter() - started
+        now = asyncio.get_running_loop().time()
+        ids = [a.peer_id for a in averagers]
+        plans = [GroupPlan(key=appointment.key, candidates=tuple(ids[: i + 1]), planned=tuple(ids[i + 1 :]),
+                           deadline=now + 600.0, not_before=now, group_size=2) for i in range(2)]  # fmt: skip
+        started = time.perf_counter()
+        results = await asyncio.gather(*(a.average(o, p) for a, o, p in zip(averagers, offers, plans, strict=True)))
+        timing["exchange"] = time.perf_counter() - started
+        for a in averagers:
+            await a.stop()
+        return offers, results
+
+    offers, results = asyncio.run(exchange())
+    if any(r is None for r in results):
+        raise SystemExit(f"{name}: the exchange failed")
+    started = time.perf_counter()
+    for outer, offer, result in zip(outers, offers, results, strict=True):
+        outer.apply(offer, result)
+    timing["apply"] = time.perf_counter() - started
+    sent = results[0].bytes_sent
+    del offers, results
+    rss_exchange = peak_rss()
+
+    state = {f"model/{n}": p.detach() for n, p in peers[0][0].named_parameters()}
+    state |= {f"outer/{k}/{n}": t for k, d in outers[0].state_dict().items() if isinstance(d, dict) for n, t in d.items()}
+    download = asyncio.run(state_download(state, StateDonor, StateDownloader, TransferConfig, InMemoryNetwork))
+    with tempfile.TemporaryDirectory() as folder:
+        started = time.perf_counter()
+        save_checkpoint(Path(folder), {"run_id": "scale", "model": name, "step": 1, "state": state})
+        checkpoint = time.perf_counter() - started
+    per_side = {k: v / 2 for k, v in timing.items()}
+    compute = sum(per_side.values())
+    return {
+        "params": params, "peak_rss": rss_exchange, "seconds_per_side": per_side,
+        "ns_per_param_per_side": 1e9 * compute / params, "bytes_sent_per_side": sent,
+        "bytes_over_fp32": sent / (4 * params), "state_download_seconds": download,
+        "checkpoint_write_seconds": checkpoint,
+    }  # fmt: skip
+
+
+def compressor(config):
+    from averaging.compression import LowRankCompressor
+
+    return LowRankCompressor(config.compression())
+
+
+async def state_download(state, StateDonor, StateDownloader, TransferConfig, InMemoryNetwork) -> float:  # noqa: N803
+    from averaging.state_transfer import StateSnapshot
+    from averaging.wire import TensorSpec
+
+    network = InMemoryNetwork()
+    snapshot = StateSnapshot(tensors={n: t.detach().float().contiguous() for n, t in state.items()}, counters={})
+    config = TransferConfig()
+    donor = StateDonor(network.transport("donor"), config=config)
+    donor.publish(snapshot)
+    await donor.start()
+    layout = {n: TensorSpec(shape=tuple(t.shape), dtype=t.dtype) for n, t in snapshot.tensors.items()}
+    downloader = StateDownloader(network.transport("joiner"), layout, config=config)
+    started = time.perf_counter()
+    await downloader.download(["donor"])
+    seconds = time.perf_counter() - started
+    await donor.stop()
+    return seconds
+
+
+def measure(name: str, phase: str) -> dict:
+    """One size's phase in a fresh process (peak RSS is a process's high-water mark)."""
+    code = f"import sys; sys.path.insert(0, {str(Path(__file__).parent)!r}); import bench_model_scale as b, json; " \
+           f"import torch; torch.set_num_threads(1); print(json.dumps(b.run_{phase}({name!r})))"  # fmt: skip
+    done = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True)
+    if done.returncode != 0:
+        raise SystemExit(f"{name} ({phase}) failed:\n{done.stderr[-3000:]}")
+    return json.loads(done.stdout.strip().splitlines()[-1])
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    parser.add_argument("--quick", action="store_true", help=f"only {', '.join(QUICK)}")
+    parser.add_argument("--models", help=f"comma-separated registry names (default: {','.join(FULL)})")
+    parser.add_argument("--out", type=Path, default=RESULTS / "bench_model_scale.json")
+    args = parser.parse_args(argv)
+    names = args.models.split(",") if args.models else QUICK if args.quick else FULL
+    rows = []
+    print(f"{'model':12} {'params':>8} {'offer s':>8} {'exch s':>8} {'apply s':>8} {'ns/param':>9} "
+          f"{'added fp32':>10} {'sent/fp32':>9} {'state s':>8} {'ckpt s':>7}")  # fmt: skip
+    for name in names:
+        plain, murmur = measure(name, "plain"), measure(name, "murmur")
+        added = (murmur["peak_rss"] - plain["peak_rss"]) / 2 / (4 * murmur["params"])
+        row = {"model": name, **murmur, "plain_peak_rss": plain["peak_rss"], "added_fp32_copies": added}
+        rows.append(row)
+        s = row["seconds_per_side"]
+        print(f"{name:12} {row['params'] / 1e6:7.2f}M {s['offer']:8.3f} {s['exchange']:8.3f} {s['apply']:8.3f} "
+              f"{row['ns_per_param_per_side']:9.1f} {added:10.2f} {row['bytes_over_fp32']:9.4f} "
+              f"{row['state_download_seconds']:8.2f} {row['checkpoint_write_seconds']:7.2f}", flush=True)  # fmt: skip
+    big = [r for r in rows if r["params"] >= 57e6]
+    small = next((r for r in rows if 5e6 <= r["params"] < 57e6), None)
+    targets = {
+        "added_fp32_copies_at_most_3": all(r["added_fp32_copies"] <= TARGET_COPIES for r in rows),
+        "ns_per_param_at_most_25_from_57M": bool(big) and all(r["ns_per_param_per_side"] <= TARGET_NS for r in big),
+        "ns_per_param_spread_at_most_1.5x": bool(big and small) and all(
+            r["ns_per_param_per_side"] <= TARGET_SPREAD * small["ns_per_param_per_side"] for r in big),
+    }  # fmt: skip
+    for target, met in targets.items():
+        print(f"target {target}: {'met' if met else 'NOT met'}")
+    args.out.parent.mkdir(parents=True, exist_ok=True)
+    args.out.write_text(json.dumps({"threads": 1, "batch": BATCH, "sequence": SEQUENCE, "rows": rows,
+                                    "targets": targets}, indent=2) + "\n")  # fmt: skip
+    print(f"wrote {args.out}")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
