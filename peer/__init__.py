@@ -8,8 +8,11 @@
 * ``trainer``   ``Trainer``: the inner loop (mixed precision, accumulation), evaluation, compute-time accounting
 * ``outer``     ``OuterOptimizer``: what a round offers, and the outer Nesterov step with consensus
 * ``state``     state download on join: what a joiner takes (anchor, momentum, step counters) and ``StateSharing``
-* ``checkpoint`` checkpoint files: atomic writes, a header with a sha256, weights-only loads, fallback, pruning
-  only among files that verify
+* ``tensorfile`` a nested state as one safetensors file: tensors by path, the rest as JSON metadata, a sha256,
+  atomic writes
+* ``checkpoint`` checkpoint files (``ckpt-<step>.safetensors``): labels, one-line errors, the writer thread,
+  fallback, pruning only among files that verify; ``checkpoint_v1`` reads the ``.pt`` ones of older peers
+* ``anchorfile`` the final model ``anchor.safetensors``: the anchor as the model's own state dict
 * ``rundir``    whether a run folder holds an earlier run (refused without ``--resume``; simulate moves on)
 * ``verdict``   ``RunVerdict``: when a peer stops with one line (non-finite rounds, no peer with its layout)
 * ``rounds``    ``RoundEngine``: one peer's rounds as a state machine (appointment, steps, group plan, outcome,

@@ -145,7 +145,8 @@ def _join_parser(sub) -> None:
     join.add_argument("--until", type=number(), metavar="UNIX_TIME",
                       help="wall-clock end, in seconds since the epoch: no round starts that would end later, so "
                            "peers given the same --until end on the same round")  # fmt: skip
-    join.add_argument("--out-dir", type=Path, help="folder for metrics.jsonl, report.json, anchor.pt, checkpoints/")
+    join.add_argument("--out-dir", type=Path,
+                      help="folder for metrics.jsonl, report.json, anchor.safetensors, checkpoints/")  # fmt: skip
     join.add_argument("--data-seed", type=integer(0), default=0, help="seed of this peer's data stream")
     join.add_argument("--exchange-timeout", type=number(), default=JOIN_DEFAULTS["exchange_timeout"],
                       metavar="SECONDS",

@@ -1,5 +1,6 @@
 """What a peer says about its rounds: a line per round in `metrics.jsonl`, its running totals on the DHT
-(for `murmur status`), the live progress line, and at the end its report and final model.
+(for `murmur status`), the live progress line, and at the end its report and final model
+(`anchor.safetensors`, see `peer.anchorfile`).
 
 Nothing here waits on the DHT: the metrics are published from the event-loop thread, and a failure is a
 log line, never an error in the training loop.
@@ -12,9 +13,8 @@ import math
 import time
 from pathlib import Path
 
-import torch
-
 from dht.records import Metrics
+from peer.anchorfile import ANCHOR, save_anchor
 from peer.metrics import MetricsLog, PeerReport
 from peer.ops.progress import Progress, ProgressLine
 from peer.verdict import all_finite
@@ -81,12 +81,22 @@ class Journal:
         )  # fmt: skip
         if self.out_dir is not None:
             self.out_dir.mkdir(parents=True, exist_ok=True)
-            if all_finite(trainer.outer.anchor):  # a non-finite model is never written
-                torch.save({n: t.cpu() for n, t in trainer.outer.anchor.items()}, self.out_dir / "anchor.pt")
-            else:
-                logger.warning("anchor.pt not written: the model is not finite")
+            self.save_model(trainer, peer.options.run_id)
             (self.out_dir / "report.json").write_text(report.model_dump_json(indent=2))
         return report
+
+    def save_model(self, trainer, run_id: str) -> Path | None:
+        """Write the trainer's anchor to `anchor.safetensors` in the out dir (at the end of a run, on this
+        thread); a model that is not finite is never written, only a warning. Returns the path written."""
+        if self.out_dir is None:
+            return None
+        if not all_finite(trainer.outer.anchor):
+            logger.warning("%s not written: the model is not finite", ANCHOR)
+            return None
+        path = self.out_dir / ANCHOR
+        save_anchor(path, trainer.model, trainer.outer.anchor, run_id=run_id, config=trainer.config,
+                    step=trainer.steps, outer_step=trainer.outer.step)  # fmt: skip
+        return path
 
     def close(self) -> None:
         if self.progress is not None:

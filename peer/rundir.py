@@ -1,6 +1,7 @@
 """A run folder (`--out-dir`, `--checkpoint-dir`): whether a new run may write into it.
 
-A peer writes `metrics.jsonl`, `report.json`, `anchor.pt` and `checkpoints/` there. A new run in a
+A peer writes `metrics.jsonl`, `report.json`, `anchor.safetensors` and `checkpoints/` there (before
+safetensors: `anchor.pt` and `ckpt-*.pt`, which count as an earlier run too). A new run in a
 folder that holds an earlier one would overwrite that run's model and report, append to its metrics
 and prune its checkpoints, so `check_fresh` refuses it in one line unless the peer resumes (which
 continues the earlier run on purpose). `murmur simulate` instead moves on to the next free folder
@@ -11,13 +12,14 @@ from __future__ import annotations
 
 from pathlib import Path
 
-OUTPUTS = ("anchor.pt", "report.json", "metrics.jsonl")
+OUTPUTS = ("anchor.safetensors", "anchor.pt", "report.json", "metrics.jsonl")
 
 
 def earlier_run(out_dir: Path | None, checkpoints: Path | None) -> list[str]:
     """What of an earlier run these folders hold (file names, for the message); [] if nothing."""
     found = [name for name in OUTPUTS if out_dir is not None and (out_dir / name).exists()]
-    if checkpoints is not None and checkpoints.is_dir() and any(checkpoints.glob("ckpt-*.pt")):
+    saved = ("ckpt-*.safetensors", "ckpt-*.pt")
+    if checkpoints is not None and checkpoints.is_dir() and any(any(checkpoints.glob(g)) for g in saved):
         found.append(f"checkpoints in {checkpoints}")
     return found
 

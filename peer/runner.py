@@ -3,7 +3,7 @@
 `run_peer` builds everything, trains until the deadline or a stop request, and tears everything
 down in `finally`: it withdraws its announcement, stops the averager and the event loop, and
 shuts down its DHT node and `p2pd`. What it writes goes into `out_dir`: `metrics.jsonl` (a line
-per round), `report.json` and `anchor.pt` (the final model, for the consensus distance).
+per round), `report.json` and `anchor.safetensors` (the final model, for the consensus distance).
 
 Every `checkpoint_every` rounds, at least `checkpoint_interval` seconds apart (default: every round,
 every 30 s), and once more when it stops cleanly, a peer checkpoints its trainer and its
@@ -134,6 +134,7 @@ def checkpoint_state(run_id: str, trainer: Trainer, compressor: LowRankCompresso
         "run_id": run_id,
         "model": trainer.config.model,
         "step": trainer.steps,
+        "config": trainer.config.to_record(),  # in the file's metadata, for whoever reads it (never compared)
         "peer_id": peer_id,  # who wrote it: a restarted peer does not ask its dead predecessor
         "trainer": trainer.state_dict(),
         "warm_starts": compressor.state_dict(),

@@ -251,12 +251,12 @@ def snapshot(folder: Path) -> dict[str, str]:
 def earlier_run(folder: Path, *, checkpoints: bool = False) -> Path:
     """A folder as an earlier run left it: its model, report and metrics (and a checkpoint)."""
     folder.mkdir(parents=True)
-    (folder / "anchor.pt").write_bytes(b"the model of a 720-step run")
+    (folder / "anchor.safetensors").write_bytes(b"the model of a 720-step run")
     (folder / "report.json").write_text('{"steps": 720}')
     (folder / "metrics.jsonl").write_text('{"t": 1.0, "round": 36, "step": 720, "loss": 2.1, "eval_loss": 2.2}\n')
     if checkpoints:
         (folder / "checkpoints").mkdir()
-        (folder / "checkpoints" / "ckpt-00000720.pt").write_bytes(b"a checkpoint of step 720")
+        (folder / "checkpoints" / "ckpt-00000720.safetensors").write_bytes(b"a checkpoint of step 720")
     return folder
 
 
@@ -295,7 +295,7 @@ def truncated_checkpoint(lab: Lab) -> Outcome:
     argv = [*lab.join("custom-run"), *CUSTOM, "--data", "wl:good_batches", *QUICK, "--out-dir", str(folder),
             "--checkpoint-interval", "0", "--duration", "4"]  # fmt: skip
     first = lab.murmur(argv)
-    saved = sorted((folder / "checkpoints").glob("ckpt-*.pt"))
+    saved = sorted((folder / "checkpoints").glob("ckpt-*.safetensors"))
     newest = saved[-1]
     newest.write_bytes(newest.read_bytes()[:-100])
     older = int(saved[-2].stem.split("-")[1]) if len(saved) > 1 else 0
@@ -356,11 +356,13 @@ def nan_later(lab: Lab) -> Outcome:
     """Data that turns NaN after the first batch: the peer stops, and writes no non-finite model."""
     import torch
 
+    from peer.anchorfile import ANCHOR, read_anchor
+
     folder = lab.folder / "nan-later"
     argv = [*lab.join("custom-run"), *CUSTOM, "--data", "wl:nan_later", *QUICK, "--out-dir", str(folder),
             "--duration", "60"]  # fmt: skip
     ran = lab.murmur(argv)
-    models = [torch.load(folder / "anchor.pt", weights_only=True)] if (folder / "anchor.pt").exists() else []
+    models = [read_anchor(folder / ANCHOR)] if (folder / ANCHOR).exists() else []
     finite = all(bool(torch.isfinite(t).all()) for m in models for t in m.values())
     note = f"{len(models)} model(s) written, finite: {finite}"
     return Outcome(ran.code, error_line(ran), finite and ran.seconds < 50, note, last_line(ran.err))
@@ -492,10 +494,11 @@ def cases() -> list[Case]:
     refused_folder = "pass --resume to continue it, or choose a new folder"
     return [
         Case("newest checkpoint truncated, --resume", lost, truncated_checkpoint, 0,
-             lambda lab: r"murmur\.checkpoint WARN(ING)? checkpoint \S+ckpt-\d+\.pt is truncated: \d+ of \d+ payload "
-                         r"bytes; skipped"),
+             lambda lab: r"murmur\.checkpoint WARN(ING)? checkpoint \S+ckpt-\d+\.safetensors is truncated: \d+ of "
+                         r"\d+ data bytes; skipped"),
         Case("--out-dir of an earlier run, no --resume", lost, _earlier_out_dir, 1,
-             lambda lab: r"murmur join: error: \S+/run holds an earlier run \(anchor\.pt, report\.json, "
+             lambda lab: r"murmur join: error: \S+/run holds an earlier run \(anchor\.safetensors, "
+                         r"report\.json, "
                          r"metrics\.jsonl\): " + _e(refused_folder)),
         Case("--checkpoint-dir of an earlier run, no --resume", lost, _earlier_checkpoint_dir, 1,
              lambda lab: r"murmur join: error: (\S+) holds an earlier run \(checkpoints in \1\): "

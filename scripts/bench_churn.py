@@ -17,7 +17,7 @@ the same training config and the same data seeds:
   on a volunteer's own machine they would cost only the restarted peer.
 
 The clock of a phase starts once every initial peer has logged a round. Peers are stopped with
-SIGTERM at the end (a clean stop writes report.json and anchor.pt), and everything is reaped by
+SIGTERM at the end (a clean stop writes report.json and anchor.safetensors), and everything is reaped by
 process group (`peer.sim.simulate.stop_processes`). From the peers' metrics logs and reports it writes
 `bench_churn.json`: swarm samples/s (rounds logged in the window × samples per round ÷ duration),
 exchanges ok and failed, the longest a peer was blocked in one round (the `blocked` field: time
@@ -44,10 +44,10 @@ from dataclasses import asdict, dataclass, field
 from pathlib import Path
 
 import psutil
-import torch
 
 from averaging.group import GroupConfig
 from dht.node import stop_node
+from peer.anchorfile import ANCHOR, read_anchor
 from peer.config import TrainConfig
 from peer.metrics import PeerReport, consensus_distance, read_metrics
 from peer.sim.simulate import group_leaders_below, join_command, launch, start_bootstrap, stop_processes
@@ -256,9 +256,9 @@ class Phase:
                 ok = [r["t"] for r in records if r["exchanges_ok"] > 0]
                 first_exchange.append(round(ok[0] - slot.launched_at, 1) if ok else None)
         # a peer restarted just before the end may still have been starting: it wrote no report
-        reported = [s for s in live if (s.folder / "report.json").exists() and (s.folder / "anchor.pt").exists()]
+        reported = [s for s in live if (s.folder / "report.json").exists() and (s.folder / ANCHOR).exists()]
         reports = [PeerReport.model_validate_json((s.folder / "report.json").read_text()) for s in reported]
-        anchors = [torch.load(s.folder / "anchor.pt", weights_only=True) for s in reported]
+        anchors = [read_anchor(s.folder / ANCHOR) for s in reported]
         losses = [r.final_eval_loss for r in reports]
         return {
             "restart": self.restart if self.churn else None,

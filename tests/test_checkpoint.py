@@ -1,33 +1,35 @@
-"""Checkpoints: a bit-exact resume, atomic writes, one-line errors, fallback, and no unpickling."""
+"""Checkpoints as safetensors: a bit-exact round trip and resume, atomic writes, one-line errors for corrupt
+files, fallback, pruning among files that verify, and format-1 `.pt` files still read (and never unpickled)."""
 
 import dataclasses
 import io
 import logging
 import os
 import pickle
+import random
+import re
 import threading
 import time
 
 import pytest
 import torch
+from safetensors import safe_open
+from safetensors.torch import load_file, save
 
 from averaging.compression import LowRankCompressor, Projection
 from averaging.group import GroupResult
 from averaging.mixing import group_mean, local_round
 from dht.node import NodeConfig, start_node, stop_node, visible_addresses
 from dht.records import RunRecord, RunRecords
-from peer import checkpoint
-from peer.checkpoint import (
-    CheckpointError,
-    CheckpointWriter,
-    encode_frame,
-    latest_checkpoint,
-    load_checkpoint,
-    save_checkpoint,
-)
+from peer import checkpoint, tensorfile
+from peer.anchorfile import save_anchor
+from peer.checkpoint import CheckpointError, CheckpointWriter, latest_checkpoint, load_checkpoint, save_checkpoint
+from peer.checkpoint_v1 import encode_frame
 from peer.cli import main
 from peer.config import TrainConfig
 from peer.data import DataConfig, load_corpus
+from peer.model import build_model
+from peer.rundir import earlier_run
 from peer.runner import PeerOptions, checkpoint_state, restore_state, run_peer
 from peer.trainer import Trainer
 
@@ -43,11 +45,20 @@ def corpus():
 
 
 def small_state(step: int, run_id: str = RUN, model: str = "m") -> dict:
-    return {"run_id": run_id, "model": model, "step": step, "x": torch.arange(4.0) + step}
+    return {"run_id": run_id, "model": model, "step": step, "x": torch.arange(64.0) + step}
+
+
+def forged(tmp_path, state: dict, version: int = checkpoint.FORMAT) -> bytes:
+    """A checkpoint file's bytes for any state and format: well-formed, with a matching hash."""
+    path = tmp_path / "forged.safetensors"
+    tensorfile.write(path, checkpoint.snapshot(state, version=version))
+    data = path.read_bytes()
+    path.unlink()
+    return data
 
 
 def framed(state: dict, version: int = 1) -> bytes:
-    """A checkpoint file's bytes for any state: a well-formed frame with a matching hash."""
+    """A format-1 (`.pt`) checkpoint file's bytes for any state: a well-formed frame with a matching hash."""
     buffer = io.BytesIO()
     torch.save(state, buffer)
     return encode_frame(buffer.getvalue(), run_id=state["run_id"], model=state["model"], step=state["step"],
@@ -90,6 +101,26 @@ def assert_same(a: Trainer, b: Trainer, ca: LowRankCompressor, cb: LowRankCompre
     assert (a.steps, a.samples, a.batches_drawn) == (b.steps, b.samples, b.batches_drawn)
 
 
+def assert_identical(saved, loaded, where: str = "state") -> None:
+    """The same nested value: tensors bit for bit with their dtypes and shapes, everything else equal and of the
+    same type (tuples stay tuples, int keys stay ints; an OrderedDict comes back a dict), dict keys in order."""
+    assert (dict if isinstance(saved, dict) else type(saved)) is type(loaded), where
+    if isinstance(saved, torch.Tensor):
+        assert (loaded.dtype, loaded.shape) == (saved.dtype, saved.shape), where
+        bits = saved.detach().cpu().contiguous().reshape(-1).view(torch.uint8)
+        assert torch.equal(loaded.reshape(-1).view(torch.uint8), bits), where
+    elif isinstance(saved, dict):
+        assert [(type(k), k) for k in loaded] == [(type(k), k) for k in saved], where
+        for key, value in saved.items():
+            assert_identical(value, loaded[key], f"{where}/{key}")
+    elif isinstance(saved, list | tuple):
+        assert len(loaded) == len(saved), where
+        for i, (value, back) in enumerate(zip(saved, loaded, strict=True)):
+            assert_identical(value, back, f"{where}/{i}")
+    else:
+        assert loaded == saved, where
+
+
 def test_resume_continues_bit_for_bit(corpus, tmp_path):
     a, partner = Trainer(CONFIG, corpus, data_seed=1), Trainer(CONFIG, corpus, data_seed=2)
     ca, cp = LowRankCompressor(CONFIG.compression()), LowRankCompressor(CONFIG.compression())
@@ -98,8 +129,17 @@ def test_resume_continues_bit_for_bit(corpus, tmp_path):
     exchange(a, partner, ca, cp)  # residuals, consensus and warm starts
     alone(a)  # lonely: a model ahead of its anchor
     assert a.outer.error_feedback.residuals and ca.state_dict()
-    path = save_checkpoint(tmp_path, checkpoint_state(RUN, a, ca))
-    assert path.name == f"ckpt-{a.steps:08d}.pt"
+    state = checkpoint_state(RUN, a, ca)
+    path = save_checkpoint(tmp_path, state)
+    assert path.name == f"ckpt-{a.steps:08d}.safetensors"
+    assert_identical(state, load_checkpoint(path, run_id=RUN, model=CONFIG.model))
+    with safe_open(path, "pt") as f:  # what any safetensors reader sees
+        metadata, keys = f.metadata(), set(f.keys())
+    labels = {"kind": "checkpoint", "format": "2", "run_id": RUN, "model": CONFIG.model, "step": str(a.steps)}
+    assert {k: metadata[f"murmur.{k}"] for k in labels} == labels
+    assert tensorfile.from_json(metadata["murmur.config"]) == CONFIG.to_record()
+    tied = {"trainer/model/wte.weight", "trainer/model/lm_head.weight"}  # shared in memory, two copies on disk
+    assert tied | {"trainer/inner/state/0/exp_avg", "trainer/outer/anchor/wte.weight"} <= keys
 
     b, cb = Trainer(CONFIG, corpus, data_seed=1), LowRankCompressor(CONFIG.compression())
     found = latest_checkpoint(tmp_path, run_id=RUN, model=CONFIG.model, accept=lambda s: restore_state(s, b, cb))
@@ -159,20 +199,27 @@ def test_a_crash_mid_write_leaves_the_previous_checkpoint(tmp_path, monkeypatch)
     def crash(src, dst):
         raise OSError("simulated crash before the rename")
 
-    monkeypatch.setattr(checkpoint.os, "replace", crash)
+    monkeypatch.setattr(tensorfile.os, "replace", crash)
     with pytest.raises(OSError, match="simulated crash"):
         save_checkpoint(tmp_path, small_state(2))
-    assert sorted(p.name for p in tmp_path.iterdir()) == [".ckpt-stale.tmp", "ckpt-00000001.pt"]
-    assert torch.equal(load_checkpoint(tmp_path / "ckpt-00000001.pt")["x"], small_state(1)["x"])
+    assert sorted(p.name for p in tmp_path.iterdir()) == [".ckpt-stale.tmp", "ckpt-00000001.safetensors"]
+    assert torch.equal(load_checkpoint(tmp_path / "ckpt-00000001.safetensors")["x"], small_state(1)["x"])
     monkeypatch.undo()
     save_checkpoint(tmp_path, small_state(3))
-    assert sorted(p.name for p in tmp_path.iterdir()) == ["ckpt-00000001.pt", "ckpt-00000003.pt"]
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["ckpt-00000001.safetensors", "ckpt-00000003.safetensors"]
 
 
 def test_keeps_the_newest_two(tmp_path):
     for step in (5, 1, 12, 7):
         save_checkpoint(tmp_path, small_state(step))
-    assert sorted(p.name for p in tmp_path.iterdir()) == ["ckpt-00000007.pt", "ckpt-00000012.pt"]
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["ckpt-00000007.safetensors", "ckpt-00000012.safetensors"]
+
+
+def flip_data_byte(path) -> None:
+    """Flip one bit of a tensor's data: still a well-formed safetensors file, which loads without a hash."""
+    data = bytearray(path.read_bytes())
+    data[-8] ^= 0x01
+    path.write_bytes(bytes(data))
 
 
 def test_pruning_counts_and_deletes_only_checkpoints_that_verify(tmp_path):
@@ -183,40 +230,41 @@ def test_pruning_counts_and_deletes_only_checkpoints_that_verify(tmp_path):
     for step in (3, 4):
         save_checkpoint(tmp_path, small_state(step))
     # step 1 is pruned by two newer good ones; the truncated step 2 and the other run's file stay
-    names = ["ckpt-00000002.pt", "ckpt-00000003.pt", "ckpt-00000004.pt", foreign.name]
+    names = ["ckpt-00000002.safetensors", "ckpt-00000003.safetensors", "ckpt-00000004.safetensors", foreign.name]
     assert sorted(p.name for p in tmp_path.iterdir()) == sorted(names)
     assert latest_checkpoint(tmp_path, run_id=RUN, model="m")[0]["step"] == 4
-    for path in (tmp_path / "ckpt-00000003.pt", tmp_path / "ckpt-00000004.pt"):
-        path.write_bytes(b"")  # now every file of this run is corrupt: the new progress must survive its own write
+    for path in (tmp_path / "ckpt-00000003.safetensors", tmp_path / "ckpt-00000004.safetensors"):
+        flip_data_byte(path)  # now every file of this run is corrupt: the new progress must survive its own write
     save_checkpoint(tmp_path, small_state(5))
     assert latest_checkpoint(tmp_path, run_id=RUN, model="m")[0]["step"] == 5
-    assert len(list(tmp_path.glob("ckpt-*.pt"))) == 5
+    assert len(list(tmp_path.glob("ckpt-*.safetensors"))) == 5
 
 
 def test_the_writer_snapshots_at_submit_and_keeps_only_the_newest_pending(tmp_path, monkeypatch):
     gate, started, written = threading.Event(), threading.Event(), []
-    real_write = checkpoint.write_frame
+    real_write = checkpoint.write_snapshot
 
-    def slow_write(directory, serialized, *, keep):
+    def slow_write(directory, taken, *, keep):
         started.set()
         gate.wait(10)  # the disk is slower than the rounds: snapshots pile up behind the first
-        written.append(serialized[1]["step"])
-        return real_write(directory, serialized, keep=keep)
+        written.append(int(taken.metadata["murmur.step"]))
+        return real_write(directory, taken, keep=keep)
 
-    monkeypatch.setattr(checkpoint, "write_frame", slow_write)
+    monkeypatch.setattr(checkpoint, "write_snapshot", slow_write)
     writer = CheckpointWriter(tmp_path)
     state = small_state(1)
+    at_submit = state["x"].clone()
     writer.submit(state)
     state["x"].add_(100)  # training goes on at once: the checkpoint must hold the value at submit time
     assert started.wait(10)  # the writer holds step 1
     for step in (2, 3, 4):
         writer.submit(small_state(step))
     gate.set()
-    assert writer.close() == tmp_path / "ckpt-00000004.pt"
+    assert writer.close() == tmp_path / "ckpt-00000004.safetensors"
     assert written == [1, 4]  # 2 and 3 were superseded while 1 was being written
-    assert sorted(p.name for p in tmp_path.iterdir()) == ["ckpt-00000001.pt", "ckpt-00000004.pt"]
-    assert torch.equal(load_checkpoint(tmp_path / "ckpt-00000001.pt")["x"], torch.arange(4.0) + 1)
-    assert torch.equal(load_checkpoint(tmp_path / "ckpt-00000004.pt")["x"], small_state(4)["x"])
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["ckpt-00000001.safetensors", "ckpt-00000004.safetensors"]
+    assert torch.equal(load_checkpoint(tmp_path / "ckpt-00000001.safetensors")["x"], at_submit)
+    assert torch.equal(load_checkpoint(tmp_path / "ckpt-00000004.safetensors")["x"], small_state(4)["x"])
     with pytest.raises(RuntimeError, match="closed"):
         writer.submit(small_state(5))
 
@@ -231,20 +279,56 @@ def test_a_failed_background_write_is_a_warning_and_the_next_one_lands(tmp_path,
     assert len(caplog.records) == 1 and "checkpoint not saved in" in caplog.records[0].getMessage()
     blocker.unlink()
     writer.submit(small_state(2))
-    assert writer.close() == blocker / "ckpt-00000002.pt"
-    assert load_checkpoint(blocker / "ckpt-00000002.pt")["step"] == 2
+    assert writer.close() == blocker / "ckpt-00000002.safetensors"
+    assert load_checkpoint(blocker / "ckpt-00000002.safetensors")["step"] == 2
+
+
+def replaced(data: bytes, old: bytes, new: bytes) -> bytes:
+    assert data.count(old) == 1, old
+    return data.replace(old, new)
+
+
+def model_file(tmp_path) -> bytes:
+    """The bytes of a final model (`anchor.safetensors`): a murmur file, but not a checkpoint."""
+    model = torch.nn.Linear(2, 2)
+    path = tmp_path / "anchor.safetensors"
+    save_anchor(path, model, dict(model.named_parameters()), run_id=RUN, config={"model": "m"}, step=2)
+    return path.read_bytes()
 
 
 DAMAGES = {
-    "empty": (lambda data: b"", "is empty"),
-    "truncated payload": (lambda data: data[: len(data) // 2], "is truncated: "),
-    "truncated header": (lambda data: data[:10], "is truncated"),
-    "flipped byte": (lambda data: data[:-100] + bytes([data[-100] ^ 0xFF]) + data[-99:], "is corrupt: sha256 mismatch"),
-    "trailing byte": (lambda data: data + b"\0", "is corrupt: 1 bytes after the payload"),
-    "not ours": (lambda data: b"PK\x03\x04" + data[4:], "is not a murmur checkpoint"),
-    "newer format": (lambda data: framed(small_state(2), version=3), "was written by a newer format 3"),
-    "wrong run": (lambda data: framed(small_state(2, run_id="other")), "is for run id 'other', not 'ckpt-test'"),
-    "wrong model": (lambda data: framed(small_state(2, model="gpt-huge")), "is for model 'gpt-huge', not 'm'"),
+    "empty": (lambda data, tmp: b"", "is empty"),
+    "truncated data": (lambda data, tmp: data[:-10], "is truncated: 246 of 256 data bytes"),
+    "truncated header": (lambda data, tmp: data[:40], "is truncated: 32 of "),
+    "length only": (lambda data, tmp: data[:5], "is truncated"),
+    "flipped bit in the data": (
+        lambda data, tmp: data[:-8] + bytes([data[-8] ^ 0x01]) + data[-7:],
+        "is corrupt: sha256 mismatch",
+    ),  # fmt: skip
+    "changed metadata": (
+        lambda data, tmp: replaced(data, b'"murmur.step":"2"', b'"murmur.step":"3"'),
+        "is corrupt: sha256 mismatch",
+    ),  # fmt: skip
+    "trailing byte": (lambda data, tmp: data + b"\0", "is corrupt: 1 bytes after the data"),
+    "garbage": (lambda data, tmp: random.Random(0).randbytes(len(data)), "is not a safetensors file (header length"),
+    "garbage header": (
+        lambda data, tmp: (40).to_bytes(8, "little") + b"{not json" + bytes(31),
+        "is not a safetensors file (unreadable header)",
+    ),  # fmt: skip
+    "not ours": (
+        lambda data, tmp: save({"x": torch.zeros(3)}, metadata={"format": "pt"}),
+        "is not a murmur checkpoint (no murmur metadata)",
+    ),  # fmt: skip
+    "a final model": (lambda data, tmp: model_file(tmp), "is not a checkpoint (a murmur 'model' file)"),
+    "newer format": (lambda data, tmp: forged(tmp, small_state(2), version=3), "was written by a newer format 3"),
+    "wrong run": (
+        lambda data, tmp: forged(tmp, small_state(2, run_id="other")),
+        "is for run id 'other', not 'ckpt-test'",
+    ),
+    "wrong model": (
+        lambda data, tmp: forged(tmp, small_state(2, model="gpt-huge")),
+        "is for model 'gpt-huge', not 'm'",
+    ),
 }
 
 
@@ -252,17 +336,56 @@ DAMAGES = {
 def test_a_bad_file_is_a_one_line_error_and_the_previous_one_is_used(tmp_path, caplog, damage, needle):
     save_checkpoint(tmp_path, small_state(1))
     newest = save_checkpoint(tmp_path, small_state(2))
-    newest.write_bytes(damage(newest.read_bytes()))
+    newest.write_bytes(damage(newest.read_bytes(), tmp_path / "scratch"))
     with pytest.raises(CheckpointError) as info:
         load_checkpoint(newest, run_id=RUN, model="m")
     message = str(info.value)
     assert message.startswith(f"checkpoint {newest} ") and needle in message and "\n" not in message, message
     with caplog.at_level(logging.WARNING, logger="murmur.checkpoint"):
         state, path = latest_checkpoint(tmp_path, run_id=RUN, model="m")
-    assert path.name == "ckpt-00000001.pt" and state["step"] == 1
+    assert path.name == "ckpt-00000001.safetensors" and state["step"] == 1
     assert [r.getMessage() for r in caplog.records] == [f"{message}; skipped"]
-    (tmp_path / "ckpt-00000001.pt").write_bytes(b"")
+    save_checkpoint(tmp_path, small_state(3))  # the damaged file is neither counted nor deleted
+    assert sorted(p.name for p in tmp_path.glob("ckpt-*")) == [f"ckpt-0000000{i}.safetensors" for i in (1, 2, 3)]
+    for name in ("ckpt-00000001.safetensors", "ckpt-00000003.safetensors"):
+        (tmp_path / name).write_bytes(b"")
     assert latest_checkpoint(tmp_path, run_id=RUN, model="m") is None
+
+
+def test_a_format_1_checkpoint_is_still_read_and_never_deleted(tmp_path, caplog):
+    old = tmp_path / "ckpt-00000001.pt"
+    old.write_bytes(framed(small_state(1)))  # left by an older murmur
+    state, path = latest_checkpoint(tmp_path, run_id=RUN, model="m")
+    assert path == old and torch.equal(state["x"], small_state(1)["x"])
+    (tmp_path / "ckpt-00000004.pt").write_bytes(framed(small_state(4) | {"x": torch.zeros(1)}))
+    for step in (2, 3, 4):
+        save_checkpoint(tmp_path, small_state(step))
+    names = ["ckpt-00000001.pt", "ckpt-00000003.safetensors", "ckpt-00000004.pt", "ckpt-00000004.safetensors"]
+    assert sorted(p.name for p in tmp_path.iterdir()) == names
+    state, path = latest_checkpoint(tmp_path, run_id=RUN, model="m")  # at one step the safetensors one wins
+    assert path.name == "ckpt-00000004.safetensors" and torch.equal(state["x"], small_state(4)["x"])
+    truncated = tmp_path / "ckpt-00000009.pt"
+    truncated.write_bytes(framed(small_state(9))[:-7])
+    with caplog.at_level(logging.WARNING, logger="murmur.checkpoint"):
+        assert latest_checkpoint(tmp_path, run_id=RUN, model="m")[0]["step"] == 4
+    [warning] = [r.getMessage() for r in caplog.records]
+    assert re.fullmatch(
+        rf"checkpoint {re.escape(str(truncated))} is truncated: \d+ of \d+ payload bytes; skipped", warning
+    )
+
+
+def test_an_earlier_run_is_seen_in_either_format(tmp_path):
+    for name in ("anchor.safetensors", "anchor.pt"):
+        folder = tmp_path / name
+        folder.mkdir()
+        (folder / name).write_bytes(b"a model")
+        assert earlier_run(folder, None) == [name]
+    for name in ("ckpt-00000001.safetensors", "ckpt-00000001.pt"):
+        folder = tmp_path / f"c-{name}"
+        folder.mkdir()
+        assert earlier_run(None, folder) == []
+        (folder / name).write_bytes(b"a checkpoint")
+        assert earlier_run(None, folder) == [f"checkpoints in {folder}"]
 
 
 def test_no_checkpoints_means_none(tmp_path):
@@ -284,10 +407,10 @@ def test_a_malicious_pickle_is_never_executed(tmp_path):
     with pytest.raises(CheckpointError, match="is not a murmur checkpoint"):
         load_checkpoint(raw)
     # a well-framed file with a matching hash: the weights-only unpickler refuses the payload
-    forged = tmp_path / "ckpt-00000010.pt"
-    forged.write_bytes(framed({"run_id": RUN, "model": "m", "step": 10, "x": Evil()}))
+    evil = tmp_path / "ckpt-00000010.pt"
+    evil.write_bytes(framed({"run_id": RUN, "model": "m", "step": 10, "x": Evil()}))
     with pytest.raises(CheckpointError) as info:
-        load_checkpoint(forged)
+        load_checkpoint(evil)
     assert "payload is not plain tensors" in str(info.value) and "\n" not in str(info.value)
     assert latest_checkpoint(tmp_path, run_id=RUN, model="m") is None
     assert not Evil.marker.exists()
@@ -329,8 +452,10 @@ def test_a_real_peer_checkpoints_and_resumes(tmp_path, caplog):
             checkpoint_every=1, checkpoint_interval=3600,  # due every round, but not within the hour
         )  # fmt: skip
         first = run_peer(options, threading.Event())
-        saved = sorted((tmp_path / "checkpoints").glob("ckpt-*.pt"))
-        assert [p.name for p in saved] == [f"ckpt-{first.steps:08d}.pt"]  # the final, clean-stop checkpoint
+        saved = sorted((tmp_path / "checkpoints").glob("ckpt-*"))
+        assert [p.name for p in saved] == [f"ckpt-{first.steps:08d}.safetensors"]  # the final, clean-stop checkpoint
+        model = build_model(config.model, seed=config.seed)
+        model.load_state_dict(load_file(tmp_path / "anchor.safetensors"))  # the final model, strictly
         with caplog.at_level(logging.INFO, logger="murmur.peer"):
             second = run_peer(dataclasses.replace(options, resume=True), threading.Event())
         assert f"resumed from {saved[0]} at step {first.steps}" in caplog.text
@@ -367,7 +492,7 @@ def test_a_stop_in_the_middle_of_a_long_round_stops_at_once_and_keeps_its_steps(
             stop.set()
         assert stopped_at and time.monotonic() - stopped_at[0] < 10.0  # teardown included; not the 120 s round
         assert report.rounds == 0 and report.steps > 0
-        saved = sorted((tmp_path / "checkpoints").glob("ckpt-*.pt"))
-        assert [p.name for p in saved] == [f"ckpt-{report.steps:08d}.pt"]
+        saved = sorted((tmp_path / "checkpoints").glob("ckpt-*"))
+        assert [p.name for p in saved] == [f"ckpt-{report.steps:08d}.safetensors"]
     finally:
         stop_node(boot)

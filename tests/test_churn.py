@@ -16,6 +16,7 @@ import pytest
 from averaging.group import GroupConfig
 from dht.node import NodeConfig, start_node, stop_node, visible_addresses
 from dht.records import RunRecord, RunRecords
+from peer.anchorfile import ANCHOR, read_anchor
 from peer.config import TrainConfig
 from peer.metrics import read_metrics
 from peer.runner import PeerOptions, VolunteerPeer
@@ -141,7 +142,9 @@ def test_sigterm_during_an_exchange_stops_within_10_s_with_a_checkpoint(tmp_path
         assert took < 10, f"took {took:.1f} s to stop"
         assert stdout.startswith("murmur join --initial-peers ")
         report = json.loads((out / "report.json").read_text())
-        assert sorted(p.name for p in (out / "checkpoints").glob("ckpt-*.pt")) == [f"ckpt-{report['steps']:08d}.pt"]
+        saved = sorted(p.name for p in (out / "checkpoints").glob("ckpt-*"))
+        assert saved == [f"ckpt-{report['steps']:08d}.safetensors"]
+        assert read_anchor(out / ANCHOR)  # the final model, hashed and whole
         assert read_metrics(out / "metrics.jsonl")
     finally:
         if proc is not None and proc.poll() is None:

@@ -22,13 +22,13 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 import psutil
-import torch
 from rich.console import Console
 from rich.live import Live
 from rich.table import Table
 
 from dht.node import NodeConfig, start_node, stop_node, visible_addresses
 from dht.records import RunRecord, RunRecords
+from peer.anchorfile import ANCHOR, read_anchor
 from peer.config import TrainConfig, is_spec
 from peer.device import DeviceConfig, Runtime
 from peer.metrics import PeerReport, SwarmReport, consensus_distance, read_metrics
@@ -220,7 +220,8 @@ def _gather(config: SimulationConfig, wall: float) -> SwarmReport:
         folder = config.out_dir / f"peer-{i}"
         with contextlib.suppress(FileNotFoundError):
             peers.append(PeerReport.model_validate_json((folder / "report.json").read_text()))
-            anchors.append(torch.load(folder / "anchor.pt", weights_only=True))
+            if (folder / ANCHOR).exists():  # a peer with a non-finite model wrote none
+                anchors.append(read_anchor(folder / ANCHOR))
     model = build_model(config.train.model, seed=config.train.seed)
     report = SwarmReport(
         wall_seconds=wall,

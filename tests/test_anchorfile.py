@@ -1,0 +1,115 @@
+"""The final model as `anchor.safetensors`: the README's one-liner loads it strictly into a fresh model (tied
+weights and buffers included), its metadata names the run, a model that is not finite is never written, and a
+corrupt file is a one-line error."""
+
+import logging
+from pathlib import Path
+
+import pytest
+import safetensors.torch
+import torch
+from safetensors import safe_open
+from safetensors.torch import load_file
+from torch import nn
+
+from peer import tensorfile
+from peer.anchorfile import ANCHOR, read_anchor, save_anchor
+from peer.checkpoint import save_checkpoint
+from peer.config import TrainConfig
+from peer.data import DataConfig, load_corpus
+from peer.journal import Journal
+from peer.model import build_model
+from peer.trainer import Trainer
+
+RUN = "anchor-test"
+CONFIG = TrainConfig(inner_steps=2, batch_size=4, eval_batches=1, warmup_steps=4)
+README = Path(__file__).resolve().parents[1] / "README.md"
+ONE_LINER = 'model.load_state_dict(safetensors.torch.load_file("runs/me/anchor.safetensors"))'
+
+
+def journal(folder: Path) -> Journal:
+    return Journal(folder, verbose=False, every=1, metrics_interval=60.0)
+
+
+def test_the_readme_one_liner_loads_a_peers_final_model_strictly(tmp_path, caplog):
+    trainer = Trainer(CONFIG, load_corpus(DataConfig(max_bytes=300_000)), data_seed=1)
+    trainer.inner_phase()
+    trainer.finish_round(trainer.outer.offer(), None, alone=True)  # an outer step alone: the anchor moved
+    trainer.inner_phase()  # the live model is ahead of its anchor again: the file holds the anchor
+    path = journal(tmp_path).save_model(trainer, RUN)
+    assert path == tmp_path / ANCHOR
+
+    assert ONE_LINER in README.read_text()
+    model = build_model(CONFIG.model, seed=CONFIG.seed + 7)  # another init: every weight must come from the file
+    model.load_state_dict(safetensors.torch.load_file(tmp_path / ANCHOR))  # the one-liner: strict
+    assert model.lm_head.weight is model.wte.weight  # still tied
+    assert sorted(load_file(path)) == sorted(model.state_dict())  # both tied names, nothing else
+    anchor = trainer.outer.anchor
+    assert all(torch.equal(p, anchor[n]) for n, p in model.named_parameters())
+    assert not torch.equal(trainer.model.wte.weight, anchor["wte.weight"])
+
+    with safe_open(path, "pt") as f:
+        metadata = f.metadata()
+    labels = {"kind": "model", "run_id": RUN, "model": CONFIG.model, "step": "4", "outer_step": "1"}
+    assert {k: metadata[f"murmur.{k}"] for k in labels} == labels
+    assert tensorfile.from_json(metadata["murmur.config"]) == CONFIG.to_record()
+    back = read_anchor(path)  # what the consensus distance compares: the parameters once each
+    assert list(back) == list(anchor) and all(torch.equal(back[n], t) for n, t in anchor.items())
+
+    anchor["wte.weight"][0, 0] = float("nan")  # a model that is not finite is never written
+    with caplog.at_level(logging.WARNING, logger="murmur.peer"):
+        assert journal(tmp_path / "nan").save_model(trainer, RUN) is None
+    assert not (tmp_path / "nan" / ANCHOR).exists()
+    assert [r.getMessage() for r in caplog.records] == [f"{ANCHOR} not written: the model is not finite"]
+
+
+class TiedWithBuffers(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.embed = nn.Embedding(5, 3)
+        self.norm = nn.BatchNorm1d(3)  # buffers: running_mean, running_var, num_batches_tracked (int64)
+        self.head = nn.Linear(3, 5, bias=False)
+        self.head.weight = self.embed.weight
+
+
+def test_tied_weights_and_buffers_go_in_as_the_state_dict_needs_them(tmp_path):
+    torch.manual_seed(0)
+    model = TiedWithBuffers()
+    model.norm(torch.randn(8, 3))  # the running statistics move off their initial values
+    anchor = {n: p.detach() + 1.0 for n, p in model.named_parameters()}
+    save_anchor(tmp_path / ANCHOR, model, anchor, run_id=RUN, config={"model": "pkg.mod:build"}, step=3)
+
+    torch.manual_seed(1)
+    fresh = TiedWithBuffers()
+    fresh.load_state_dict(load_file(tmp_path / ANCHOR))  # strict
+    assert fresh.head.weight is fresh.embed.weight
+    assert all(torch.equal(p, anchor[n]) for n, p in fresh.named_parameters())
+    for name, buffer in model.named_buffers():
+        loaded = dict(fresh.named_buffers())[name]
+        assert loaded.dtype == buffer.dtype and torch.equal(loaded, buffer), name
+    assert list(read_anchor(tmp_path / ANCHOR)) == ["embed.weight", "norm.weight", "norm.bias"]
+
+
+DAMAGES = {
+    "truncated": (lambda data: data[:-3], "is truncated: "),
+    "flipped bit": (lambda data: data[:-3] + bytes([data[-3] ^ 0x10]) + data[-2:], "is corrupt: sha256 mismatch"),
+    "garbage": (lambda data: b"\xff" * len(data), "is not a safetensors file"),
+}
+
+
+@pytest.mark.parametrize(("damage", "needle"), DAMAGES.values(), ids=DAMAGES.keys())
+def test_a_corrupt_model_is_a_one_line_error(tmp_path, damage, needle):
+    model = nn.Linear(4, 4)
+    path = tmp_path / ANCHOR
+    save_anchor(path, model, dict(model.named_parameters()), run_id=RUN, config={"model": "m"}, step=1)
+    path.write_bytes(damage(path.read_bytes()))
+    with pytest.raises(ValueError) as info:
+        read_anchor(path)
+    message = str(info.value)
+    assert message.startswith(f"model {path} ") and needle in message and "\n" not in message, message
+
+
+def test_a_checkpoint_is_not_taken_for_a_model(tmp_path):
+    path = save_checkpoint(tmp_path, {"run_id": RUN, "model": "m", "step": 1, "x": torch.zeros(2)})
+    with pytest.raises(ValueError, match=r"is not a murmur model \(no murmur.kind 'model' metadata\)$"):
+        read_anchor(path)
