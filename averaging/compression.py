@@ -313,8 +313,12 @@ class ErrorFeedback:
 
     def with_residual(self, name: str, tensor: torch.Tensor) -> torch.Tensor:
         """tensor + the residual kept for `name` (a new tensor)."""
+        return self.add_residual_(name, tensor.clone())
+
+    def add_residual_(self, name: str, tensor: torch.Tensor) -> torch.Tensor:
+        """Add the residual kept for `name` to `tensor`, in place; returns it."""
         residual = self.residuals.get(name)
-        return tensor.clone() if residual is None else tensor + residual.to(tensor.device)
+        return tensor if residual is None else tensor.add_(residual.to(tensor.device))
 
     def keep(self, name: str, residual: torch.Tensor | None) -> None:
         if residual is None:
