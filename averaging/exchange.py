@@ -113,7 +113,7 @@ def state_digest(offer: Offer) -> str:
     h = hashlib.sha256()
     for name in sorted(n for n, m in offer.modes.items() if m == "diff"):
         h.update(name.encode())
-        h.update(wire.tensor_to_bytes(offer.tensors[name].detach().float()))
+        h.update(wire.tensor_buffer(offer.tensors[name].detach().float()))
     return h.hexdigest()[:32]
 
 

@@ -392,7 +392,7 @@ class GroupAverager:
             if name not in checked:  # a state the group did not pull: it already agreed
                 makers[name] = partial(_agreed, offer.tensors, name)
             elif self.modes[name] == "diff" and not slot.low_rank and not refused:  # all at the same mean, exactly
-                makers[name] = partial(_adopted, offer.tensors, checked, name)
+                makers[name] = partial(_adopted, checked, name)
             else:
                 makers[name] = partial(checked.__getitem__, name)
         projections = Lazy(makers)  # each computed when the outer step reads it
@@ -545,5 +545,7 @@ def _agreed(offered: Mapping[str, torch.Tensor], name: str) -> Projection:
     return Projection(own=tensor, mean=tensor)
 
 
-def _adopted(offered: Mapping[str, torch.Tensor], checked: Mapping[str, Projection], name: str) -> Projection:
-    return Projection(own=offered[name], mean=checked[name].mean, adopt=True)
+def _adopted(checked: Mapping[str, Projection], name: str) -> Projection:
+    """A state every member takes as is (the group's mean); `own` is what its code stood for."""
+    projection = checked[name]
+    return Projection(own=projection.own, mean=projection.mean, adopt=True)

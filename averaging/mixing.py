@@ -172,8 +172,8 @@ def group_mean(contributions: Sequence[torch.Tensor], weights: Sequence[float] |
     """(Σ w_j·c_j) / G in member order: the same bits on every member that holds the same contributions."""
     total = torch.zeros_like(contributions[0])
     for j, c in enumerate(contributions):
-        total += c if weights is None or weights[j] == 1.0 else weights[j] * c
-    return total / len(contributions)
+        total.add_(c if weights is None or weights[j] == 1.0 else weights[j] * c)
+    return total.div_(len(contributions))
 
 
 def local_round(

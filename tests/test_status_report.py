@@ -123,7 +123,6 @@ def test_peers_alive_counts_each_peer_from_first_to_last_record() -> None:
     assert list(zip(times, counts, strict=True)) == [(0.0, 1), (3.0, 2), (5.0, 3), (5.0, 2), (10.0, 1), (12.0, 0)]
 
 
-
 def test_ticks_are_round_numbers_covering_the_range() -> None:
     assert nice_ticks(0.0, 10.5) == [0.0, 2.0, 4.0, 6.0, 8.0, 10.0]
     assert nice_ticks(2.31, 2.58) == [2.35, 2.4, 2.45, 2.5, 2.55]
@@ -142,6 +141,7 @@ def test_a_chart_draws_each_series_in_its_colour_and_style(tmp_path: Path) -> No
     drawn = {style: pixels(style) for style in ("line", "dashed", "points", "steps")}
     assert all(count > 20 for count in drawn.values()), drawn
     assert drawn["dashed"] < drawn["line"] < drawn["steps"] and drawn["points"] < drawn["line"], drawn
+
 
 # ---------------------------------------------------------------- murmur status (real DHT on loopback)
 
