@@ -30,10 +30,12 @@ import math
 import statistics
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
+from functools import partial
 
 import torch
 
 from averaging.compression import Mode, Projection
+from averaging.lazy import Lazy
 from averaging.mixing import group_mean
 
 logger = logging.getLogger("murmur.averaging")
@@ -87,24 +89,24 @@ def group_of(name: str) -> str:
     return name.split("/", 1)[0]
 
 
-def group_norms(tensors: Mapping[str, torch.Tensor]) -> dict[str, float]:
-    sums: dict[str, float] = {}
-    for name, t in tensors.items():
-        flat = t.reshape(-1).float()
-        sums[group_of(name)] = sums.get(group_of(name), 0.0) + float(torch.dot(flat, flat))
-    return {group: math.sqrt(total) for group, total in sums.items()}
-
-
 def group_stats(projections: Mapping[str, Projection]) -> dict[str, GroupStats]:
     """Norms and cosine per group from three dot products per tensor (no temporaries: this runs on
     every exchange, on every tensor of the model). Any non-finite value makes a sum non-finite."""
     sums: dict[str, list[float]] = {}
     for name, p in projections.items():
-        o, m = p.own.reshape(-1).float(), p.mean.reshape(-1).float()
-        acc = sums.setdefault(group_of(name), [0.0, 0.0, 0.0])
-        acc[0] += float(torch.dot(o, o))
-        acc[1] += float(torch.dot(m, m))
-        acc[2] += float(torch.dot(o, m))
+        _add_dots(sums.setdefault(group_of(name), [0.0, 0.0, 0.0]), p.own, p.mean)
+    return _stats(sums)
+
+
+def _add_dots(acc: list[float], own: torch.Tensor, mean: torch.Tensor) -> None:
+    """acc += [‖own‖², ‖mean‖², ⟨own, mean⟩] for one tensor."""
+    o, m = own.reshape(-1).float(), mean.reshape(-1).float()
+    acc[0] += float(torch.dot(o, o))
+    acc[1] += float(torch.dot(m, m))
+    acc[2] += float(torch.dot(o, m))
+
+
+def _stats(sums: Mapping[str, list[float]]) -> dict[str, GroupStats]:
     out = {}
     for group, (oo, mm, om) in sums.items():
         if not all(map(math.isfinite, (oo, mm, om))):
@@ -130,67 +132,87 @@ class RobustAggregator:
         me: int,
         modes: Mapping[str, Mode],
         offered: Mapping[str, torch.Tensor],
-    ) -> tuple[dict[str, Projection], dict[int, str]]:
+    ) -> tuple[Lazy[Projection], dict[int, str]]:
         """A group exchange's projections, each other member judged as a pair's partner would be.
 
         `contributions` holds, per tensor, every member's contribution in member order (`me`'s included).
         A member whose contribution is absurd is left out (the returned dict maps its index to the reason);
         one that is large is clipped. With nobody clipped or left out, the mean is the plain group mean, the
-        same bits on every member (`averaging.mixing.group_mean`)."""
+        same bits on every member (`averaging.mixing.group_mean`).
+
+        Both the judging and the projections go tensor by tensor (`contributions` and `offered` may compute
+        each tensor when read, and the projections are computed when read), so no step holds a model's worth
+        of any member's tensors: one pass sums each member's dot products, and each projection decodes its
+        tensor's contributions again."""
         if not contributions:  # nothing travelled (the group's states already agree)
-            return {}, {}
-        members = len(next(iter(contributions.values())))
-        reference, totals = None, {}
+            return Lazy({}), {}
+        judged = {group_of(n) for n in contributions}
+        members, squares, pairs, states = 0, [], {}, {}
+        for name in offered:
+            group = group_of(name)
+            if group not in judged:
+                continue
+            state = offered[name].reshape(-1).float()
+            states[group] = states.get(group, 0.0) + float(torch.dot(state, state))
+            if name not in contributions:
+                continue
+            c = contributions[name]
+            if not members:
+                members = len(c)
+                squares = [{} for _ in range(members)]  # per member: group -> Σ‖c_j‖²
+                pairs = {j: {} for j in range(members) if j != me}  # per other member: group -> pair dot sums
+            # in a group of three or more, the others' mean sets the direction: one honest update can be near
+            # orthogonal to ours late in training, while the rest of the group, noise averaged out, still
+            # points where we do
+            total = torch.stack(list(c)).sum(0) if members >= 3 and modes[name] == "mean" else None
+            for j, cj in enumerate(c):
+                flat = cj.reshape(-1).float()
+                squares[j][group] = squares[j].get(group, 0.0) + float(torch.dot(flat, flat))
+                if j != me:
+                    base = (total - cj) / (members - 1) if total is not None else c[me]
+                    _add_dots(pairs[j].setdefault(group, [0.0, 0.0, 0.0]), base, (base + cj) / 2)
+        reference = None
         if members >= 3:  # the median member sets the scale: honest peers of unequal speed or age differ
-            norms = [group_norms({n: c[j] for n, c in contributions.items()}) for j in range(members)]
-            reference = {g: statistics.median(n[g] for n in norms) for g in norms[0]}
-            # and the others' mean sets the direction: one honest update can be near orthogonal to ours late
-            # in training, while the rest of the group, noise averaged out, still points where we do
-            totals = {n: torch.stack(list(c)).sum(0) for n, c in contributions.items() if modes[n] == "mean"}
+            reference = {g: statistics.median(math.sqrt(n[g]) for n in squares) for g in squares[0]}
+        group_modes = {group_of(n): modes[n] for n in contributions}
+        state_norms = {g: math.sqrt(v) for g, v in states.items()}
         scales: dict[int, dict[str, float]] = {}
         excluded: dict[int, str] = {}
-        for j in range(members):
-            if j == me:
-                continue
-            pair = {}
-            for n, c in contributions.items():
-                base = (totals[n] - c[j]) / (members - 1) if n in totals else c[me]
-                pair[n] = Projection(own=base, mean=(base + c[j]) / 2)
+        for j, sums in pairs.items():
             try:
-                scales[j] = self._scales(pair, modes, offered, reference)
+                scales[j] = self._scales(_stats(sums), state_norms, group_modes, reference)
             except Rejected as e:
                 excluded[j] = str(e)
-        clipped = any(s != 1.0 for js in scales.values() for s in js.values())
-        out = {}
-        for name, c in contributions.items():
+        plain = not excluded and not any(s != 1.0 for js in scales.values() for s in js.values())
+
+        def projection(name: str) -> Projection:
+            c = contributions[name]
             own = c[me]
-            if not excluded and not clipped:
-                out[name] = Projection(own=own, mean=group_mean(c))
-                continue
+            if plain:
+                return Projection(own=own, mean=group_mean(c))
             count = members - len(excluded)
             if modes[name] == "mean":
                 total = own.clone()
                 for j, js in scales.items():
                     total += js[group_of(name)] * c[j]
-                out[name] = Projection(own=own, mean=total / count)
-            else:
-                pull = torch.zeros_like(own)
-                for j, js in scales.items():
-                    pull += js[group_of(name)] * (c[j] - own)
-                out[name] = Projection(own=own, mean=own + pull / count)
-        return out, excluded
+                return Projection(own=own, mean=total / count)
+            pull = torch.zeros_like(own)
+            for j, js in scales.items():
+                pull += js[group_of(name)] * (c[j] - own)
+            return Projection(own=own, mean=own + pull / count)
+
+        return Lazy({name: partial(projection, name) for name in contributions}), excluded
 
     def _scales(
         self,
-        projections: Mapping[str, Projection],
-        modes: Mapping[str, Mode],
-        offered: Mapping[str, torch.Tensor],
+        stats: Mapping[str, GroupStats],
+        states: Mapping[str, float],
+        group_modes: Mapping[str, Mode],
         reference: Mapping[str, float] | None = None,
     ) -> dict[str, float]:
         """The factor on the partner's contribution (or pull) per group; Rejected if it is absurd. A "mean"
-        group's contribution is judged against `reference[group]` if given (a group's median), else ours."""
-        stats, states = group_stats(projections), group_norms(offered)
-        group_modes = {group_of(n): modes[n] for n in projections}
+        group's contribution is judged against `reference[group]` if given (a group's median), else ours;
+        `states` holds the norm of our whole offered state per group."""
         # a state offered relative to the run's start is ~0 until this peer's first outer steps, while an honest
         # partner may be a few steps ahead: until our state outgrows it, our own update sets the scale instead
         update = max((states[g] for g, m in group_modes.items() if m == "mean"), default=0.0)

@@ -146,31 +146,46 @@ def int8_encode(slot: Slot, tensor: torch.Tensor, scale_dtype: torch.dtype) -> t
 
 
 def int8_decode(slot: Slot, codes: torch.Tensor, scale: torch.Tensor) -> torch.Tensor:
-    return (codes.float() * scale.float().reshape(-1, 1)).reshape(slot.shape)
+    return (codes * scale.float().reshape(-1, 1)).reshape(slot.shape)  # int8 × float32: one pass, float32
 
 
-_BIT_WEIGHTS = torch.tensor([128, 64, 32, 16, 8, 4, 2, 1], dtype=torch.uint8)
+# Packing 8 signs into a byte without a loop over bits: 8 bytes of 0/1 read as one little-endian int64
+# x = Σ b_k·2^(8k), times Σ_k 2^(63−9k), put b_k at bit 63 − k and nothing else in bits 56..63 (no two terms
+# meet, so nothing carries): the top byte is the packed byte, element 0 in its most significant bit.
+_PACK = 0x8040201008040201 - (1 << 64)  # as a signed int64
+_UNPACK: dict[torch.device, torch.Tensor] = {}  # device -> (256, 8) float32: each byte's 8 signs as ±1
+
+
+def _sign_table(device: torch.device) -> torch.Tensor:
+    table = _UNPACK.get(device)
+    if table is None:
+        bits = (torch.arange(256).reshape(-1, 1) >> torch.arange(7, -1, -1)) & 1  # (256, 8), MSB first
+        table = _UNPACK[device] = bits.float().mul_(2).sub_(1).to(device)
+    return table
 
 
 def sign_encode(slot: Slot, tensor: torch.Tensor, scale_dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
-    """1-bit signs of `tensor` (packed, row-major, uint8) and each row's mean |value| in `scale_dtype`.
+    """1-bit signs of `tensor` (packed, row-major, uint8) and each row's mean |value| in `scale_dtype`, on the
+    tensor's device.
 
     The decoded tensor sign·scale keeps each row's L1 mass: the scaled-sign compressor of
     signSGD with error feedback (Karimireddy et al. 2019), one scale per row rather than per tensor.
     """
     m = tensor.detach().reshape(slot.rows, slot.cols).float()
     scale = quantize(m.abs().mean(dim=1), scale_dtype)
-    bits = (m.reshape(-1) >= 0).to(torch.uint8).cpu()
-    bits = torch.nn.functional.pad(bits, (0, (-bits.numel()) % 8)).reshape(-1, 8)
-    packed = (bits * _BIT_WEIGHTS).sum(dim=1, dtype=torch.uint8)
-    return packed.to(m.device), scale
+    bits = m.reshape(-1) >= 0
+    if bits.numel() % 8:
+        bits = torch.nn.functional.pad(bits, (0, (-bits.numel()) % 8))
+    words = bits.view(torch.uint8).view(torch.int64)  # (numel / 8,): 8 signs each
+    return ((words * _PACK) >> 56).to(torch.uint8), scale
 
 
 def sign_decode(slot: Slot, packed: torch.Tensor, scale: torch.Tensor) -> torch.Tensor:
-    """The float32 tensor that `sign_encode` stands for, in the slot's shape."""
-    bits = (packed.cpu().reshape(-1, 1) & _BIT_WEIGHTS) > 0
-    signs = bits.reshape(-1)[: slot.numel()].to(torch.float32).mul_(2).sub_(1).to(scale.device)
-    return (signs.reshape(slot.rows, slot.cols) * scale.float().reshape(-1, 1)).reshape(slot.shape)
+    """The float32 tensor that `sign_encode` stands for, in the slot's shape, on the codes' device: one table
+    lookup per byte and one multiply."""
+    signs = torch.index_select(_sign_table(packed.device), 0, packed.reshape(-1).int()).reshape(-1)
+    signs = signs[: slot.numel()].reshape(slot.rows, slot.cols)
+    return signs.mul_(scale.to(packed.device).float().reshape(-1, 1)).reshape(slot.shape)
 
 
 def orthogonalize_(p: torch.Tensor, eps: float = 1e-12) -> torch.Tensor:
@@ -313,8 +328,12 @@ class ErrorFeedback:
 
     def with_residual(self, name: str, tensor: torch.Tensor) -> torch.Tensor:
         """tensor + the residual kept for `name` (a new tensor)."""
+        return self.add_residual_(name, tensor.clone())
+
+    def add_residual_(self, name: str, tensor: torch.Tensor) -> torch.Tensor:
+        """Add the residual kept for `name` to `tensor`, in place; returns it."""
         residual = self.residuals.get(name)
-        return tensor.clone() if residual is None else tensor + residual.to(tensor.device)
+        return tensor if residual is None else tensor.add_(residual.to(tensor.device))
 
     def keep(self, name: str, residual: torch.Tensor | None) -> None:
         if residual is None:

@@ -43,10 +43,11 @@ logger = logging.getLogger("murmur.averaging")
 
 @dataclass
 class Offer:
-    """What a peer brings to a round: named float tensors and how each is averaged."""
+    """What a peer brings to a round: named float tensors (a dict, or an `averaging.lazy.Lazy` that computes each
+    when read) and how each is averaged."""
 
     step: int
-    tensors: dict[str, torch.Tensor]
+    tensors: Mapping[str, torch.Tensor]
     modes: dict[str, Mode]
 
 
@@ -55,7 +56,7 @@ class GroupResult:
     members: tuple[str, ...]  # who averaged, in the group's order (leader first)
     leader: str
     session: int
-    projections: dict[str, Projection]
+    projections: Mapping[str, Projection]  # computed tensor by tensor when read (`averaging.lazy.Lazy`)
     bytes_sent: int
     bytes_received: int
     seconds: float
@@ -112,7 +113,7 @@ def state_digest(offer: Offer) -> str:
     h = hashlib.sha256()
     for name in sorted(n for n, m in offer.modes.items() if m == "diff"):
         h.update(name.encode())
-        h.update(wire.tensor_to_bytes(offer.tensors[name].detach().float()))
+        h.update(wire.tensor_buffer(offer.tensors[name].detach().float()))
     return h.hexdigest()[:32]
 
 
@@ -257,7 +258,7 @@ class SealedExchange:
         self.slots = {n: s for n, s in slots.items() if seal.pull or modes[n] != "diff"}
         self.spec1, self.spec2 = payload_specs(slots, modes, compressor, pull=seal.pull)
         self.two_phase = any(s.low_rank for s in self.slots.values())
-        self.round = GroupRound(compressor, self.slots, {n: offer.tensors[n] for n in self.slots}, modes, seal.q_init)
+        self.round = GroupRound(compressor, self.slots, offer.tensors, modes, seal.q_init)
         loop = asyncio.get_running_loop()
         self.first: dict[int, dict[str, torch.Tensor]] = {}
         self.second: dict[int, dict[str, torch.Tensor]] = {}
@@ -276,7 +277,7 @@ class SealedExchange:
         return self.seal.members
 
     # -- the run -----------------------------------------------------------------------------------------
-    async def run(self) -> tuple[list[int], dict[str, list[torch.Tensor]]] | None:
+    async def run(self) -> tuple[list[int], Mapping[str, list[torch.Tensor]]] | None:
         """Both phases and the leader's decisions; every member's contribution per tensor, in the order of
         the members that went on (None if this member was left out). Raises ExchangeFailed."""
         seal, m = self.seal, self.messenger

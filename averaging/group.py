@@ -27,6 +27,9 @@ import logging
 import random
 from collections.abc import Mapping
 from dataclasses import dataclass, field
+from functools import partial
+
+import torch
 
 from averaging import wire
 from averaging.access import AccessPolicy
@@ -52,6 +55,7 @@ from averaging.exchange import (
 from averaging.exchange import members_of as exchange_members
 from averaging.groups import should_seal
 from averaging.layout import INCOMPATIBLE, layout_difference, layout_entries, layout_meta, layout_signature
+from averaging.lazy import Lazy
 from averaging.transport import Stream, Transport
 from averaging.wire import Kind
 
@@ -382,12 +386,16 @@ class GroupAverager:
             return None
         going, contributions = outcome
         index = going.index(seal.me)
-        projections, refused = self.aggregator.check_group(contributions, index, self.modes, offer.tensors)
+        checked, refused = self.aggregator.check_group(contributions, index, self.modes, offer.tensors)
+        makers = {}
         for name, slot in self.slots.items():
-            if name not in projections:  # a state the group did not pull: it already agreed
-                projections[name] = Projection(own=offer.tensors[name], mean=offer.tensors[name])
+            if name not in checked:  # a state the group did not pull: it already agreed
+                makers[name] = partial(_agreed, offer.tensors, name)
             elif self.modes[name] == "diff" and not slot.low_rank and not refused:  # all at the same mean, exactly
-                projections[name] = Projection(own=offer.tensors[name], mean=projections[name].mean, adopt=True)
+                makers[name] = partial(_adopted, checked, name)
+            else:
+                makers[name] = partial(checked.__getitem__, name)
+        projections = Lazy(makers)  # each computed when the outer step reads it
         for i, reason in refused.items():
             self._note_failure(seal.members[going[i]], Misbehaved(f"rejected: {reason}"))
         if len(refused) == len(going) - 1:  # everyone else refused: nothing was averaged
@@ -530,3 +538,14 @@ class GroupAverager:
         logger.warning("exchange with %s aborted: %s", peer[-8:], error)
         if isinstance(error, Misbehaved):
             self.cooldown.strike(peer, str(error))
+
+
+def _agreed(offered: Mapping[str, torch.Tensor], name: str) -> Projection:
+    tensor = offered[name]
+    return Projection(own=tensor, mean=tensor)
+
+
+def _adopted(checked: Mapping[str, Projection], name: str) -> Projection:
+    """A state every member takes as is (the group's mean); `own` is what its code stood for."""
+    projection = checked[name]
+    return Projection(own=projection.own, mean=projection.mean, adopt=True)

@@ -25,6 +25,7 @@ network: the group exchange (`averaging.group`) moves the payloads.
 from __future__ import annotations
 
 from collections.abc import Mapping, Sequence
+from functools import partial
 
 import torch
 
@@ -37,6 +38,7 @@ from averaging.compression import (
     scaled_decode,
     scaled_encode,
 )
+from averaging.lazy import Lazy
 
 
 def pivoted_basis(columns: torch.Tensor, rank: int, eps: float = 1e-12) -> torch.Tensor:
@@ -75,10 +77,10 @@ class GroupRound:
     ) -> None:
         self.compressor = compressor
         self.slots = dict(slots)
-        self.tensors = dict(tensors)
+        self.tensors = tensors  # read once per phase and slot (an offer's tensors are computed when read)
         self.modes = dict(modes)
         self.q_init = {name: q.float() for name, q in q_init.items()}
-        self.device = next(iter(self.tensors.values())).device if self.tensors else torch.device("cpu")
+        self.device = tensors[next(iter(self.slots))].device if self.slots else torch.device("cpu")
         self._basis: dict[str, torch.Tensor] = {}  # low-rank slot -> (n, r) float32, shared by the group
         self._next_q: dict[str, torch.Tensor] = {}
 
@@ -124,26 +126,34 @@ class GroupRound:
 
     def finish(
         self, first: Sequence[Mapping[str, torch.Tensor]], second: Sequence[Mapping[str, torch.Tensor]] | None
-    ) -> dict[str, list[torch.Tensor]]:
-        """Every member's contribution to each tensor (float32, the tensor's shape, member order), from all
-        phase-1 and phase-2 payloads; also prepares the next warm starts. Without `second` (no phase 2: the
-        group's states already agree) the low-rank slots are left out."""
-        out: dict[str, list[torch.Tensor]] = {}
+    ) -> Lazy[list[torch.Tensor]]:
+        """Every member's contribution to each tensor (float32, the tensor's shape, member order), decoded from
+        all phase-1 and phase-2 payloads when read (one tensor at a time: never the whole model per member);
+        also prepares the next warm starts. Without `second` (no phase 2: the group's states already agree)
+        the low-rank slots are left out."""
+        makers = {}
         for name, slot in self.slots.items():
             if not slot.low_rank:
-                out[name] = [self._decoded(slot, payload) for payload in first]
+                makers[name] = partial(self._decoded_all, slot, first)
                 continue
             if second is None:
                 continue
-            basis = self._basis[name].to(self.device)
-            qs = [payload[name].to(self.device).float() for payload in second]  # G × (m, r)
-            out[name] = [(basis @ q.T).reshape(slot.shape) for q in qs]
+            qs = [payload[name] for payload in second]  # G × (m, r), as they came
+            makers[name] = partial(self._projected_all, slot, qs)
+            qs = [q.to(self.device).float() for q in qs]
             if self.modes[name] == "mean":
                 self._next_q[name] = sum(qs)
             else:
                 mean = sum(qs) / len(qs)
                 self._next_q[name] = pivoted_basis(torch.cat([q - mean for q in qs], dim=1), slot.rank).float()
-        return out
+        return Lazy(makers)
+
+    def _decoded_all(self, slot: Slot, payloads: Sequence[Mapping[str, torch.Tensor]]) -> list[torch.Tensor]:
+        return [self._decoded(slot, payload) for payload in payloads]
+
+    def _projected_all(self, slot: Slot, qs: Sequence[torch.Tensor]) -> list[torch.Tensor]:
+        basis = self._basis[slot.name].to(self.device)
+        return [(basis @ q.to(self.device).float().T).reshape(slot.shape) for q in qs]
 
     def commit(self) -> None:
         """The exchange went through: keep the group's combined Q factors as the next warm starts."""
@@ -162,8 +172,8 @@ def group_mean(contributions: Sequence[torch.Tensor], weights: Sequence[float] |
     """(Σ w_j·c_j) / G in member order: the same bits on every member that holds the same contributions."""
     total = torch.zeros_like(contributions[0])
     for j, c in enumerate(contributions):
-        total += c if weights is None or weights[j] == 1.0 else weights[j] * c
-    return total / len(contributions)
+        total.add_(c if weights is None or weights[j] == 1.0 else weights[j] * c)
+    return total.div_(len(contributions))
 
 
 def local_round(
@@ -171,10 +181,10 @@ def local_round(
     slots: Mapping[str, Slot],
     tensors: Sequence[Mapping[str, torch.Tensor]],
     modes: Mapping[str, Mode],
-) -> list[dict[str, list[torch.Tensor]]]:
+) -> list[Lazy[list[torch.Tensor]]]:
     """A whole group round with every member in this process and no network, in member order: each member's
-    contributions per tensor (`GroupRound.finish`), warm starts committed. The group exchange moves exactly
-    these payloads; tests and measurements use this."""
+    contributions per tensor (`GroupRound.finish`, decoded when read), warm starts committed. The group
+    exchange moves exactly these payloads; tests and measurements use this."""
     q_init = compressors[0].warm_starts(slots)
     rounds = [GroupRound(c, slots, t, modes, q_init) for c, t in zip(compressors, tensors, strict=True)]
     first = [r.phase1() for r in rounds]

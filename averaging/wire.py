@@ -210,9 +210,15 @@ def _decode_tensors(
 
 def tensor_to_bytes(tensor: torch.Tensor) -> bytes:
     """The raw little-endian bytes of a float16/bfloat16/float32 tensor on any device, in row-major order."""
+    return tensor_buffer(tensor).tobytes()
+
+
+def tensor_buffer(tensor: torch.Tensor) -> memoryview:
+    """The same bytes as `tensor_to_bytes`, without a copy where the tensor is already a contiguous CPU tensor on
+    a little-endian machine (to hash it, say); valid while the tensor lives."""
     cpu = tensor.detach().to("cpu").contiguous()
     int_dtype, le_format = _INT_VIEWS[cpu.dtype]
-    return cpu.view(int_dtype).numpy().astype(le_format, copy=False).tobytes()
+    return memoryview(cpu.view(int_dtype).numpy().astype(le_format, copy=False)).cast("B")
 
 
 def tensor_from_bytes(raw: bytes, dtype: torch.dtype, shape: tuple[int, ...] | list[int]) -> torch.Tensor:

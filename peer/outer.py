@@ -27,8 +27,9 @@ paired by its difference, and no inner steps), so that the peers' final models a
 
 from __future__ import annotations
 
-from collections.abc import Mapping
+from collections.abc import Callable, Mapping
 from dataclasses import dataclass
+from functools import partial
 from typing import Any
 
 import torch
@@ -36,6 +37,7 @@ from torch import nn
 
 from averaging.compression import ErrorFeedback, Mode, Projection
 from averaging.group import GroupResult, Offer
+from averaging.lazy import Lazy
 from peer.checkpoint import CheckpointError, check_count, check_tensors
 
 
@@ -82,21 +84,33 @@ class OuterOptimizer:
         # the run's initial model, the same on every peer: anchors are offered relative to it, which changes
         # nothing for their difference but lets a quantized anchor spend its precision on what training moved
         self.origin = {n: a.clone() for n, a in self.anchor.items()}
-        self.momentum = {n: torch.zeros_like(a) for n, a in self.anchor.items()}
+        # the outer momentum, only with momentum > 0 (with none, m is just this round's d: nothing to keep)
+        self.momentum = {n: torch.zeros_like(a) for n, a in self.anchor.items()} if config.momentum > 0 else {}
         self.error_feedback = ErrorFeedback()
         self.shapes, self.modes = offer_layout(model, config)
         self.step = 0  # outer steps taken
 
-    @torch.no_grad()
     def offer(self) -> Offer:
-        tensors = {}
+        """This round's offer, computed tensor by tensor when read (`averaging.lazy.Lazy`): it holds no copy of
+        the model. It stands for the state at the time of reading, so the model, anchor and residual must not
+        change between the offer and its `apply` (the round's exchange runs between the two)."""
+        makers: dict[str, Callable[[], torch.Tensor]] = {}
         for name, p in self.params.items():
-            tensors[f"delta/{name}"] = self.error_feedback.with_residual(name, self.anchor[name] - p.detach().float())
+            makers[f"delta/{name}"] = partial(self._delta, name, p)
             if f"anchor/{name}" in self.modes:
-                tensors[f"anchor/{name}"] = self.anchor[name] - self.origin[name]
+                makers[f"anchor/{name}"] = partial(self._relative_anchor, name)
             if f"momentum/{name}" in self.modes:
-                tensors[f"momentum/{name}"] = self.momentum[name]
-        return Offer(step=self.step, tensors=tensors, modes=dict(self.modes))
+                makers[f"momentum/{name}"] = partial(self.momentum.__getitem__, name)
+        return Offer(step=self.step, tensors=Lazy(makers), modes=dict(self.modes))
+
+    @torch.no_grad()
+    def _delta(self, name: str, p: torch.Tensor) -> torch.Tensor:
+        """M = (φ − θ) + e for one parameter (a new tensor)."""
+        return self.error_feedback.add_residual_(name, self.anchor[name] - p.detach().float())
+
+    @torch.no_grad()
+    def _relative_anchor(self, name: str) -> torch.Tensor:
+        return self.anchor[name] - self.origin[name]
 
     @torch.no_grad()
     def apply(self, offer: Offer, result: GroupResult | None, *, alone: bool = False) -> bool:
@@ -120,9 +134,12 @@ class OuterOptimizer:
                 for group in ("anchor", "momentum"):
                     if f"{group}/{name}" in offer.tensors:
                         self._pull(group, name, result.projections[f"{group}/{name}"])
-            m = self.momentum[name]
-            m.mul_(mu).add_(d)
-            self.anchor[name] -= lr * (mu * m + d)
+            if mu > 0:
+                m = self.momentum[name]
+                m.mul_(mu).add_(d)
+                self.anchor[name] -= lr * (mu * m + d)
+            else:
+                self.anchor[name].sub_(d, alpha=lr)
             p.copy_(self.anchor[name])
         self.step += 1
         return True
@@ -138,7 +155,7 @@ class OuterOptimizer:
     @torch.no_grad()
     def finish_offer(self) -> Offer:
         """A finish round's offer: each anchor relative to the run's initial model (see `finish_layout`)."""
-        tensors = {f"anchor/{n}": self.anchor[n] - self.origin[n] for n in self.params}
+        tensors = Lazy({f"anchor/{n}": partial(self._relative_anchor, n) for n in self.params})
         return Offer(step=self.step, tensors=tensors, modes=dict.fromkeys(tensors, "diff"))
 
     @torch.no_grad()
@@ -179,7 +196,8 @@ class OuterOptimizer:
         shapes = {n: tuple(p.shape) for n, p in self.params.items()}
         step = check_count(state.get("step"), "outer step")
         anchor = check_tensors(state.get("anchor"), shapes, "outer anchor")
-        momentum = check_tensors(state.get("momentum"), shapes, "outer momentum")
+        # without momentum none is kept (a saved one, all zeros from an older version, is not needed)
+        momentum = check_tensors(state.get("momentum"), shapes, "outer momentum") if self.config.momentum > 0 else {}
         residuals = check_tensors(state.get("error_feedback"), shapes, "error-feedback residual", partial=True)
 
         def own(tensors: Mapping[str, torch.Tensor]) -> dict[str, torch.Tensor]:

@@ -57,7 +57,8 @@ def training_state(trainer: Trainer) -> StateSnapshot:
 def expected_layout(trainer: Trainer) -> dict[str, TensorSpec]:
     """The names, shapes and dtypes a donor's state must have to fit this trainer's model."""
     shapes = {n: tuple(p.shape) for n, p in trainer.outer.params.items()}
-    return {f"{group}/{n}": TensorSpec(s, torch.float32) for group in ("anchor", "momentum") for n, s in shapes.items()}
+    groups = ("anchor", "momentum") if trainer.outer.momentum else ("anchor",)  # momentum only with momentum > 0
+    return {f"{group}/{n}": TensorSpec(s, torch.float32) for group in groups for n, s in shapes.items()}
 
 
 @torch.no_grad()

@@ -4,7 +4,9 @@ For each registry size, two peers run in one fresh process on one CPU thread (so
 that size's alone): each builds the model, takes one AdamW step on one batch (plain training), and
 then, in the murmur phase, builds its outer optimizer (`peer.outer.OuterOptimizer`) and its real
 `GroupAverager`, the two average one round over the in-memory transport with the run's default
-codecs, and each applies the result. A second process does the plain training alone, so
+codecs, and each applies the result. Their anchors differ (as two peers' do when last round put them
+in different groups), so the anchors travel too, in int8: a round's costliest case. A second process
+does the plain training alone, so
 
     added copies = (peak RSS with the exchange − peak RSS of plain training) / 2 peers / (4 B × params)
 
@@ -84,10 +86,13 @@ def run_murmur(name: str) -> dict:
     peers = plain_peers(name)
     params = count_parameters(peers[0][0])
     outers = [OuterOptimizer(model, config.outer()) for model, _ in peers]
-    for outer, (model, _) in zip(outers, peers, strict=True):  # the round's inner steps moved the model
-        with torch.no_grad():
-            for p in model.parameters():
-                p.add_(torch.randn_like(p), alpha=1e-3)
+    gen = torch.Generator().manual_seed(0)
+    with torch.no_grad():
+        for i, (outer, (model, _)) in enumerate(zip(outers, peers, strict=True)):
+            for name, p in model.named_parameters():
+                if i:  # the two come from different groups last round: their anchors differ, and travel (int8)
+                    outer.anchor[name].add_(torch.randn(p.shape, generator=gen), alpha=1e-4)
+                p.add_(torch.randn(p.shape, generator=gen), alpha=1e-3)  # the round's inner steps moved the model
     appointment = Appointment(seconds=600.0, slot=1)
     timing: dict[str, float] = {}
 
@@ -127,7 +132,8 @@ def run_murmur(name: str) -> dict:
     rss_exchange = peak_rss()
 
     state = {f"model/{n}": p.detach() for n, p in peers[0][0].named_parameters()}
-    state |= {f"outer/{k}/{n}": t for k, d in outers[0].state_dict().items() if isinstance(d, dict) for n, t in d.items()}
+    outer_state = outers[0].state_dict()
+    state |= {f"outer/{k}/{n}": t for k, d in outer_state.items() if isinstance(d, dict) for n, t in d.items()}
     download = asyncio.run(state_download(state, StateDonor, StateDownloader, TransferConfig, InMemoryNetwork))
     with tempfile.TemporaryDirectory() as folder:
         started = time.perf_counter()

@@ -185,6 +185,20 @@ def test_sign_codec_keeps_every_sign_and_each_rows_l1_mass(shape):
     torch.testing.assert_close(out.reshape(rows, -1).abs().sum(1), m.reshape(rows, -1).abs().sum(1))
 
 
+@pytest.mark.parametrize("shape", [(1, 1), (3, 7), (16, 8), (33, 17), (4, 1000)], ids=str)
+def test_sign_packing_is_numpys_msb_first_layout(shape):
+    """The vectorised packing (8 signs read as one int64) against numpy's own bit packing: the wire layout."""
+    np = pytest.importorskip("numpy")
+    slot = plan({"w": shape}, 1, codecs={"w": "sign"})["w"]
+    m = torch.randn(shape, generator=torch.Generator().manual_seed(12))
+    m.view(-1)[::5] = 0.0  # a zero counts as positive
+    bits, _ = sign_encode(slot, m, torch.float32)
+    expected = np.packbits((m.reshape(-1) >= 0).numpy(), bitorder="big")
+    assert bits.tolist() == expected.tolist()
+    signs = sign_decode(slot, bits, torch.ones(shape[0]))
+    assert torch.equal(signs, torch.where(m >= 0, 1.0, -1.0))
+
+
 def test_sign_pair_mean_is_the_exact_mean_of_both_decoded_sides():
     g = torch.Generator().manual_seed(11)
     a, b = torch.randn(40, 30, generator=g), torch.randn(40, 30, generator=g)
