@@ -33,7 +33,7 @@ import hashlib
 import logging
 import math
 import random
-from collections.abc import Mapping, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass
 
 import msgpack
@@ -205,9 +205,9 @@ class Manifest:
         return StateSnapshot(tensors, dict(self.counters))
 
 
-def pack(snapshot: StateSnapshot, chunk_size: int) -> tuple[Manifest, list[bytes]]:
-    """A snapshot's manifest and payload chunks."""
-    payload = b"".join(wire.tensor_to_bytes(t) for t in snapshot.tensors.values())
+def pack(snapshot: StateSnapshot, chunk_size: int) -> tuple[Manifest, list[memoryview]]:
+    """A snapshot's manifest and payload chunks (views of one payload: no copy per chunk)."""
+    payload = memoryview(b"".join(wire.tensor_buffer(t) for t in snapshot.tensors.values()))
     chunks = [payload[i : i + chunk_size] for i in range(0, len(payload), chunk_size)]
     entries = tuple((name, t.dtype, tuple(t.shape)) for name, t in snapshot.tensors.items())
     digest = hashlib.sha256(payload).digest()
@@ -249,7 +249,13 @@ async def _recv(stream: Stream, kinds: set[StateKind], config: TransferConfig) -
 
 
 class StateDonor:
-    """Serves the latest published snapshot to joiners; `publish` may be called from any thread."""
+    """Serves the latest published state to joiners; `publish` may be called from any thread.
+
+    What is published is a snapshot, or a function that takes one. A function is called only when a joiner
+    asks, at most once per `publish` (the packed state is cached and shared by every joiner until the next
+    one), on a worker thread, so neither the training loop nor the event loop pays for a copy of the state
+    that nobody downloads.
+    """
 
     def __init__(
         self, transport: Transport, config: TransferConfig = TransferConfig(), access: AccessPolicy = AccessPolicy()
@@ -260,11 +266,16 @@ class StateDonor:
         self.uploads = 0  # sessions in progress
         self.served = 0  # sessions that sent a manifest
         self.declined = 0
-        self._snapshot: StateSnapshot | None = None
-        self._packed: tuple[StateSnapshot, Manifest, list[bytes]] | None = None
+        self._source: tuple[int, Callable[[], StateSnapshot]] | None = None  # (publication, how to take it)
+        self._published = 0
+        self._packed: tuple[int, Manifest, list[memoryview]] | None = None
+        self._packing: asyncio.Lock | None = None  # made on the event loop: one pack at a time
 
-    def publish(self, snapshot: StateSnapshot | None) -> None:
-        self._snapshot = snapshot  # one reference swap: safe from the training thread
+    def publish(self, state: StateSnapshot | Callable[[], StateSnapshot] | None) -> None:
+        """Serve `state` from now on: a snapshot, a function that takes one when a joiner asks, or None."""
+        self._published += 1
+        take = state if callable(state) or state is None else (lambda: state)
+        self._source = None if take is None else (self._published, take)  # one reference swap: thread-safe
 
     async def start(self) -> None:
         await self.transport.serve(self._handle)
@@ -278,17 +289,24 @@ class StateDonor:
         local = self.transport.peer_id
         if reason := self.access.check(context=ACCESS_CONTEXT, local=local, remote=remote, nonce=nonce, meta=proof):
             return f"refused: {reason}"[:_MAX_REASON]
-        if self._snapshot is None:
+        if self._source is None:
             return "no state to share yet"
         if self.uploads >= self.config.max_uploads:
             return f"busy: {self.uploads} uploads in progress"
         return None
 
-    def _pinned(self) -> tuple[Manifest, list[bytes]]:
-        snapshot = self._snapshot
-        if self._packed is None or self._packed[0] is not snapshot:
-            self._packed = (snapshot, *pack(snapshot, self.config.chunk_size))
-        return self._packed[1], self._packed[2]
+    async def _pinned(self) -> tuple[Manifest, list[memoryview]]:
+        """The packed state of the latest publication: packed once, off the event loop, for every joiner."""
+        self._packing = self._packing or asyncio.Lock()
+        async with self._packing:
+            source = self._source
+            if source is None:
+                raise StateTransferError("no state to share any more")
+            if self._packed is None or self._packed[0] != source[0]:
+                self._packed = None  # the old one goes before the new one is made
+                take, size = source[1], self.config.chunk_size
+                self._packed = (source[0], *await asyncio.to_thread(lambda: pack(take(), size)))
+            return self._packed[1], self._packed[2]
 
     async def _handle(self, remote: str, stream: Stream) -> None:
         timeout = self.config.message_timeout
@@ -305,7 +323,7 @@ class StateDonor:
             return
         self.uploads += 1
         try:
-            manifest, chunks = self._pinned()
+            manifest, chunks = await self._pinned()
             self.served += 1
             async with asyncio.timeout(self.config.session_timeout):
                 await _send(stream, StateKind.MANIFEST, timeout, m=manifest.to_wire())

@@ -27,6 +27,7 @@ paired by its difference, and no inner steps), so that the peers' final models a
 
 from __future__ import annotations
 
+import threading
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass
 from functools import partial
@@ -89,6 +90,8 @@ class OuterOptimizer:
         self.error_feedback = ErrorFeedback()
         self.shapes, self.modes = offer_layout(model, config)
         self.step = 0  # outer steps taken
+        # held while the anchor and momentum change, so that another thread (a state donor's) copies them whole
+        self.lock = threading.Lock()
 
     def offer(self) -> Offer:
         """This round's offer, computed tensor by tensor when read (`averaging.lazy.Lazy`): it holds no copy of
@@ -119,30 +122,31 @@ class OuterOptimizer:
         After a step the model is reset to the new anchor; a round without a result leaves everything as
         is (the work stays pending), unless `alone` says to step alone now.
         """
-        if result is None and not alone:
-            return False
-        mu, lr = self.config.momentum, self.config.lr
-        for name, p in self.params.items():
-            delta = offer.tensors[f"delta/{name}"]
-            if result is None:
-                d = delta
-                self.error_feedback.keep(name, None)
-            else:
-                proj = result.projections[f"delta/{name}"]
-                d = proj.mean
-                self.error_feedback.keep(name, delta - proj.own if self.config.error_feedback else None)
-                for group in ("anchor", "momentum"):
-                    if f"{group}/{name}" in offer.tensors:
-                        self._pull(group, name, result.projections[f"{group}/{name}"])
-            if mu > 0:
-                m = self.momentum[name]
-                m.mul_(mu).add_(d)
-                self.anchor[name] -= lr * (mu * m + d)
-            else:
-                self.anchor[name].sub_(d, alpha=lr)
-            p.copy_(self.anchor[name])
-        self.step += 1
-        return True
+        with self.lock:
+            if result is None and not alone:
+                return False
+            mu, lr = self.config.momentum, self.config.lr
+            for name, p in self.params.items():
+                delta = offer.tensors[f"delta/{name}"]
+                if result is None:
+                    d = delta
+                    self.error_feedback.keep(name, None)
+                else:
+                    proj = result.projections[f"delta/{name}"]
+                    d = proj.mean
+                    self.error_feedback.keep(name, delta - proj.own if self.config.error_feedback else None)
+                    for group in ("anchor", "momentum"):
+                        if f"{group}/{name}" in offer.tensors:
+                            self._pull(group, name, result.projections[f"{group}/{name}"])
+                if mu > 0:
+                    m = self.momentum[name]
+                    m.mul_(mu).add_(d)
+                    self.anchor[name] -= lr * (mu * m + d)
+                else:
+                    self.anchor[name].sub_(d, alpha=lr)
+                p.copy_(self.anchor[name])
+            self.step += 1
+            return True
 
     def flush(self) -> bool:
         """Take the work not yet applied (a lonely round's steps, the error-feedback residual) as an outer
@@ -161,12 +165,21 @@ class OuterOptimizer:
     @torch.no_grad()
     def apply_finish(self, offer: Offer, result: GroupResult | None) -> bool:
         """Move the anchor to the pair's agreement (x ← x + mean − own) and the model with it; False alone."""
-        if result is None:
-            return False
-        for name, p in self.params.items():
-            self._pull("anchor", name, result.projections[f"anchor/{name}"])
-            p.copy_(self.anchor[name])
-        return True
+        with self.lock:
+            if result is None:
+                return False
+            for name, p in self.params.items():
+                self._pull("anchor", name, result.projections[f"anchor/{name}"])
+                p.copy_(self.anchor[name])
+            return True
+
+    def held_bytes(self, exchange_copies: int = 6) -> int:
+        """Bytes this optimizer will hold at most: its state (anchor, origin, momentum, and once it has
+        exchanged, the error-feedback residual) and an exchange's working set, which goes tensor by tensor (an
+        offer's, the decoded contributions' and the projection's copies of the largest tensor)."""
+        sizes = [4 * a.numel() for a in self.anchor.values()]
+        copies = 2 + bool(self.momentum) + self.config.error_feedback  # anchor, origin, momentum, residual
+        return copies * sum(sizes) + exchange_copies * max(sizes, default=0)
 
     def _pull(self, group: str, name: str, projection: Projection) -> None:
         """Move a state to the round's agreement: exactly to its mean (adopt: the same bits on every member), or
@@ -191,18 +204,21 @@ class OuterOptimizer:
 
         On a mismatch it raises CheckpointError and nothing has changed.
         """
-        if not isinstance(state, Mapping):
-            raise CheckpointError("outer optimizer state is not a dict")
-        shapes = {n: tuple(p.shape) for n, p in self.params.items()}
-        step = check_count(state.get("step"), "outer step")
-        anchor = check_tensors(state.get("anchor"), shapes, "outer anchor")
-        # without momentum none is kept (a saved one, all zeros from an older version, is not needed)
-        momentum = check_tensors(state.get("momentum"), shapes, "outer momentum") if self.config.momentum > 0 else {}
-        residuals = check_tensors(state.get("error_feedback"), shapes, "error-feedback residual", partial=True)
+        with self.lock:
+            if not isinstance(state, Mapping):
+                raise CheckpointError("outer optimizer state is not a dict")
+            shapes = {n: tuple(p.shape) for n, p in self.params.items()}
+            step = check_count(state.get("step"), "outer step")
+            anchor = check_tensors(state.get("anchor"), shapes, "outer anchor")
+            # without momentum none is kept (a saved one, all zeros from an older version, is not needed)
+            momentum = (
+                check_tensors(state.get("momentum"), shapes, "outer momentum") if self.config.momentum > 0 else {}
+            )
+            residuals = check_tensors(state.get("error_feedback"), shapes, "error-feedback residual", partial=True)
 
-        def own(tensors: Mapping[str, torch.Tensor]) -> dict[str, torch.Tensor]:
-            return {n: t.to(device=self.params[n].device, dtype=torch.float32).clone() for n, t in tensors.items()}
+            def own(tensors: Mapping[str, torch.Tensor]) -> dict[str, torch.Tensor]:
+                return {n: t.to(device=self.params[n].device, dtype=torch.float32).clone() for n, t in tensors.items()}
 
-        self.anchor, self.momentum = own(anchor), own(momentum)
-        self.error_feedback.load_state_dict(own(residuals))
-        self.step = step
+            self.anchor, self.momentum = own(anchor), own(momentum)
+            self.error_feedback.load_state_dict(own(residuals))
+            self.step = step

@@ -19,6 +19,7 @@ from __future__ import annotations
 
 import logging
 import random
+from functools import partial
 
 import torch
 
@@ -47,11 +48,13 @@ def state_protocol(run_id: str) -> str:
 
 
 def training_state(trainer: Trainer) -> StateSnapshot:
-    """A copy of what a joiner takes from `trainer`; call it between rounds, never during an outer step."""
+    """A copy of what a joiner takes from `trainer`, from any thread: an outer step waits for it to be taken
+    (`OuterOptimizer.lock`), so it is never half of one step and half of the next."""
     outer = trainer.outer
-    tensors = {f"anchor/{n}": t.detach().to("cpu", copy=True) for n, t in outer.anchor.items()}
-    tensors |= {f"momentum/{n}": t.detach().to("cpu", copy=True) for n, t in outer.momentum.items()}
-    return StateSnapshot(tensors, {"outer_step": outer.step, "steps": trainer.steps})
+    with outer.lock:
+        tensors = {f"anchor/{n}": t.detach().to("cpu", copy=True) for n, t in outer.anchor.items()}
+        tensors |= {f"momentum/{n}": t.detach().to("cpu", copy=True) for n, t in outer.momentum.items()}
+        return StateSnapshot(tensors, {"outer_step": outer.step, "steps": trainer.steps})
 
 
 def expected_layout(trainer: Trainer) -> dict[str, TensorSpec]:
@@ -122,8 +125,9 @@ class StateSharing:
         return sharing
 
     def publish(self, trainer: Trainer) -> None:
-        """Offer `trainer`'s current state to joiners (from the training thread, between rounds)."""
-        self.donor.publish(training_state(trainer))
+        """Offer `trainer`'s state to joiners (from the training thread, after each round). Nothing is copied
+        now: the donor takes the snapshot when a joiner asks, once per publication."""
+        self.donor.publish(partial(training_state, trainer))
 
     async def donors(self, min_step: int = 1) -> list[str]:
         """Live peers at outer step `min_step` or later that speak our version and accept connections."""

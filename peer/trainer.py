@@ -172,7 +172,8 @@ class Trainer:
         self.scaler.update()
 
     def fit_memory(self, free_bytes: int, measure: Callable[[], tuple[int, int]] | None = None) -> int:
-        """Choose `grad_accum` so a micro-batch fits in `free_bytes`, from one measured step's peak (CUDA)."""
+        """Choose `grad_accum` so a micro-batch fits in `free_bytes`, from one measured step's peak (CUDA), beside
+        everything else the peer keeps on the card: AdamW's moments and the outer state and exchange."""
         if self.runtime.accumulation(self.config.batch_size) is not None:  # the user chose
             return self.grad_accum
         sample = next(self._workload.stream(seed=self.data_seed, batch_size=2, skip=0))
@@ -182,8 +183,9 @@ class Trainer:
             self.model.zero_grad(set_to_none=True)
 
         peaks = measure() if measure is not None else probe_step_memory(probe, sample)
-        optimizer_bytes = 2 * self.dense_model_bytes  # AdamW's two moments, allocated at the first step
-        self.grad_accum = fit_grad_accum(self.config.batch_size, free_bytes, step_memory(*peaks, optimizer_bytes))
+        # AdamW's two moments (allocated at the first step) and what the outer optimizer will hold on the card
+        held = 2 * self.dense_model_bytes + self.outer.held_bytes()
+        self.grad_accum = fit_grad_accum(self.config.batch_size, free_bytes, step_memory(*peaks, held))
         return self.grad_accum
 
     @torch.no_grad()

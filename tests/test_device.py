@@ -146,8 +146,14 @@ def test_fp16_steps_through_the_grad_scaler(corpus) -> None:
 def test_fit_memory_uses_the_measured_peaks(corpus) -> None:
     trainer = Trainer(CONFIG.with_overrides(batch_size=64), corpus, data_seed=1)
     dense = trainer.dense_model_bytes
-    free = int((3 * dense + 10 * 1_000) / 0.8)  # gradients + moments, and room for 10 samples of 1000 bytes
+    largest = max(4 * p.numel() for p in trainer.model.parameters())
+    outer = 3 * dense + 6 * largest  # anchor, origin, residual and an exchange's copies of the largest tensor
+    assert trainer.outer.held_bytes() == outer
+    # gradients + moments + the outer optimizer's, and room for 10 samples of 1000 bytes
+    free = int((3 * dense + outer + 10 * 1_000) / 0.8)
     assert trainer.fit_memory(free, measure=lambda: (dense + 1_000, dense + 2_000)) == 7  # ceil(64 / 10)
+    fewer = int((3 * dense + outer + 5 * 1_000) / 0.8)  # room for 5 samples: had the outer state not been
+    assert trainer.fit_memory(fewer, measure=lambda: (dense + 1_000, dense + 2_000)) == 13  # counted, 1 would do
     told = Trainer(CONFIG, corpus, data_seed=1, runtime=Runtime(grad_accum=2))
     assert told.fit_memory(1, measure=lambda: pytest.fail("a user's choice is not measured")) == 2
 
