@@ -217,6 +217,8 @@ def tensor_buffer(tensor: torch.Tensor) -> memoryview:
     """The same bytes as `tensor_to_bytes`, without a copy where the tensor is already a contiguous CPU tensor on
     a little-endian machine (to hash it, say); valid while the tensor lives."""
     cpu = tensor.detach().to("cpu").contiguous()
+    if cpu.numel() == 0:
+        return memoryview(b"")
     int_dtype, le_format = _INT_VIEWS[cpu.dtype]
     return memoryview(cpu.view(int_dtype).numpy().astype(le_format, copy=False)).cast("B")
 
