@@ -13,6 +13,9 @@
   ``GroupResult`` or None
 * ``exchange``     one sealed group's exchange: ``SealedExchange`` (pair streams, HAVE / PROCEED / COMMIT),
   ``Messenger`` (typed, bounded messages), the errors
+* ``parts``        a payload streamed as bounded frames: ``plan_parts`` (the cut, from the layout alone),
+  ``encode_parts``, ``Assembler`` (checks each part and fills tensors allocated once)
+* ``lazy``         ``Lazy``: a mapping whose values are computed when read (offers, contributions, projections)
 * ``transport``    framed byte streams: ``P2PTransport`` over hivemind's libp2p daemon, and the
   ``InMemoryNetwork`` twin with fault hooks for tests
 * ``state_transfer``  a live peer's state for a late joiner: ``StateDonor`` serves a pinned ``StateSnapshot``

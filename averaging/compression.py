@@ -335,11 +335,12 @@ class ErrorFeedback:
         residual = self.residuals.get(name)
         return tensor if residual is None else tensor.add_(residual.to(tensor.device))
 
-    def keep(self, name: str, residual: torch.Tensor | None) -> None:
+    def keep(self, name: str, residual: torch.Tensor | None, *, owned: bool = False) -> None:
+        """Keep `residual` for `name` (None: forget it); a copy, unless the caller hands it over (`owned`)."""
         if residual is None:
             self.residuals.pop(name, None)
         else:
-            self.residuals[name] = residual.detach().clone()
+            self.residuals[name] = residual.detach() if owned else residual.detach().clone()
 
     def norm(self) -> float:
         return math.sqrt(sum(float(r.float().pow(2).sum()) for r in self.residuals.values()))

@@ -14,10 +14,12 @@ states are pulled together this round, and each member's stream to the leader (i
     member → leader  DONE     it holds every phase-2 payload
     leader → member  COMMIT   apply                         (ABORT at any point: apply nothing)
 
-Every member computes the mean from the same payloads of the same members in the same order
-(`averaging.mixing`), so members end with the same average. A pair's stream strictly alternates who
-sends, so two large frames never wait on each other. Every wait is bounded, and any failure raises
-`ExchangeFailed` before anything is applied.
+A PHASE1 or PHASE2 payload travels as the frames of its parts (`averaging.parts`: at most 4 MiB of
+tensors each, cut from the layout alone and checked part by part), so no message holds the whole model
+and no frame cap limits the model's size. Every member computes the mean from the same payloads of the
+same members in the same order (`averaging.mixing`), so members end with the same average. A pair's
+stream strictly alternates who sends a payload, so two large payloads never wait on each other. Every
+wait is bounded, and any failure raises `ExchangeFailed` before anything is applied.
 """
 
 from __future__ import annotations
@@ -35,6 +37,7 @@ import torch
 from averaging import wire
 from averaging.compression import SCALE_SUFFIX, LowRankCompressor, Mode, Projection, Slot, code_spec
 from averaging.mixing import GroupRound
+from averaging.parts import Assembler, encode_parts
 from averaging.transport import FrameTooLarge, Stream, Transport
 from averaging.wire import Kind, TensorSpec
 
@@ -159,6 +162,11 @@ class Messenger:
     async def send_bytes(self, stream: Stream, data: bytes) -> None:
         await asyncio.wait_for(stream.send(data), self.timeout)
 
+    async def send_parts(self, stream: Stream, frames: list[bytes]) -> None:
+        """A streamed payload's frames (`averaging.parts`), in order, each within the message timeout."""
+        for frame in frames:
+            await self.send_bytes(stream, frame)
+
     async def recv(
         self,
         stream: Stream,
@@ -265,12 +273,12 @@ class SealedExchange:
         others = [j for j in range(len(seal.members)) if j != seal.me]
         self.settled = {j: loop.create_future() for j in others}  # per other member: its phase-1 link is done
         self.settled2 = {j: loop.create_future() for j in others}  # ... and its phase-2 link
-        self.phase2: asyncio.Future = loop.create_future()  # our encoded PHASE2, or None: no phase 2 for us
+        self.phase2: asyncio.Future = loop.create_future()  # our PHASE2's frames, or None: no phase 2 for us
         self.opened = {j: asyncio.Event() for j in others if seal.opens(j, seal.me)}  # links others open to us
         self.going: list[int] = []
         self.blamed: set[int] = set()  # members whose messages to us were bad (a strike each)
         self.over = asyncio.Event()
-        self.payload1 = b""
+        self.payload1: list[bytes] = []  # our PHASE1, as the frames of its parts
 
     @property
     def members(self) -> tuple[str, ...]:
@@ -284,7 +292,7 @@ class SealedExchange:
         session, step, me, leader = seal.session, self.offer.step, seal.me, seal.members[0]
         mine = self.round.phase1()
         self.first[me] = mine
-        self.payload1 = wire.encode(wire.Message(kind=Kind.PHASE1, session=session, step=step, tensors=mine))
+        self.payload1 = encode_parts(Kind.PHASE1, session, step, mine, self.spec1)
         links = [asyncio.ensure_future(self._open(j)) for j in self.settled if seal.opens(me, j)]
         links += [asyncio.ensure_future(self._expect(j)) for j in self.opened]
         started = time.monotonic()
@@ -309,8 +317,7 @@ class SealedExchange:
                 if self.two_phase:
                     mine2 = self.round.phase2(first)
                     self.second[me] = mine2
-                    self.phase2.set_result(wire.encode(wire.Message(kind=Kind.PHASE2, session=session, step=step,
-                                                                    tensors=mine2)))  # fmt: skip
+                    self.phase2.set_result(encode_parts(Kind.PHASE2, session, step, mine2, self.spec2))
                     await asyncio.wait([self.settled2[j] for j in self.going if j != me])
                     if any(j not in self.second for j in self.going):
                         raise ExchangeFailed("a member's phase-2 payload did not arrive")
@@ -430,11 +437,11 @@ class SealedExchange:
             if why := self.check(peer, session, hello.meta):  # it proves itself before it gets our payload
                 raise Misbehaved(f"member failed the access check ({why})")
             await self._receive(stream, j, Kind.PHASE1)
-            await m.send_bytes(stream, self.payload1)
+            await m.send_parts(stream, self.payload1)
 
         async def second() -> None:
             if stream is not None and (mine := await self._second(j)) is not None:
-                await m.send_bytes(stream, mine)
+                await m.send_parts(stream, mine)
                 await self._receive(stream, j, Kind.PHASE2)
 
         try:
@@ -454,13 +461,13 @@ class SealedExchange:
             await m.send(
                 stream, Kind.HELLO, session, self.offer.step, {}, self.credentials("group-hello", peer, session)
             )
-            await m.send_bytes(stream, self.payload1)
+            await m.send_parts(stream, self.payload1)
             await self._receive(stream, i, Kind.PHASE1)
 
         async def second() -> None:
             if (mine := await self._second(i)) is not None:
                 await self._receive(stream, i, Kind.PHASE2)
-                await m.send_bytes(stream, mine)
+                await m.send_parts(stream, mine)
 
         await self._leg(i, self.settled, first)
         await self._leg(i, self.settled2, second)
@@ -474,7 +481,7 @@ class SealedExchange:
         finally:
             _settle(settled[j])
 
-    async def _second(self, j: int) -> bytes | None:
+    async def _second(self, j: int) -> list[bytes] | None:
         """Our PHASE2 for member j once it is known; None if phase 2 does not run between us."""
         if j not in self.first:
             return None
@@ -482,9 +489,14 @@ class SealedExchange:
         return mine if mine is not None and j in self.going else None
 
     async def _receive(self, stream: Stream, j: int, kind: Kind) -> None:
-        spec = self.spec1 if kind == Kind.PHASE1 else self.spec2
-        message = await self.messenger.recv(stream, kind, self.seal.session, spec, step=self.offer.step)
-        (self.first if kind == Kind.PHASE1 else self.second)[j] = message.tensors
+        """Member j's payload of this phase, part by part (`averaging.parts`): it counts once every part is in."""
+        assembler = Assembler(self.spec1 if kind == Kind.PHASE1 else self.spec2)
+        while not assembler.done:
+            expected, cap = assembler.next_spec()
+            message = await self.messenger.recv(stream, kind, self.seal.session, expected, step=self.offer.step,
+                                                max_bytes=cap)  # fmt: skip
+            assembler.add(message)
+        (self.first if kind == Kind.PHASE1 else self.second)[j] = assembler.tensors
 
     def _failed(self, j: int, error: Exception) -> None:
         logger.info("no payload from member %s: %s", self.members[j][-8:], error)

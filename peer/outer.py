@@ -134,7 +134,12 @@ class OuterOptimizer:
                 else:
                     proj = result.projections[f"delta/{name}"]
                     d = proj.mean
-                    self.error_feedback.keep(name, delta - proj.own if self.config.error_feedback else None)
+                    if self.config.error_feedback:  # a lazy offer's tensors are made for this read: ours to reuse
+                        owned = isinstance(offer.tensors, Lazy)
+                        residual = delta.sub_(proj.own) if owned else delta - proj.own
+                        self.error_feedback.keep(name, residual, owned=True)
+                    else:
+                        self.error_feedback.keep(name, None)
                     for group in ("anchor", "momentum"):
                         if f"{group}/{name}" in offer.tensors:
                             self._pull(group, name, result.projections[f"{group}/{name}"])

@@ -99,8 +99,8 @@ MUTATIONS = {  # what: (mutate the message map in place, the reason in the log l
     "names": (_rename_tensor, r"(unexpected|missing) tensors"),
     "dtype": (_wrong_dtype, r"dtype float32, expected float16"),
     "rank": (_wrong_rank, r"has shape"),
-    "tensor_cap": (_huge_tensor, r"exceeds max_bin_len"),
-    "message_cap": (_huge_message, r"exceeds the 32768-byte cap"),
+    "tensor_cap": (_huge_tensor, r"exceeds max_bin_len|exceeds the \d+-byte cap"),  # a PHASE1 part: its frame cap
+    "message_cap": (_huge_message, r"exceeds the (32768|\d+)-byte cap"),  # a PHASE1 part: its own, tighter cap
     "non_finite": (_nan, r"non-finite"),
     "session": (_session, r"for session"),
     "step": (_step, rf"outer step {INSANE_STEP} is not within"),

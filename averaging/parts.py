@@ -1,0 +1,130 @@
+"""A payload streamed as bounded frames: no message holds the whole model, and no cap limits its size.
+
+A phase's payload (every code, scale and factor a member sends) can be larger than any frame should be:
+int8 anchors of a 355M model are 355 MB. So it travels as parts of at most `PART_BYTES` tensor bytes
+each. Both sides cut it the same way from the layout alone (`plan_parts`: tensors in layout order, each
+cut into row ranges along its first dimension, packed in order), so a receiver knows exactly which rows
+of which tensors every part must hold, in which order, and checks each frame against that before it
+copies a byte (`Assembler`): a part out of order, a piece of the wrong shape or dtype, or a frame over
+its part's size is a `WireError`, and a payload counts only once every part has arrived. Memory on the
+receiving side is the payload itself (preallocated once) plus one frame.
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Mapping
+from dataclasses import dataclass
+
+import torch
+
+from averaging import wire
+from averaging.wire import Kind, TensorSpec, WireError
+
+PART_BYTES = 4 * 2**20  # tensor bytes in one part (a single row larger than this is a part of its own)
+_FRAME_SLACK = 4096  # a part's frame: its tensor bytes, plus this, plus `_PER_PIECE` per tensor piece
+_PER_PIECE = 512
+
+
+@dataclass(frozen=True)
+class Piece:
+    """Rows [start, stop) of one tensor (along its first dimension)."""
+
+    name: str
+    start: int
+    stop: int
+
+
+def _rows(spec: TensorSpec) -> tuple[int, int]:
+    """(rows, bytes per row) of a tensor viewed along its first dimension (a 0-d tensor is one row)."""
+    rows = spec.shape[0] if spec.shape else 1
+    return rows, math.prod(spec.shape[1:]) * spec.dtype.itemsize
+
+
+def plan_parts(spec: Mapping[str, TensorSpec], part_bytes: int = PART_BYTES) -> list[list[Piece]]:
+    """How a payload of layout `spec` is cut into parts: deterministic, from the layout alone. Every part holds at
+    most `part_bytes` of tensor data, unless one row alone is larger; a tensor appears at most once per part."""
+    parts: list[list[Piece]] = []
+    current: list[Piece] = []
+    room = part_bytes
+    for name, s in spec.items():
+        rows, row_bytes = _rows(s)
+        if rows == 0 or row_bytes == 0:  # no bytes: it travels as itself in the open part
+            current.append(Piece(name, 0, rows))
+            continue
+        start = 0
+        while start < rows:
+            fits = room // row_bytes
+            if fits <= 0 and current:  # the open part has no room for a row: close it
+                parts.append(current)
+                current, room = [], part_bytes
+                continue
+            take = min(rows - start, max(1, fits))  # a row larger than a part is a part of its own
+            current.append(Piece(name, start, start + take))
+            room -= take * row_bytes
+            start += take
+    if current or not parts:
+        parts.append(current)
+    return parts
+
+
+def part_spec(spec: Mapping[str, TensorSpec], part: list[Piece]) -> dict[str, TensorSpec]:
+    """The tensors one part holds: each piece's rows, in the tensor's dtype."""
+    return {p.name: TensorSpec((p.stop - p.start, *spec[p.name].shape[1:]) if spec[p.name].shape else (),
+                               spec[p.name].dtype) for p in part}  # fmt: skip
+
+
+def frame_cap(spec: Mapping[str, TensorSpec], part: list[Piece]) -> int:
+    """The largest frame that may carry `part`."""
+    data = sum((p.stop - p.start) * _rows(spec[p.name])[1] if spec[p.name].shape else spec[p.name].dtype.itemsize
+               for p in part)  # fmt: skip
+    return data + _FRAME_SLACK + _PER_PIECE * len(part)
+
+
+def encode_parts(
+    kind: Kind,
+    session: int,
+    step: int,
+    tensors: Mapping[str, torch.Tensor],
+    spec: Mapping[str, TensorSpec],
+    part_bytes: int = PART_BYTES,
+) -> list[bytes]:
+    """`tensors` (laid out as `spec`) as the frames of its parts, in order; each says which part it is."""
+    wire.check_tensors(tensors, spec)
+    parts = plan_parts(spec, part_bytes)
+    frames = []
+    for index, part in enumerate(parts):
+        pieces = {p.name: tensors[p.name][p.start : p.stop] if spec[p.name].shape else tensors[p.name] for p in part}
+        meta = {"p": index, "n": len(parts)}
+        frames.append(wire.encode(wire.Message(kind=kind, session=session, step=step, tensors=pieces, meta=meta)))
+    return frames
+
+
+class Assembler:
+    """Receives one payload of layout `spec`, part by part, into tensors allocated once."""
+
+    def __init__(self, spec: Mapping[str, TensorSpec], part_bytes: int = PART_BYTES) -> None:
+        self.spec = dict(spec)
+        self.parts = plan_parts(self.spec, part_bytes)
+        self.received = 0
+        self.tensors = {n: torch.empty(s.shape, dtype=s.dtype) for n, s in self.spec.items()}
+
+    @property
+    def done(self) -> bool:
+        return self.received == len(self.parts)
+
+    def next_spec(self) -> tuple[dict[str, TensorSpec], int]:
+        """The tensors the next part must hold, and the largest frame it may come in."""
+        part = self.parts[self.received]
+        return part_spec(self.spec, part), frame_cap(self.spec, part)
+
+    def add(self, message: wire.Message) -> None:
+        """Take the next part (its tensors already checked against `next_spec()`); WireError if it is not the
+        part that comes next."""
+        index, count = message.meta.get("p"), message.meta.get("n")
+        if index != self.received or count != len(self.parts):
+            raise WireError(f"part {index!r} of {count!r} arrived, expected part {self.received} of {len(self.parts)}")
+        for piece in self.parts[self.received]:
+            target = self.tensors[piece.name]
+            (target[piece.start : piece.stop] if target.dim() else target).copy_(message.tensors[piece.name])
+        self.received += 1
