@@ -41,7 +41,7 @@ from dht.node import NodeConfig, start_node, stop_node, visible_addresses
 from dht.records import Announcement, PeerState, RunRecords
 from peer.checkpoint import CheckpointWriter, check_tensors, latest_checkpoint
 from peer.config import TrainConfig
-from peer.device import DeviceConfig, Runtime
+from peer.device import DeviceConfig, Runtime, keep_freed_memory
 from peer.journal import Journal
 from peer.metrics import PeerReport
 from peer.outer import finish_layout
@@ -185,6 +185,7 @@ class VolunteerPeer:
     def create(cls, options: PeerOptions) -> VolunteerPeer:
         check_fresh(options.out_dir, options.checkpoints, resume=options.resume)  # never over an earlier run
         torch.set_num_threads(1)
+        keep_freed_memory()  # a round's large temporaries reuse the last round's pages
         runtime = Runtime.resolve(options.device)  # before the node: a missing GPU fails fast
         dht = start_node(options.node)
         peer = None

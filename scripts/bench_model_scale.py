@@ -1,7 +1,8 @@
 """What one exchange costs as the model grows: time, memory and bytes, from 0.44M to 124M parameters and up.
 
-For each registry size, two peers run in one fresh process on one CPU thread (so that peak RSS is
-that size's alone): each builds the model, takes one AdamW step on one batch (plain training), and
+For each registry size, two peers run in one fresh process on one CPU thread, with the allocator
+setting a real peer starts with (`peer.device.keep_freed_memory`), so that peak RSS is that size's
+alone: each builds the model, takes one AdamW step on one batch (plain training), and
 then, in the murmur phase, builds its outer optimizer (`peer.outer.OuterOptimizer`) and its real
 `GroupAverager`, the two average one round over the in-memory transport with the run's default
 codecs, and each applies the result. Their anchors differ (as two peers' do when last round put them
@@ -161,7 +162,7 @@ async def state_download(state, StateDonor, StateDownloader, TransferConfig, InM
 
     network = InMemoryNetwork()
     snapshot = StateSnapshot(tensors={n: t.detach().float().contiguous() for n, t in state.items()}, counters={})
-    config = TransferConfig()
+    config = TransferConfig(message_timeout=120.0, deadline=1200.0)  # the donor packs a large state on demand
     donor = StateDonor(network.transport("donor"), config=config)
     donor.publish(snapshot)
     await donor.start()
@@ -177,7 +178,8 @@ async def state_download(state, StateDonor, StateDownloader, TransferConfig, InM
 def measure(name: str, phase: str) -> dict:
     """One size's phase in a fresh process (peak RSS is a process's high-water mark)."""
     code = f"import sys; sys.path.insert(0, {str(Path(__file__).parent)!r}); import bench_model_scale as b, json; " \
-           f"import torch; torch.set_num_threads(1); print(json.dumps(b.run_{phase}({name!r})))"  # fmt: skip
+           f"import torch; torch.set_num_threads(1); from peer.device import keep_freed_memory; " \
+           f"keep_freed_memory(); print(json.dumps(b.run_{phase}({name!r})))"  # fmt: skip
     done = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True)
     if done.returncode != 0:
         raise SystemExit(f"{name} ({phase}) failed:\n{done.stderr[-3000:]}")
