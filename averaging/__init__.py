@@ -18,9 +18,12 @@
 * ``lazy``         ``Lazy``: a mapping whose values are computed when read (offers, contributions, projections)
 * ``transport``    framed byte streams: ``P2PTransport`` over hivemind's libp2p daemon, and the
   ``InMemoryNetwork`` twin with fault hooks for tests
-* ``state_transfer``  a live peer's state for a late joiner: ``StateDonor`` serves a pinned ``StateSnapshot``
-  in hashed chunks (at most ``max_uploads`` at once), ``StateDownloader`` fetches and verifies it, moving on to
-  another donor when one dies, stalls or declines
+* ``state_transfer``  the state-download protocol for a late joiner: ``TransferConfig`` (sizes, bounds that scale
+  with the state), ``Manifest``, the messages, and ``StateDonor``, which serves a pinned ``StateSnapshot`` in
+  hashed chunks (at most ``max_uploads`` joiners at once)
+* ``state_download``  the joiner's side: ``StateDownloader`` takes chunks from several donors that agree on the
+  payload, pipelined, with work stealing, into one buffer; a donor that dies, stalls or lies is dropped and its
+  chunks fetched elsewhere; verified chunks survive for the next try
 * ``aggregation``  robust aggregation: ``RobustAggregator`` clips each member's contribution (against ours, or
   the group's median) and leaves out absurd ones (too large, sign-flipped, non-finite) before anything is applied
 * ``access``       private runs: ``AccessPolicy`` (a shared secret proven by HMAC, an allowlist of peer ids),

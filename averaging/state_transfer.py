@@ -1,27 +1,26 @@
-"""Handing a live peer's training state to a late joiner: chunked, hashed, checked, never pickled.
+"""The state-download protocol and its donor: a live peer's training state, chunked and hashed, never pickled.
 
 A donor serves the latest `StateSnapshot` it was given (named float tensors and integer counters)
 on its own protocol name, over the same `Transport` the exchange uses. A snapshot travels as one
 payload, the raw little-endian bytes of its tensors in manifest order, cut into chunks of at most
-`chunk_size` bytes. One download, joiner J and donor D (message kinds from `StateKind`):
+`chunk_size` bytes. One session, joiner J and donor D (message kinds from `StateKind`):
 
     J → D  HELLO                                  (D may answer DECLINE with a reason instead:
     D → J  MANIFEST  names, dtypes, shapes,        not ready, busy, or refused by its access check)
                      counters, sha256 of the payload and of every chunk
-    J → D  GET i     ┐ once per chunk J does not yet hold; each chunk is checked against its hash
-    D → J  CHUNK i   ┘ on arrival
-    J closes the stream; it checks the whole payload's sha256, then decodes the tensors.
+    J → D  GET i     ┐ for chunks J wants from D; J may send up to `window` GETs before the first
+    D → J  CHUNK i   ┘ CHUNK comes back: D answers them one by one, in order; a GET for a chunk
+                       that does not exist ends the session
+    J closes the stream.
 
-The manifest is checked against the layout the joiner expects (its own model's names, shapes and
-dtypes) before any chunk is asked for, and nothing is returned until every check has passed, so a
-caller applies all of a state or none of it. A donor pins the snapshot of its manifest for the
-whole session, so a donor that trains on meanwhile still sends one consistent state.
+A donor pins the snapshot of its manifest for the whole session, so a donor that trains on meanwhile
+still sends one consistent state. It serves at most `max_uploads` joiners at a time and declines the
+rest with a reason, so newcomers spread over the swarm. The joiner's side, with several donors at
+once, is `averaging.state_download`.
 
-Every wait is bounded (`message_timeout` per message, `deadline` for the whole download). If a
-donor dies, stalls, declines or sends something wrong, the joiner tries the next donor in its
-random order; chunks already verified are kept only if the next donor's manifest has the same
-payload hash, otherwise the download restarts. A donor serves at most `max_uploads` joiners at a
-time and declines the rest with a reason, so newcomers spread over the swarm.
+This module: `TransferConfig` (both sides' sizes and bounds), `StateKind`, `Manifest` (checked when
+decoded: an untrusted donor's numbers must agree, and stay under the caps), `pack`, `layout_bytes`, the framed
+messages (`send_message`, `recv_message`, `decode_message`), and `StateDonor`.
 """
 
 from __future__ import annotations
@@ -32,8 +31,8 @@ import enum
 import hashlib
 import logging
 import math
-import random
-from collections.abc import Callable, Mapping, Sequence
+import sys
+from collections.abc import Callable, Mapping
 from dataclasses import dataclass
 
 import msgpack
@@ -48,8 +47,9 @@ logger = logging.getLogger("murmur.state")
 
 STATE_VERSION = 1
 _MAX_COUNTERS = 32
-_MAX_REASON = 200
+MAX_REASON = 200
 _DIGEST = 32  # sha256 bytes
+MAX_CHUNKS = 1 << 16  # chunk hashes one manifest may list: 2.2 MB of them, so a manifest frame stays small
 
 
 class StateKind(enum.IntEnum):
@@ -58,7 +58,7 @@ class StateKind(enum.IntEnum):
     HELLO = 1  # joiner -> donor: asks for the donor's current state
     MANIFEST = 2  # donor -> joiner: the pinned snapshot's layout, counters and hashes
     DECLINE = 3  # donor -> joiner: no state yet / busy / refused; "reason"
-    GET = 4  # joiner -> donor: send chunk "i"
+    GET = 4  # joiner -> donor: send chunk "i" (several may be in flight; answered in order)
     CHUNK = 5  # donor -> joiner: chunk "i", bytes "b"
 
 
@@ -84,20 +84,45 @@ ACCESS_CONTEXT = "state-download"  # what a private run's proof is bound to
 
 @dataclass(frozen=True, kw_only=True)
 class TransferConfig:
+    """Sizes and bounds of a state download, for both sides. The bounds scale with the state, none is a fixed total:
+
+    * finding donors: reaching them and getting their manifests takes at most `find_timeout` (a donor packs its
+      state when the first joiner asks: seconds for a GB-sized one);
+    * moving chunks: every message within `message_timeout` (one stalled donor is dropped, the others go on); the
+      whole download fails when no chunk verifies, from any donor, for `stall_timeout`, and a donor ends a session
+      whose joiner asks for nothing that long;
+    * in all: a download of n bytes, and a donor's session for it, ends by `ceiling(n)` = `find_timeout +
+      n / min_rate`, however it goes (a joiner slower than `min_rate` on average cannot hold a donor forever).
+
+    `chunk_size` stays at 1 MiB for GB-sized states: with `window` chunks in flight per donor, the round trip no
+    longer sets the rate (4 MiB in flight at 100 ms is 40 MB/s a donor, 160 MB/s from 4), a chunk has to arrive
+    within `message_timeout` (1 MiB in 5 s needs only 0.2 MB/s from a donor sharing its uplink), a bad or lost
+    chunk costs 1 MiB, and the manifest of a 355M-parameter model with momentum (2.8 GB) lists 2,700 hashes (90 kB).
+    `max_state_bytes` (16 GiB) is far above that state; a manifest lists at most `MAX_CHUNKS` hashes, so a larger
+    cap needs larger chunks.
+    """
+
     chunk_size: int = 1 << 20  # bytes per chunk: far below wire.Limits().max_message_bytes
+    parallel: int = 4  # donors a joiner downloads from at once (donors whose manifests agree)
+    window: int = 4  # GETs a joiner keeps in flight on each donor's stream
     max_uploads: int = 2  # joiners a donor serves at once; more are declined as busy
     message_timeout: float = 5.0  # bound on waiting for any single message (a stalled peer)
-    deadline: float = 60.0  # bound on a whole download, every donor tried included
-    session_timeout: float = 120.0  # bound on one upload, however slowly the joiner asks
-    max_state_bytes: int = 4 << 30
+    find_timeout: float = 30.0  # bound on reaching donors and getting their manifests
+    stall_timeout: float = 15.0  # no chunk verified from anyone this long: the download fails; no GET: a session ends
+    min_rate: float = float(1 << 20)  # bytes/s: the slowest average download that is let to finish (see `ceiling`)
+    max_state_bytes: int = 16 << 30
 
     def __post_init__(self) -> None:
         if not 1 << 10 <= self.chunk_size <= 16 << 20:
             raise ValueError(f"chunk_size must be between 1 KiB and 16 MiB, got {self.chunk_size}")
-        if self.max_uploads < 1:
-            raise ValueError(f"max_uploads must be at least 1, got {self.max_uploads}")
-        if min(self.message_timeout, self.deadline, self.session_timeout) <= 0:
-            raise ValueError("state transfer timeouts must be positive")
+        if min(self.max_uploads, self.parallel, self.window) < 1:
+            raise ValueError("max_uploads, parallel and window must be at least 1")
+        if min(self.message_timeout, self.find_timeout, self.stall_timeout, self.min_rate) <= 0:
+            raise ValueError("state transfer timeouts and min_rate must be positive")
+        if self.stall_timeout < 2 * self.message_timeout:
+            raise ValueError("stall_timeout must be at least twice message_timeout (a stalled donor is dropped first)")
+        if not 0 < self.max_state_bytes or self.max_chunks > MAX_CHUNKS:
+            raise ValueError(f"max_state_bytes must be positive and at most {MAX_CHUNKS} chunks of chunk_size")
 
     @property
     def max_chunks(self) -> int:
@@ -107,6 +132,10 @@ class TransferConfig:
     def max_frame(self) -> int:
         """The largest message either side accepts: a full chunk plus a small envelope, or a manifest."""
         return self.chunk_size + 4096 + self.max_chunks * (_DIGEST + 4) + wire.Limits().max_tensors * 512
+
+    def ceiling(self, total_bytes: int) -> float:
+        """Seconds a download of `total_bytes` (and a donor's session for it) may take in all."""
+        return self.find_timeout + total_bytes / self.min_rate
 
 
 @dataclass(frozen=True)
@@ -125,6 +154,12 @@ class Manifest:
     total_bytes: int
     sha256: bytes  # of the whole payload
     chunk_hashes: tuple[bytes, ...]  # sha256 of each chunk
+
+    @property
+    def payload(self) -> tuple:
+        """What donors must agree on to serve chunks of one download: the payload and how it is cut (not the
+        counters, which are taken from one manifest)."""
+        return self.sha256, self.total_bytes, self.chunk_size, self.entries, self.chunk_hashes
 
     def to_wire(self) -> dict:
         return {
@@ -163,9 +198,12 @@ class Manifest:
         if type(chunk_size) is not int or not 0 < chunk_size <= config.chunk_size:
             raise StateTransferError(f"manifest chunk size {chunk_size!r} is not in 1..{config.chunk_size}")
         needed = sum(math.prod(shape) * dtype.itemsize for _, dtype, shape in entries)
-        if type(total) is not int or total != needed or total > config.max_state_bytes:
+        if type(total) is not int or total != needed:
             raise StateTransferError(f"manifest says {total!r} bytes; its tensors need {needed}")
-        if not isinstance(hashes, list) or len(hashes) != math.ceil(total / chunk_size):
+        if total > config.max_state_bytes:
+            raise StateTransferError(f"manifest says {total} bytes, above the {config.max_state_bytes}-byte cap")
+        chunks = math.ceil(total / chunk_size)
+        if not isinstance(hashes, list) or len(hashes) != chunks or chunks > config.max_chunks:
             raise StateTransferError("manifest chunk hashes do not match its size and chunk size")
         if not all(isinstance(h, bytes) and len(h) == _DIGEST for h in [digest, *hashes]):
             raise StateTransferError("manifest hashes are not 32-byte sha256 digests")
@@ -190,19 +228,37 @@ class Manifest:
         start = index * self.chunk_size
         return start, min(self.total_bytes, start + self.chunk_size)
 
-    def unpack(self, payload: bytes) -> StateSnapshot:
-        """The snapshot a verified payload holds. Raises StateTransferError if the hash or a value is wrong."""
-        if len(payload) != self.total_bytes or hashlib.sha256(payload).digest() != self.sha256:
+    def unpack(self, payload: torch.Tensor) -> StateSnapshot:
+        """The snapshot a payload (a 1-D uint8 tensor of `total_bytes`) holds, once it passes its sha256 and every
+        value is finite; StateTransferError otherwise. Its tensors are views of `payload` where the bytes can be
+        (a little-endian machine, an aligned offset), so the state is held once; copies elsewhere."""
+        if payload.numel() != self.total_bytes or hashlib.sha256(payload.numpy()).digest() != self.sha256:
             raise StateTransferError("state payload fails its sha256 check")
         tensors, offset = {}, 0
         for name, dtype, shape in self.entries:
             size = math.prod(shape) * dtype.itemsize
-            tensor = wire.tensor_from_bytes(payload[offset : offset + size], dtype, shape)
-            if not bool(torch.isfinite(tensor).all()):
+            raw = payload[offset : offset + size]  # (size,) uint8
+            if sys.byteorder == "little" and offset % dtype.itemsize == 0:
+                tensor = raw.view(dtype).reshape(shape)
+            else:
+                tensor = wire.tensor_from_bytes(raw.numpy(), dtype, shape)
+            if not _all_finite(tensor):
                 raise StateTransferError(f"donor tensor {name!r} holds non-finite values")
             tensors[name] = tensor
             offset += size
         return StateSnapshot(tensors, dict(self.counters))
+
+
+def _all_finite(tensor: torch.Tensor, block: int = 1 << 22) -> bool:
+    """Whether every value is finite, a block at a time: `isfinite` of a whole tensor makes temporaries of
+    nearly twice its size (an fp32 embedding of 200 MB would cost 350 MB more at the end of a download)."""
+    flat = tensor.reshape(-1)  # a view: the payload is contiguous
+    return all(bool(torch.isfinite(flat[i : i + block]).all()) for i in range(0, flat.numel(), block))
+
+
+def layout_bytes(layout: Mapping[str, TensorSpec]) -> int:
+    """The payload size of a state with this layout (a manifest that fits it has exactly as many bytes)."""
+    return sum(math.prod(spec.shape) * spec.dtype.itemsize for spec in layout.values())
 
 
 def pack(snapshot: StateSnapshot, chunk_size: int) -> tuple[Manifest, list[memoryview]]:
@@ -218,13 +274,13 @@ def pack(snapshot: StateSnapshot, chunk_size: int) -> tuple[Manifest, list[memor
 # -- messages ---------------------------------------------------------------------------------------
 
 
-async def _send(stream: Stream, kind: StateKind, timeout: float, **fields) -> None:
+async def send_message(stream: Stream, kind: StateKind, timeout: float, **fields) -> None:
     data = msgpack.packb({"v": STATE_VERSION, "k": int(kind), **fields}, use_bin_type=True)
     await asyncio.wait_for(stream.send(data), timeout)
 
 
-async def _recv(stream: Stream, kinds: set[StateKind], config: TransferConfig) -> tuple[StateKind, dict]:
-    data = await asyncio.wait_for(stream.recv(config.max_frame), config.message_timeout)
+def decode_message(data: bytes, kinds: set[StateKind], config: TransferConfig) -> tuple[StateKind, dict]:
+    """One state message from untrusted bytes, checked: version, kind, fields, and msgpack length caps."""
     obj = wire.unpack(
         data,
         max_bin_len=config.chunk_size,
@@ -243,6 +299,18 @@ async def _recv(stream: Stream, kinds: set[StateKind], config: TransferConfig) -
     if set(obj) - {"v", "k"} != _FIELDS[kind]:
         raise StateTransferError(f"state message {kind.name} has fields {sorted(set(obj) - {'v', 'k'})}")
     return kind, obj
+
+
+async def recv_message(
+    stream: Stream, kinds: set[StateKind], config: TransferConfig, timeout: float | None = None
+) -> tuple[StateKind, dict]:
+    """The next message, within `timeout` (`message_timeout` unless given), its frame within `max_frame`."""
+    data = await asyncio.wait_for(stream.recv(config.max_frame), config.message_timeout if timeout is None else timeout)
+    return decode_message(data, kinds, config)
+
+
+def one_line(error: Exception) -> str:
+    return " ".join(str(error).split())[:300] or type(error).__name__
 
 
 # -- the donor --------------------------------------------------------------------------------------
@@ -288,7 +356,7 @@ class StateDonor:
         nonce = proof.get("nonce") if type(proof.get("nonce")) is int else 0
         local = self.transport.peer_id
         if reason := self.access.check(context=ACCESS_CONTEXT, local=local, remote=remote, nonce=nonce, meta=proof):
-            return f"refused: {reason}"[:_MAX_REASON]
+            return f"refused: {reason}"[:MAX_REASON]
         if self._source is None:
             return "no state to share yet"
         if self.uploads >= self.config.max_uploads:
@@ -311,7 +379,7 @@ class StateDonor:
     async def _handle(self, remote: str, stream: Stream) -> None:
         timeout = self.config.message_timeout
         try:
-            _, hello = await _recv(stream, {StateKind.HELLO}, self.config)
+            _, hello = await recv_message(stream, {StateKind.HELLO}, self.config)
         except (StateTransferError, WireError, ConnectionError, TimeoutError) as e:
             logger.warning("bad state request from %s: %s", remote[-8:], e)
             return
@@ -319,119 +387,23 @@ class StateDonor:
             self.declined += 1
             logger.info("declined a state download by %s: %s", remote[-8:], reason)
             with contextlib.suppress(ConnectionError, TimeoutError):  # a best-effort last word
-                await _send(stream, StateKind.DECLINE, timeout, reason=reason)
+                await send_message(stream, StateKind.DECLINE, timeout, reason=reason)
             return
         self.uploads += 1
         try:
             manifest, chunks = await self._pinned()
             self.served += 1
-            async with asyncio.timeout(self.config.session_timeout):
-                await _send(stream, StateKind.MANIFEST, timeout, m=manifest.to_wire())
-                while True:
-                    _, get = await _recv(stream, {StateKind.GET}, self.config)
+            async with asyncio.timeout(self.config.ceiling(manifest.total_bytes)):
+                await send_message(stream, StateKind.MANIFEST, timeout, m=manifest.to_wire())
+                while True:  # GETs may come several at a time: each is answered in turn
+                    _, get = await recv_message(stream, {StateKind.GET}, self.config, self.config.stall_timeout)
                     index = get["i"]
                     if type(index) is not int or not 0 <= index < len(chunks):
                         raise StateTransferError(f"chunk {index!r} does not exist")
-                    await _send(stream, StateKind.CHUNK, timeout, i=index, b=chunks[index])
+                    await send_message(stream, StateKind.CHUNK, timeout, i=index, b=chunks[index])
         except StreamClosed:
             pass  # the joiner has what it wanted, or gave up
         except (StateTransferError, WireError, ConnectionError, TimeoutError) as e:
-            logger.info("state upload to %s ended: %s", remote[-8:], _line(e))
+            logger.info("state upload to %s ended: %s", remote[-8:], one_line(e))
         finally:
             self.uploads -= 1
-
-
-# -- the joiner -------------------------------------------------------------------------------------
-
-
-class StateDownloader:
-    """Downloads one state, trying donors in turn; keeps verified chunks while the payload hash holds."""
-
-    def __init__(
-        self,
-        transport: Transport,
-        expected: Mapping[str, TensorSpec],
-        config: TransferConfig = TransferConfig(),
-        rng: random.Random | None = None,
-        access: AccessPolicy = AccessPolicy(),
-    ) -> None:
-        self.transport = transport
-        self.expected = dict(expected)
-        self.config = config
-        self.rng = rng or random.Random()
-        self.access = access
-        self.manifest: Manifest | None = None
-        self.chunks: dict[int, bytes] = {}
-        self.reused = 0  # chunks kept from an earlier donor
-        self.restarts = 0  # times a new manifest forced the chunks held so far to be dropped
-        self.errors: list[str] = []  # one line per donor that failed
-
-    async def download(self, donors: Sequence[str]) -> tuple[StateSnapshot, str]:
-        """The state of one of `donors` (tried in random order) and who sent it; StateTransferError if none."""
-        order = list(dict.fromkeys(donors))
-        self.rng.shuffle(order)
-        loop = asyncio.get_running_loop()
-        deadline = loop.time() + self.config.deadline
-        for donor in order:
-            if loop.time() >= deadline:
-                self.errors.append("deadline passed")
-                break
-            try:
-                async with asyncio.timeout(deadline - loop.time()):
-                    return await self._from(donor), donor
-            except TimeoutError:
-                self.errors.append(f"{donor[-8:]}: no answer in time")
-            except (StateTransferError, WireError, ConnectionError) as e:
-                self.errors.append(f"{donor[-8:]}: {_line(e)}")
-            logger.info("state download from %s failed: %s", donor[-8:], self.errors[-1])
-        tried = "; ".join(self.errors) if self.errors else "no donor to ask"
-        raise StateTransferError(f"no donor sent a usable state ({tried})")
-
-    async def _from(self, donor: str) -> StateSnapshot:
-        config = self.config
-        stream = await asyncio.wait_for(self.transport.open(donor), config.message_timeout)
-        try:
-            nonce = self.rng.getrandbits(63)
-            local = self.transport.peer_id
-            proof = self.access.credentials(context=ACCESS_CONTEXT, local=local, remote=donor, nonce=nonce)
-            await _send(stream, StateKind.HELLO, config.message_timeout, a={"nonce": nonce, **proof})
-            kind, reply = await _recv(stream, {StateKind.MANIFEST, StateKind.DECLINE}, config)
-            if kind is StateKind.DECLINE:
-                reason = reply["reason"] if isinstance(reply["reason"], str) else "no reason"
-                raise DonorDeclined(f"declined: {reason[:_MAX_REASON]}")
-            manifest = Manifest.from_wire(reply["m"], config)
-            manifest.check_layout(self.expected)
-            self._adopt(manifest)
-            for index in range(len(manifest.chunk_hashes)):
-                if index not in self.chunks:
-                    self.chunks[index] = await self._chunk(stream, manifest, index)
-            payload = b"".join(self.chunks[i] for i in range(len(manifest.chunk_hashes)))
-            try:
-                return manifest.unpack(payload)
-            except StateTransferError:
-                self.manifest, self.chunks = None, {}
-                raise
-        finally:
-            await stream.close()
-
-    def _adopt(self, manifest: Manifest) -> None:
-        if self.manifest is not None and self.manifest.sha256 == manifest.sha256:
-            self.reused += len(self.chunks)
-            return
-        if self.chunks:
-            self.restarts += 1
-        self.manifest, self.chunks = manifest, {}
-
-    async def _chunk(self, stream: Stream, manifest: Manifest, index: int) -> bytes:
-        await _send(stream, StateKind.GET, self.config.message_timeout, i=index)
-        _, reply = await _recv(stream, {StateKind.CHUNK}, self.config)
-        data, start_end = reply["b"], manifest.chunk_bounds(index)
-        if reply["i"] != index or not isinstance(data, bytes) or len(data) != start_end[1] - start_end[0]:
-            raise StateTransferError(f"chunk {index} has the wrong index or length")
-        if hashlib.sha256(data).digest() != manifest.chunk_hashes[index]:
-            raise StateTransferError(f"chunk {index} fails its sha256 check")
-        return data
-
-
-def _line(error: Exception) -> str:
-    return " ".join(str(error).split())[:300] or type(error).__name__

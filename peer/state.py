@@ -9,8 +9,9 @@ residual is its own unsent work, not the joiner's), and the joiner's own counter
 position, compute time).
 
 `StateSharing` owns both roles on one `Transport` under `murmur/{run}/state/{version}`: it serves
-this peer's latest state (published after every outer step) and, on join, downloads from a
-random live peer whose announcement shows an outer step above zero. A private run's
+this peer's latest state (published after every outer step) and, on join, downloads from live
+peers whose announcements show an outer step above zero, several at once where they serve the same
+state (`averaging.state_download`), with a bar on a terminal (`peer.ops.progress.download_bar`). A private run's
 `AccessPolicy` (the same one the exchange uses) proves the run secret both ways: a donor refuses a
 requester that cannot, and never sends it any state.
 """
@@ -19,22 +20,20 @@ from __future__ import annotations
 
 import logging
 import random
+from collections.abc import Callable
 from functools import partial
+from typing import TextIO
 
 import torch
 
 from averaging.access import AccessPolicy
-from averaging.state_transfer import (
-    StateDonor,
-    StateDownloader,
-    StateSnapshot,
-    StateTransferError,
-    TransferConfig,
-)
+from averaging.state_download import StateDownloader
+from averaging.state_transfer import StateDonor, StateSnapshot, StateTransferError, TransferConfig, layout_bytes
 from averaging.transport import P2PTransport, Transport
 from averaging.wire import PROTOCOL_VERSION, TensorSpec
 from dht.records import RunRecords
 from peer.checkpoint import CheckpointError, check_count
+from peer.ops.progress import download_bar
 from peer.trainer import Trainer
 
 logger = logging.getLogger("murmur.state")
@@ -141,40 +140,52 @@ class StateSharing:
             and not a.client_mode
         ]
 
-    async def download(self, expected: dict[str, TensorSpec], min_step: int = 1) -> tuple[StateSnapshot, str] | None:
-        """A state from a live peer at `min_step` or later, or None if there is none; StateTransferError if all fail."""
+    async def download(
+        self,
+        expected: dict[str, TensorSpec],
+        min_step: int = 1,
+        progress: Callable[[int, int], None] | None = None,
+    ) -> tuple[StateSnapshot, tuple[str, ...]] | None:
+        """A state from live peers at `min_step` or later and who sent it (most chunks first), or None if there is
+        no such peer; StateTransferError if all fail. `progress(bytes verified, total)` as chunks verify."""
         donors = await self.donors(min_step)
         if not donors:
             return None
-        downloader = StateDownloader(self.transport, expected, self.config, self.rng, self.access)
+        downloader = StateDownloader(self.transport, expected, self.config, self.rng, self.access, progress)
         return await downloader.download(donors)
 
     async def stop(self) -> None:
         await self.donor.stop()
 
 
-def catch_up(run, sharing: StateSharing, trainer: Trainer, *, resumed: bool = False) -> tuple[int, str]:
+def catch_up(
+    run, sharing: StateSharing, trainer: Trainer, *, resumed: bool = False, terminal: TextIO | None = None
+) -> tuple[int, str]:
     """Download and apply a live peer's state before announcing; returns a log level and the line to log.
 
     `run` runs a coroutine on the peer's event loop (`LoopThread.run`). A fresh peer takes any live
     peer's state. A peer `resumed` from its checkpoint takes one only from a peer at least `AHEAD`
     outer steps in front (it slept, or was down long enough for the swarm to move on); it keeps its
     own inner optimizer state and error-feedback residuals. A failure leaves the trainer as it was.
+    When `terminal` (stderr by default) is a terminal, a bar shows the download (updated from the
+    event loop's thread); otherwise nothing but the line returned.
     """
     keeping = "keeping the checkpoint" if resumed else "starting from the run's initial model"
     min_step = trainer.outer.step + AHEAD if resumed else 1
+    expected = expected_layout(trainer)
+    bound = sharing.config.ceiling(layout_bytes(expected)) + 30  # the download's own bounds, and the DHT read
     try:
-        found = run(sharing.download(expected_layout(trainer), min_step), timeout=sharing.config.deadline + 30)
+        with download_bar(terminal) as progress:
+            found = run(sharing.download(expected, min_step, progress), timeout=bound)
         if found is None:
             nobody = "no live peer is ahead of the checkpoint" if resumed else "no live peer has state yet"
             return logging.INFO, f"{nobody}: {keeping}"
-        snapshot, donor = found
+        snapshot, donors = found
         behind = trainer.outer.step
         apply_training_state(trainer, snapshot, keep_residuals=resumed)
     except (StateTransferError, CheckpointError, TimeoutError, ConnectionError) as e:
         return logging.WARNING, f"state download failed, {keeping}: {e}"
+    who = donors[0][-8:] + (f" and {len(donors) - 1} more" if len(donors) > 1 else "")
     if resumed:
-        return logging.INFO, (
-            f"the swarm moved on: took {donor[-8:]}'s state, outer step {behind} -> {trainer.outer.step}"
-        )
-    return logging.INFO, f"downloaded the swarm's state from {donor[-8:]} at outer step {trainer.outer.step}"
+        return logging.INFO, f"the swarm moved on: took {who}'s state, outer step {behind} -> {trainer.outer.step}"
+    return logging.INFO, f"downloaded the swarm's state from {who} at outer step {trainer.outer.step}"

@@ -76,7 +76,8 @@ def run_murmur(name: str) -> dict:
 
     from averaging.group import GroupAverager, GroupConfig, GroupPlan
     from averaging.groups import Appointment
-    from averaging.state_transfer import StateDonor, StateDownloader, TransferConfig
+    from averaging.state_download import StateDownloader
+    from averaging.state_transfer import StateDonor, TransferConfig
     from averaging.transport import InMemoryNetwork
     from peer.checkpoint import save_checkpoint
     from peer.config import TrainConfig

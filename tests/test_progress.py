@@ -1,10 +1,10 @@
-"""The live progress line of a joined peer: a pure render function, and where it is written."""
+"""The live progress line of a joined peer: a pure render function, and where it is written; the download bar."""
 
 from __future__ import annotations
 
 import io
 
-from peer.ops.progress import Progress, ProgressLine, render_progress
+from peer.ops.progress import Progress, ProgressLine, download_bar, render_progress
 
 SNAPSHOT = Progress(
     round=12, step=240, loss=2.3456, eval_loss=2.5, samples_per_second=81.25, peers_seen=3, exchanges_ok=9,
@@ -49,3 +49,20 @@ def test_a_log_gets_a_line_every_few_rounds() -> None:
     progress.close()
     lines = out.getvalue().splitlines()
     assert [line.split()[1] for line in lines] == ["5", "10"]
+
+
+class Terminal(io.StringIO):
+    def isatty(self) -> bool:
+        return True
+
+
+def test_the_download_bar_shows_only_on_a_terminal() -> None:
+    log = io.StringIO()
+    with download_bar(log) as update:
+        assert update is None  # nothing to feed: the log stays one line per event
+    assert log.getvalue() == ""
+    screen = Terminal()
+    with download_bar(screen) as update:
+        update(0, 3_000_000)
+        update(3_000_000, 3_000_000)
+    assert "state download" in screen.getvalue() and "3.0/3.0 MB" in screen.getvalue()

@@ -1,13 +1,16 @@
-"""A joined peer's live progress: one line, rewritten in place on a terminal.
+"""A joined peer's live progress: one line, rewritten in place on a terminal; and the bar of its state download.
 
 `render_progress` is a pure function of a `Progress` snapshot, so what a volunteer sees is tested
-without a network; `ProgressLine` decides where and how often it goes to the screen.
+without a network; `ProgressLine` decides where and how often it goes to the screen. `download_bar`
+is a rich progress bar for the state download on join, shown only on a terminal.
 """
 
 from __future__ import annotations
 
+import contextlib
 import sys
 import time
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 from typing import TextIO
 
@@ -85,3 +88,29 @@ class ProgressLine:
         if self.live:
             self.stream.write("\n")
             self.stream.flush()
+
+
+@contextlib.contextmanager
+def download_bar(stream: TextIO | None = None) -> Iterator[Callable[[int, int], None] | None]:
+    """While open, a bar on `stream` (stderr by default) for a state download: bytes, rate, time left, fed by the
+    callback yielded, `update(bytes verified, total)`, from any thread. None when `stream` is not a terminal, so
+    logs stay one line each. The bar appears with the first update (the size is known once a manifest is in) and
+    is gone when closed: the line logged after it says how the download went."""
+    stream = stream or sys.stderr
+    if not stream.isatty():
+        yield None
+        return
+    from rich.console import Console
+    from rich.progress import BarColumn, DownloadColumn, Progress, TextColumn, TimeRemainingColumn, TransferSpeedColumn
+
+    columns = (TextColumn("state download"), BarColumn(), DownloadColumn(), TransferSpeedColumn())
+    with Progress(*columns, TimeRemainingColumn(), console=Console(file=stream), transient=True) as bar:
+        task = None  # made by the first update
+
+        def update(done: int, total: int) -> None:
+            nonlocal task
+            if task is None:
+                task = bar.add_task("state", total=total)
+            bar.update(task, completed=done, total=total)
+
+        yield update
