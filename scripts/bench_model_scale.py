@@ -163,7 +163,7 @@ async def state_download(state, StateDonor, StateDownloader, TransferConfig, InM
 
     network = InMemoryNetwork()
     snapshot = StateSnapshot(tensors={n: t.detach().float().contiguous() for n, t in state.items()}, counters={})
-    config = TransferConfig(message_timeout=120.0, deadline=1200.0)  # the donor packs a large state on demand
+    config = TransferConfig()  # what a real joiner uses
     donor = StateDonor(network.transport("donor"), config=config)
     donor.publish(snapshot)
     await donor.start()
