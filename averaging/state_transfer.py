@@ -344,6 +344,8 @@ class StateDonor:
         self._published += 1
         take = state if callable(state) or state is None else (lambda: state)
         self._source = None if take is None else (self._published, take)  # one reference swap: thread-safe
+        if not self.uploads:  # the old packed state goes now (an upload in progress keeps its own chunks)
+            self._packed = None
 
     async def start(self) -> None:
         await self.transport.serve(self._handle)
@@ -370,11 +372,12 @@ class StateDonor:
             source = self._source
             if source is None:
                 raise StateTransferError("no state to share any more")
-            if self._packed is None or self._packed[0] != source[0]:
-                self._packed = None  # the old one goes before the new one is made
+            packed = self._packed  # read once: `publish` may drop the cache from another thread
+            if packed is None or packed[0] != source[0]:
+                self._packed = packed = None  # the old one goes before the new one is made
                 take, size = source[1], self.config.chunk_size
-                self._packed = (source[0], *await asyncio.to_thread(lambda: pack(take(), size)))
-            return self._packed[1], self._packed[2]
+                packed = self._packed = (source[0], *await asyncio.to_thread(lambda: pack(take(), size)))
+            return packed[1], packed[2]
 
     async def _handle(self, remote: str, stream: Stream) -> None:
         timeout = self.config.message_timeout

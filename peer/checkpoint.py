@@ -114,9 +114,11 @@ class CheckpointWriter:
     """Writes checkpoints on a thread of its own, so the training loop pays only for the snapshot.
 
     `submit` copies the state at once (the snapshot: training may change the tensors right after)
-    and hands the hashing, the write and the fsyncs to the writer thread. Only the newest snapshot
-    waits: if the disk is slower than the rounds, older pending ones are dropped, never queued up.
-    A failed write is a warning; `flush` waits for the pending write and returns the last path written.
+    and hands the hashing, the write and the fsyncs to the writer thread. A snapshot is a copy of the
+    whole training state (a 124M model's is 2.5 GB), so at most one is held besides the one being
+    written: while a write is in progress, a round's `submit` takes none and returns False (the next
+    round's will), and a `final` one waits for the write to end first. A failed write is a warning;
+    `flush` waits for the pending write and returns the last path written.
     """
 
     def __init__(self, directory: Path, *, keep: int = 2) -> None:
@@ -129,13 +131,20 @@ class CheckpointWriter:
         self._thread = threading.Thread(target=self._run, name="murmur-checkpoint", daemon=True)
         self._thread.start()
 
-    def submit(self, state: dict[str, Any]) -> None:
-        taken = snapshot(state)
+    def submit(self, state: dict[str, Any], *, final: bool = False) -> bool:
+        """Snapshot `state` for the writer; False if a write was in progress (not `final`): nothing taken."""
         with self._cond:
             if self._closed:
                 raise RuntimeError("the checkpoint writer is closed")
+            if self._busy and not final:
+                return False
+            self._cond.wait_for(lambda: not self._busy)
+            self._pending = None  # superseded (nothing else is held while the new snapshot is taken)
+        taken = snapshot(state)
+        with self._cond:
             self._pending = taken
             self._cond.notify_all()
+        return True
 
     def flush(self) -> Path | None:
         with self._cond:

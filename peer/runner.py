@@ -257,18 +257,21 @@ class VolunteerPeer:
         if self.options.verbose:
             print(line, flush=True)
 
-    def checkpoint(self) -> None:
-        """Snapshot the state for the checkpoint writer, if there is a checkpoint folder. Never stops training."""
+    def checkpoint(self, *, final: bool = False) -> bool:
+        """Snapshot the state for the checkpoint writer, if there is a checkpoint folder; whether one was taken
+        (a round's is not while the last one is still being written; a `final` one waits for it). Never stops
+        training."""
         if self.writer is None:
-            return
+            return False
         if not all_finite(self.trainer.model.state_dict(), self.trainer.outer.anchor):
             logger.warning("checkpoint not taken: the model is not finite")
-            return
+            return False
         try:
-            self.writer.submit(checkpoint_state(self.options.run_id, self.trainer, self.averager.compressor,
-                                                self.peer_id))  # fmt: skip
+            return self.writer.submit(checkpoint_state(self.options.run_id, self.trainer, self.averager.compressor,
+                                                       self.peer_id), final=final)  # fmt: skip
         except Exception as e:  # a checkpoint that cannot be taken never stops training
             logger.warning("checkpoint not taken: %s", e)
+            return False
 
     def announcement(self) -> Announcement:
         seen = self.engine.announced
@@ -354,13 +357,13 @@ class VolunteerPeer:
                 rounds - saved >= options.checkpoint_every
                 and time.monotonic() - saved_at >= options.checkpoint_interval
             ):
-                self.checkpoint()
-                saved, saved_at, saved_steps = rounds, time.monotonic(), trainer.steps
+                if self.checkpoint():
+                    saved, saved_at, saved_steps = rounds, time.monotonic(), trainer.steps
         failed = self.verdict.failure is not None
         finished = self.finish(stop) if not stop.is_set() and not failed else 0
         if trainer.steps > saved_steps or finished:  # a clean stop keeps every step since the last checkpoint,
             # a round that a stop cut short included (the model holds its inner steps; the next round goes on)
-            self.checkpoint()
+            self.checkpoint(final=True)
         report = self.journal.report(self, started, rounds, initial_loss, finished)
         if failed:  # the work so far is saved; the error is one line
             raise PeerError(self.verdict.failure)

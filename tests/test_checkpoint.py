@@ -257,11 +257,13 @@ def test_the_writer_snapshots_at_submit_and_keeps_only_the_newest_pending(tmp_pa
     writer.submit(state)
     state["x"].add_(100)  # training goes on at once: the checkpoint must hold the value at submit time
     assert started.wait(10)  # the writer holds step 1
-    for step in (2, 3, 4):
-        writer.submit(small_state(step))
+    assert [writer.submit(small_state(step)) for step in (2, 3)] == [False, False]  # 1 is being written: none
+    final = threading.Thread(target=writer.submit, args=(small_state(4),), kwargs={"final": True})
+    final.start()  # a final one waits for the write in progress, then is taken
     gate.set()
+    final.join(10)
     assert writer.close() == tmp_path / "ckpt-00000004.safetensors"
-    assert written == [1, 4]  # 2 and 3 were superseded while 1 was being written
+    assert written == [1, 4]  # 2 and 3 were never taken while 1 was being written
     assert sorted(p.name for p in tmp_path.iterdir()) == ["ckpt-00000001.safetensors", "ckpt-00000004.safetensors"]
     assert torch.equal(load_checkpoint(tmp_path / "ckpt-00000001.safetensors")["x"], at_submit)
     assert torch.equal(load_checkpoint(tmp_path / "ckpt-00000004.safetensors")["x"], small_state(4)["x"])
