@@ -101,7 +101,8 @@ def main(argv: list[str] | None = None) -> int:
         for name, proc in procs.items():
             proc.wait(timeout=max(60.0, remaining + 300))
             print(f"  {name} exited with {proc.returncode}", flush=True)
-        reports = {n: json.loads((work / n / "report.json").read_text()) for n in procs}
+        reports = {n: json.loads((work / n / "report.json").read_text()) if (work / n / "report.json").exists()
+                   else {} for n in procs}  # fmt: skip  # a peer the OOM killer ended wrote none
         finished = {n: r.get("finish_exchanges", 0) for n, r in reports.items()}
         exchanged = {n: r.get("exchanges_ok", 0) for n, r in reports.items()}
         checks = {
@@ -114,7 +115,8 @@ def main(argv: list[str] | None = None) -> int:
         for check, held in checks.items():
             print(f"check {check}: {'held' if held else 'FAILED'}", flush=True)
         args.out.parent.mkdir(parents=True, exist_ok=True)
-        result = {"model": MODEL, "params": 123_702_528, "checks": checks, "matched": matched,
+        exits = {n: p.returncode for n, p in procs.items()}
+        result = {"model": MODEL, "params": 123_702_528, "checks": checks, "matched": matched, "exit_codes": exits,
                   "exchanges_ok": exchanged, "finish_exchanges": finished}  # fmt: skip
         args.out.write_text(json.dumps(result, indent=2) + "\n")
         print(f"wrote {args.out}")
