@@ -76,8 +76,7 @@ def part_spec(spec: Mapping[str, TensorSpec], part: list[Piece]) -> dict[str, Te
 
 def frame_cap(spec: Mapping[str, TensorSpec], part: list[Piece]) -> int:
     """The largest frame that may carry `part`."""
-    data = sum((p.stop - p.start) * _rows(spec[p.name])[1] if spec[p.name].shape else spec[p.name].dtype.itemsize
-               for p in part)  # fmt: skip
+    data = sum(math.prod(s.shape) * s.dtype.itemsize for s in part_spec(spec, part).values())
     return data + _FRAME_SLACK + _PER_PIECE * len(part)
 
 

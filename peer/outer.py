@@ -134,12 +134,8 @@ class OuterOptimizer:
                 else:
                     proj = result.projections[f"delta/{name}"]
                     d = proj.mean
-                    if self.config.error_feedback:  # a lazy offer's tensors are made for this read: ours to reuse
-                        owned = isinstance(offer.tensors, Lazy)
-                        residual = delta.sub_(proj.own) if owned else delta - proj.own
-                        self.error_feedback.keep(name, residual, owned=True)
-                    else:
-                        self.error_feedback.keep(name, None)
+                    residual = delta - proj.own if self.config.error_feedback else None  # a new tensor: kept as is
+                    self.error_feedback.keep(name, residual, owned=True)
                     for group in ("anchor", "momentum"):
                         if f"{group}/{name}" in offer.tensors:
                             self._pull(group, name, result.projections[f"{group}/{name}"])
@@ -209,21 +205,20 @@ class OuterOptimizer:
 
         On a mismatch it raises CheckpointError and nothing has changed.
         """
-        with self.lock:
-            if not isinstance(state, Mapping):
-                raise CheckpointError("outer optimizer state is not a dict")
-            shapes = {n: tuple(p.shape) for n, p in self.params.items()}
-            step = check_count(state.get("step"), "outer step")
-            anchor = check_tensors(state.get("anchor"), shapes, "outer anchor")
-            # without momentum none is kept (a saved one, all zeros from an older version, is not needed)
-            momentum = (
-                check_tensors(state.get("momentum"), shapes, "outer momentum") if self.config.momentum > 0 else {}
-            )
-            residuals = check_tensors(state.get("error_feedback"), shapes, "error-feedback residual", partial=True)
+        if not isinstance(state, Mapping):
+            raise CheckpointError("outer optimizer state is not a dict")
+        shapes = {n: tuple(p.shape) for n, p in self.params.items()}
+        step = check_count(state.get("step"), "outer step")
+        anchor = check_tensors(state.get("anchor"), shapes, "outer anchor")
+        # without momentum none is kept (a saved one, all zeros from an older version, is not needed)
+        momentum = check_tensors(state.get("momentum"), shapes, "outer momentum") if self.config.momentum > 0 else {}
+        residuals = check_tensors(state.get("error_feedback"), shapes, "error-feedback residual", partial=True)
 
-            def own(tensors: Mapping[str, torch.Tensor]) -> dict[str, torch.Tensor]:
-                return {n: t.to(device=self.params[n].device, dtype=torch.float32).clone() for n, t in tensors.items()}
+        def own(tensors: Mapping[str, torch.Tensor]) -> dict[str, torch.Tensor]:
+            return {n: t.to(device=self.params[n].device, dtype=torch.float32).clone() for n, t in tensors.items()}
 
-            self.anchor, self.momentum = own(anchor), own(momentum)
-            self.error_feedback.load_state_dict(own(residuals))
+        anchor, momentum, residuals = own(anchor), own(momentum), own(residuals)
+        with self.lock:  # checked and copied before: only the swap holds a donor's copy back
+            self.anchor, self.momentum = anchor, momentum
+            self.error_feedback.load_state_dict(residuals)
             self.step = step
