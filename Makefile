@@ -6,7 +6,7 @@ STAMP := $(VENV)/.installed-stamp
 PEERS ?= 4
 DURATION ?= 60
 
-.PHONY: install simulate test test-fast lint format clean
+.PHONY: install browser simulate test test-fast lint format clean
 
 install: $(STAMP)
 
@@ -20,6 +20,14 @@ $(STAMP): setup.cfg pyproject.toml
 	$(PY) -m pip install -q -c $(VENV)/constraints.txt -e '.[test]'
 	touch $(STAMP)
 
+# the dashboard's browser test runs Debian's Chromium and ChromeDriver (apt, as root or through sudo)
+SUDO := $(shell [ "$$(id -u)" = 0 ] || echo sudo)
+browser:
+	@if [ ! -x /usr/bin/chromium ] || [ ! -x /usr/bin/chromedriver ]; then \
+		$(SUDO) apt-get update -qq && \
+		$(SUDO) env DEBIAN_FRONTEND=noninteractive apt-get install -y -qq --no-install-recommends \
+			chromium chromium-driver >/dev/null; fi
+
 simulate: install
 	$(VENV)/bin/murmur simulate --peers $(PEERS) --duration $(DURATION) --report report.json
 
@@ -27,7 +35,7 @@ lint: install
 	$(VENV)/bin/ruff check .
 	$(VENV)/bin/ruff format --check .
 
-test: lint
+test: lint browser
 	$(PY) -m pytest -q -p no:cacheprovider
 
 test-fast: install

@@ -112,6 +112,8 @@ class Metrics(_Record):
     exchanges_failed: Count
     bytes_sent: Count
     bytes_received: Count
+    # peer.sketch.AnchorSketch of the peer's anchor: the dashboard's estimate of the consensus distance
+    sketch: list[float] | None = Field(default=None, max_length=1024)
 
 
 class RunRecord(_Record):

@@ -4,6 +4,7 @@
     murmur join --initial-peers MADDR... --run RUN [--resume] [--restart]
     murmur simulate --peers N --duration SECONDS --report PATH
     murmur status --initial-peers MADDR... --run RUN [--json]
+    murmur dashboard --initial-peers MADDR... --run RUN [--port P]
     murmur report RUN_DIR [--out PNG]
     murmur doctor [--host HOST] [--port PORT]
 
@@ -246,6 +247,39 @@ def _status(args: argparse.Namespace) -> int:
     return 0
 
 
+def _dashboard(args: argparse.Namespace) -> int:
+    from dht.addresses import parse_host
+    from dht.records import validate_run_id
+
+    validate_run_id(args.run)
+    host = parse_host(args.host)  # both before a node starts
+    with _Stop(args.command) as stop:
+        from dht.node import NodeConfig, start_node, stop_node
+        from dht.records import RunRecords
+        from peer.ops.dashboard import Board, Poller, Server, make_app
+
+        board = Board(args.run, args.period)
+        server = Server(make_app(board), host, args.port)  # a port in use fails here, before the node starts
+        try:
+            dht = start_node(NodeConfig(initial_peers=tuple(args.initial_peers), client_mode=True, run_id=args.run))
+            try:
+                records = RunRecords(dht, args.run, request_timeout=max(5.0, 2 * args.period))
+                poller = Poller(records, board, args.period).start()
+                try:
+                    server.start()
+                    stop.started()
+                    print(f"dashboard of run '{args.run}' at {server.url}", flush=True)
+                    while not stop.event.wait(1.0):  # short waits: the signal handlers run in this thread
+                        pass
+                finally:
+                    poller.stop()
+            finally:
+                stop_node(dht)
+        finally:
+            server.stop()
+    return 0
+
+
 def _report(args: argparse.Namespace) -> int:
     from peer.ops.report import write_report  # its ReportError is a ValueError
 
@@ -275,6 +309,7 @@ def main(argv: list[str] | None = None) -> int:
         "join": _join,
         "simulate": _simulate,
         "status": _status,
+        "dashboard": _dashboard,
         "report": _report,
         "doctor": _doctor,
     }

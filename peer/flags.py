@@ -220,6 +220,16 @@ def build_parser() -> argparse.ArgumentParser:
     status.add_argument("--run", required=True, help="run id")
     status.add_argument("--json", action="store_true", help="print one JSON object instead of a table")
 
+    dash = sub.add_parser("dashboard", help="serve a live web page of a run's peers and charts, read from the DHT")
+    dash.add_argument("--initial-peers", nargs="+", required=True, metavar="MADDR", help="bootstrap multiaddrs")
+    dash.add_argument("--run", required=True, help="run id")
+    dash.add_argument("--host", default="127.0.0.1",
+                      help="address the page is served on (default: %(default)s, this machine only)")  # fmt: skip
+    dash.add_argument("--port", type=PORT, default=8080,
+                      help="the page's TCP port, 0 picks a free one (default: %(default)s)")  # fmt: skip
+    dash.add_argument("--period", type=number(), default=2.0, metavar="SECONDS",
+                      help="seconds between readings of the DHT (default: %(default)s)")  # fmt: skip
+
     report = sub.add_parser("report", help="plot a peer's or a simulation's metrics logs to a PNG")
     report.add_argument("run_dir", type=Path, metavar="RUN_DIR", help="a folder with metrics.jsonl or peer-*/")
     report.add_argument("--out", type=Path, metavar="PNG", help="output file (default: RUN_DIR/report.png)")

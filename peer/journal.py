@@ -17,6 +17,7 @@ from dht.records import Metrics
 from peer.anchorfile import ANCHOR, save_anchor
 from peer.metrics import MetricsLog, PeerReport
 from peer.ops.progress import Progress, ProgressLine
+from peer.sketch import AnchorSketch
 from peer.verdict import all_finite
 
 logger = logging.getLogger("murmur.peer")
@@ -29,6 +30,7 @@ class Journal:
         self.progress = ProgressLine(every=every) if verbose else None
         self.metrics_interval = metrics_interval
         self._metrics_at = -math.inf  # when this peer's metrics were last published to the DHT
+        self._sketch: AnchorSketch | None = None  # made at the first publication, for the anchor's layout
         self.peers_alive = 1  # live peers in the run's announcements, this one included
 
     def round(self, peer, rounds: int, loss: float, eval_loss: float, result, blocked: float) -> None:
@@ -51,6 +53,7 @@ class Journal:
                 peer_id=peer.peer_id, step=trainer.steps, samples=trainer.samples, loss=loss,
                 exchanges_ok=stats.ok, exchanges_failed=stats.failed,
                 bytes_sent=traffic.bytes_sent, bytes_received=traffic.bytes_received,
+                sketch=self.sketch(peer.options.run_id, trainer.outer.anchor),
             )  # fmt: skip
             peer.loop.submit(peer.records.a_publish_metrics(metrics)).add_done_callback(_log_failure)
         if self.progress is not None:
@@ -64,6 +67,13 @@ class Journal:
                     seconds_since_exchange=since, bytes_sent=traffic.bytes_sent, bytes_received=traffic.bytes_received,
                 )
             )  # fmt: skip
+
+    def sketch(self, run_id: str, anchor) -> list[float] | None:
+        """The anchor's sketch for the dashboard (peer.sketch); None while the anchor is not finite."""
+        if self._sketch is None:
+            self._sketch = AnchorSketch.of(run_id, anchor)
+        sketch = self._sketch(anchor)
+        return sketch if all(map(math.isfinite, sketch)) else None
 
     def report(self, peer, started: float, rounds: int, initial_loss: float, finished: int = 0) -> PeerReport:
         """The peer's report, written with its final model to the out dir (never a model that is not finite)."""

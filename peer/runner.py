@@ -73,7 +73,7 @@ class PeerOptions:
     config_wait: float = 20.0  # how long to look for the run's config on the DHT
     eval_every: int = 5  # rounds between held-out evaluations in the metrics log; 0: only at the start and stop
     verbose: bool = False  # print a progress line every eval_every rounds (every 5 with eval_every 0)
-    metrics_interval: float = 10.0  # seconds between the metrics `murmur status` reads from the DHT (ttl 60 s)
+    metrics_interval: float = 5.0  # seconds between the metrics `murmur status` and dashboards read (ttl 60 s)
     checkpoint_dir: Path | None = None  # default: out_dir / "checkpoints"; neither: no checkpoints
     checkpoint_every: int = 1  # rounds between checkpoints (and one more on a clean stop)...
     # ...and at least this many seconds. A checkpoint costs the training thread its snapshot (tens of ms

@@ -155,7 +155,20 @@ def verdict(results: dict[int, ScaleResult], dht: dict | None = None) -> dict:
                               f"a round's exchange bytes")  # fmt: skip
                 break
     out["scaling_breaks"] = breaks
+    out["sketch_vs_exact"] = sketch_accuracy(results)
     return out
+
+
+def sketch_accuracy(results: dict[int, ScaleResult]) -> dict | None:
+    """How close the dashboard's consensus estimate (peer.sketch, from the peers' published sketches) came to
+    the exact distance, over every measurement of every swarm where the exact one is above FLOOR."""
+    ratios = [estimate / exact for r in results.values()
+              for exact, estimate in zip(r.curve["consensus"], r.curve.get("consensus_sketch", []), strict=False)
+              if exact >= FLOOR and estimate is not None]  # fmt: skip
+    if not ratios:
+        return None
+    return {"measurements": len(ratios), "min_ratio": min(ratios), "max_ratio": max(ratios),
+            "mean_abs_error": statistics.fmean(abs(x - 1) for x in ratios)}  # fmt: skip
 
 
 def print_table(results: dict[int, ScaleResult], dht: dict | None) -> None:

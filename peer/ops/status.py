@@ -19,6 +19,7 @@ from rich.table import Table
 from rich.text import Text
 
 from dht.records import RunRecords
+from peer.sketch import consensus_estimate
 
 
 class RunNotFound(LookupError):
@@ -35,6 +36,10 @@ class PeerStatus:
     inner_steps: int | None  # from the metrics record (None: the peer has published none yet)
     samples: int | None  # from the metrics record
     loss: float | None  # last training loss, from the metrics record
+    exchanges_ok: int | None = None  # from the metrics record, as are the three below
+    exchanges_failed: int | None = None
+    bytes_sent: int | None = None
+    bytes_received: int | None = None
     samples_per_second: float
     version: int  # protocol version the peer speaks
     client_mode: bool
@@ -47,6 +52,9 @@ class RunStatus:
     config: dict[str, Any] | None  # the run's training config record; None if it has expired or was never published
     created_by: str | None  # peer id of the node that published the config
     peers: list[PeerStatus]  # sorted by peer id
+    # peer.sketch.consensus_estimate over the live peers' published sketches: max_i ‖φ_i − φ̄‖/‖φ̄‖, estimated
+    # (None with fewer than two sketches)
+    consensus_estimate: float | None = None
 
     def to_json(self) -> str:
         return json.dumps(dataclasses.asdict(self), allow_nan=False)
@@ -71,15 +79,19 @@ def read_status(records: RunRecords) -> RunStatus:
             PeerStatus(
                 peer_id=peer_id, state=a.state.value, outer_step=a.step,
                 inner_steps=m.step if m else None, samples=m.samples if m else None, loss=m.loss if m else None,
+                exchanges_ok=m.exchanges_ok if m else None, exchanges_failed=m.exchanges_failed if m else None,
+                bytes_sent=m.bytes_sent if m else None, bytes_received=m.bytes_received if m else None,
                 samples_per_second=a.samples_per_second, version=a.version, client_mode=a.client_mode,
                 last_seen=max(0.0, now - (expiration - records.announce_ttl)),
             )
         )  # fmt: skip
+    sketches = [m.sketch for peer_id, m in metrics.items() if peer_id in announced and m.sketch]
     return RunStatus(
         run=records.run_id,
         config=dict(record.config) if record else None,
         created_by=record.created_by if record else None,
         peers=peers,
+        consensus_estimate=consensus_estimate(sketches) if len(sketches) >= 2 else None,
     )
 
 

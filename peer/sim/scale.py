@@ -46,6 +46,7 @@ from torch import Tensor, nn
 from averaging.group import GroupResult
 from peer.config import TrainConfig
 from peer.metrics import anchor_distances
+from peer.sketch import AnchorSketch, consensus_estimate
 from peer.rounds import Step
 from peer.sim.swarm import VirtualPeer, VirtualSwarm
 from peer.state import apply_training_state, training_state
@@ -56,6 +57,7 @@ DIGITS_MODEL = "peer.sim.scale:build_mlp"
 HELDOUT = 360  # of the 1797 digits, held out once with a fixed seed; every peer evaluates on the same set
 HELDOUT_SEED = 1234
 STATE_MESSAGES = 4  # a state download: HELLO, MANIFEST, GET, CHUNK (the digits model is one chunk)
+SKETCH_RUN = "scale"  # the run id that seeds the dashboard's sketch map (peer.sketch)
 
 
 @functools.cache
@@ -240,7 +242,9 @@ class _Scale:
         self.budget = peers * settings.rounds * settings.inner_steps * settings.batch_size
         self.samples = self.rounds = self.departures = self.joins = self.state_bytes = 0
         self.tags: list[_Tag] = []
-        self.curve: dict[str, list[float]] = {"samples": [], "seconds": [], "consensus": [], "mean_loss": []}
+        self.curve: dict[str, list[float]] = {"samples": [], "seconds": [], "consensus": [], "mean_loss": [],
+                                              "consensus_sketch": []}  # fmt: skip
+        self.sketch: AnchorSketch | None = None  # what real peers publish for the dashboard (peer.journal)
         self.losses: list[float] = []  # of the last measurement, per live peer
         self.distances: list[float] = []  # of the last measurement: each live peer's anchor to the mean
         self.stepped_at: dict[int, float] = {}  # when each peer's anchor last moved (its outer step, or its join)
@@ -339,6 +343,9 @@ class _Scale:
         live = self.swarm.live()
         self.losses = losses = [p.trainer.evaluate() for p in live]
         self.distances = anchor_distances([p.trainer.outer.anchor for p in live])
+        if self.sketch is None:
+            self.sketch = AnchorSketch.of(SKETCH_RUN, live[0].trainer.outer.anchor)
+        self.curve["consensus_sketch"].append(consensus_estimate([self.sketch(p.trainer.outer.anchor) for p in live]))
         for key, value in (("samples", self.samples), ("seconds", self.now), ("mean_loss", statistics.fmean(losses)),
                            ("consensus", max(self.distances))):  # fmt: skip
             self.curve[key].append(value)
