@@ -46,9 +46,9 @@ from torch import Tensor, nn
 from averaging.group import GroupResult
 from peer.config import TrainConfig
 from peer.metrics import anchor_distances
-from peer.sketch import AnchorSketch, consensus_estimate
 from peer.rounds import Step
 from peer.sim.swarm import VirtualPeer, VirtualSwarm
+from peer.sketch import AnchorSketch, consensus_estimate
 from peer.state import apply_training_state, training_state
 from peer.trainer import Trainer
 from peer.workload import Workload, custom
