@@ -96,7 +96,7 @@ def prune(directory: Path, *, run_id: str, model: str, keep: int) -> list[Path]:
     model's file in the same folder is left alone, as are format-1 `.pt` files.
     """
     kept, removed = 0, []
-    for path in _checkpoints(directory):
+    for path in checkpoint_files(directory):
         if path.suffix != ".safetensors":
             continue
         try:
@@ -229,7 +229,7 @@ def latest_checkpoint(
     Checkpoints are tried newest first; one that fails to load, or that `accept` (if given) rejects
     by raising ValueError, is skipped with a one-line warning and the next older one is tried.
     """
-    for path in _checkpoints(Path(directory)):
+    for path in checkpoint_files(Path(directory)):
         try:
             state = load_checkpoint(path, run_id=run_id, model=model)
         except CheckpointError as e:
@@ -275,7 +275,7 @@ def check_count(value: Any, what: str) -> int:
     return value
 
 
-def _checkpoints(directory: Path) -> list[Path]:
+def checkpoint_files(directory: Path) -> list[Path]:
     """Every ckpt-*.safetensors and ckpt-*.pt in `directory`, newest first (at one step, .safetensors first)."""
     if not directory.is_dir():
         return []

@@ -5,6 +5,8 @@
     murmur simulate --peers N --duration SECONDS --report PATH
     murmur status --initial-peers MADDR... --run RUN [--json]
     murmur dashboard --initial-peers MADDR... --run RUN [--port P]
+    murmur export OUT_DIR (--from PATH | --initial-peers MADDR... --run RUN)
+    murmur sample PATH [--prompt TEXT] [--tokens N]
     murmur report RUN_DIR [--out PNG]
     murmur doctor [--host HOST] [--port PORT]
 
@@ -280,6 +282,37 @@ def _dashboard(args: argparse.Namespace) -> int:
     return 0
 
 
+def _export(args: argparse.Namespace) -> int:
+    from peer.ops.export import from_swarm, load, write  # its ExportError is a ValueError
+
+    if args.initial_peers is not None:
+        if args.run is None:
+            raise ValueError("--initial-peers needs --run: the run whose model to download")
+        from dht.records import validate_run_id
+
+        found = from_swarm(tuple(args.initial_peers), validate_run_id(args.run), model=args.model, data=args.data)
+    else:
+        if args.run is not None:
+            raise ValueError("--run goes with --initial-peers; with --from the model's file names its run")
+        found = load(args.source)
+    model_path, config_path = write(found, args.out_dir)
+    steps = "" if found.step is None else f" at step {found.step} (outer step {found.outer_step})"
+    print(f"exported {found.name}{steps} from {found.source} to {model_path} and {config_path}")
+    return 0
+
+
+def _sample(args: argparse.Namespace) -> int:
+    from peer.model import GPT
+    from peer.ops.export import load, sample
+
+    found = load(args.source)
+    if not isinstance(found.model, GPT):
+        raise ValueError(f"murmur sample draws text from the built-in GPTs; {found.name} is a model of its own")
+    print(sample(found.model, args.prompt, tokens=args.tokens, temperature=args.temperature, top_k=args.top_k,
+                 seed=args.seed))  # fmt: skip
+    return 0
+
+
 def _report(args: argparse.Namespace) -> int:
     from peer.ops.report import write_report  # its ReportError is a ValueError
 
@@ -310,6 +343,8 @@ def main(argv: list[str] | None = None) -> int:
         "simulate": _simulate,
         "status": _status,
         "dashboard": _dashboard,
+        "export": _export,
+        "sample": _sample,
         "report": _report,
         "doctor": _doctor,
     }

@@ -230,6 +230,31 @@ def build_parser() -> argparse.ArgumentParser:
     dash.add_argument("--period", type=number(), default=2.0, metavar="SECONDS",
                       help="seconds between readings of the DHT (default: %(default)s)")  # fmt: skip
 
+    export = sub.add_parser("export", help="write a run's model as model.safetensors and config.json")
+    export.add_argument("out_dir", type=Path, metavar="OUT_DIR", help="folder to write (made if missing)")
+    source = export.add_mutually_exclusive_group(required=True)
+    source.add_argument("--from", dest="source", type=Path, metavar="PATH",
+                        help="a peer's --out-dir, a checkpoint, an anchor file or an earlier export")  # fmt: skip
+    source.add_argument(
+        "--initial-peers",
+        nargs="+",
+        metavar="MADDR",
+        help="a live swarm's bootstrap multiaddrs: the model is downloaded from a peer (with --run)",
+    )
+    export.add_argument("--run", help="run id, with --initial-peers")
+    workload_flags(export, joining=True)
+
+    sample = sub.add_parser("sample", help="print text from a built-in GPT that a run trained")
+    sample.add_argument("source", type=Path, metavar="PATH",
+                        help="a peer's --out-dir, a checkpoint, an anchor.safetensors or an export folder")  # fmt: skip
+    sample.add_argument("--prompt", default="", help="text to continue (default: a new line)")
+    sample.add_argument("--tokens", type=integer(1, 100_000), default=200, help="bytes to draw (default: %(default)s)")
+    sample.add_argument("--temperature", type=number(zero=True), default=0.8,
+                        help="0 always takes the likeliest byte (default: %(default)s)")  # fmt: skip
+    sample.add_argument("--top-k", type=integer(1), default=40,
+                        help="draw among the K likeliest bytes (default: %(default)s)")  # fmt: skip
+    sample.add_argument("--seed", type=integer(0), default=0, help="seed of the draws (default: %(default)s)")
+
     report = sub.add_parser("report", help="plot a peer's or a simulation's metrics logs to a PNG")
     report.add_argument("run_dir", type=Path, metavar="RUN_DIR", help="a folder with metrics.jsonl or peer-*/")
     report.add_argument("--out", type=Path, metavar="PNG", help="output file (default: RUN_DIR/report.png)")

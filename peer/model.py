@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import math
 from dataclasses import dataclass
+from pathlib import Path
 
 import torch
 import torch.nn as nn
@@ -98,6 +99,20 @@ class GPT(nn.Module):
         for name, p in self.named_parameters():  # scaled init of residual projections (GPT-2)
             if name.endswith("c_proj.weight"):
                 nn.init.normal_(p, mean=0.0, std=0.02 / math.sqrt(2 * config.n_layer))
+
+    @classmethod
+    def from_pretrained(cls, folder: str | Path) -> GPT:
+        """The model `murmur export` wrote to `folder`: config.json's GPTConfig fields, then model.safetensors,
+        loaded strictly (every key and shape)."""
+        import json
+
+        from safetensors.torch import load_file
+
+        folder = Path(folder)
+        config = json.loads((folder / "config.json").read_text())
+        model = cls(GPTConfig(**{k: v for k, v in config.items() if k in GPTConfig.__dataclass_fields__}))
+        model.load_state_dict(load_file(folder / "model.safetensors"))
+        return model.eval()
 
     @staticmethod
     def _init_weights(module: nn.Module) -> None:

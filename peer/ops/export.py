@@ -1,0 +1,268 @@
+"""`murmur export` and `murmur sample`: a run's model as the ecosystem keeps models, and text from it.
+
+`murmur export OUT_DIR --from PATH` (or `--initial-peers ... --run RUN`) writes two files:
+
+* `model.safetensors`: the model's `state_dict()`, every key and shape, loadable strictly (a tied weight
+  is stored under each of its names); its metadata is only {"format": "pt"}.
+* `config.json`: for a built-in GPT, its `GPTConfig` fields at the top level (as Hugging Face configs
+  keep theirs) and "model_type": "murmur-gpt"; for a researcher's own model, "model_type": "custom" and
+  the builder's `pkg.module:function`. Both carry "murmur": the run, the registry name, the steps
+  and the run's training config.
+
+The model comes from a peer's `--out-dir` (its final `anchor.safetensors`, else its newest checkpoint), a
+checkpoint file, a folder that `export` wrote, or a live swarm: a client-mode node downloads a donor's
+state as a late joiner does (`peer.state`), and exports its anchor. What is exported is always the
+outer anchor φ, the swarm's model, never a peer's half-finished inner steps. Loading it back:
+
+    from peer.model import GPT
+    model = GPT.from_pretrained("OUT_DIR")
+"""
+
+from __future__ import annotations
+
+import json
+import math
+import os
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+import torch
+from torch import nn
+
+from peer import tensorfile
+from peer.anchorfile import ANCHOR, model_state
+from peer.checkpoint import CheckpointError, checkpoint_files, load_checkpoint
+from peer.config import is_spec
+from peer.model import GPT, MODELS, build_model
+from peer.tensorfile import TensorFileError
+
+MODEL_FILE, CONFIG_FILE = "model.safetensors", "config.json"
+MODEL_TYPE = "murmur-gpt"
+
+
+class ExportError(ValueError):
+    """No model where the user pointed, or one that does not load; str(e) is one line."""
+
+
+@dataclass
+class Found:
+    """A model with the run's weights in it, and where it came from."""
+
+    model: nn.Module
+    name: str  # a registry name, or a custom builder's pkg.module:function
+    source: str
+    run_id: str | None = None
+    step: int | None = None
+    outer_step: int | None = None
+    config: dict[str, Any] = field(default_factory=dict)  # the run's TrainConfig record, if known
+
+    def provenance(self) -> dict[str, Any]:
+        return {"model": self.name, "run_id": self.run_id, "step": self.step, "outer_step": self.outer_step,
+                "train_config": self.config, "source": self.source}  # fmt: skip
+
+
+def build(name: str, seed: int = 0) -> nn.Module:
+    """The run's model, its weights about to be replaced: a registry GPT, or a researcher's builder."""
+    if name in MODELS:
+        return build_model(name, seed=seed)
+    if is_spec(name):
+        from peer.workload import resolve
+
+        model = resolve(name, "model")()
+        if not isinstance(model, nn.Module):
+            raise ExportError(f"{name} did not return a torch.nn.Module")
+        return model
+    raise ExportError(f"unknown model {name!r}: neither a registry model nor pkg.module:function")
+
+
+def load(path: Path) -> Found:
+    """The model in `path`: an export folder, a peer's out dir, a checkpoints folder, an anchor or a checkpoint."""
+    path = Path(path)
+    if path.is_dir():
+        if (path / MODEL_FILE).exists():
+            return _from_export(path)
+        if (path / ANCHOR).exists():
+            return _from_anchor(path / ANCHOR)
+        for folder in (path / "checkpoints", path):
+            for file in checkpoint_files(folder):  # newest first; a bad one is skipped for the next
+                try:
+                    return _from_checkpoint(file)
+                except ExportError as e:
+                    last = e
+            if checkpoint_files(folder):
+                raise last
+        raise ExportError(f"no model in {path}: expected {MODEL_FILE}, {ANCHOR} or checkpoints/ckpt-*.safetensors")
+    if not path.is_file():
+        raise ExportError(f"{path}: no such file or folder")
+    try:
+        kind = tensorfile.read_metadata(path).get("murmur.kind")
+    except TensorFileError as e:
+        raise ExportError(f"{path} {e}") from None
+    return _from_anchor(path) if kind == "model" else _from_checkpoint(path)
+
+
+def _loaded(model: nn.Module, state: dict[str, torch.Tensor], where: str) -> nn.Module:
+    try:
+        model.load_state_dict(state)  # strict: every key and shape
+    except RuntimeError as e:
+        first = " ".join(str(e).split())[:300]
+        raise ExportError(f"{where} does not fit its model: {first}") from None
+    return model.eval()
+
+
+def _from_anchor(path: Path) -> Found:
+    try:
+        metadata, state = tensorfile.read(path)
+    except TensorFileError as e:
+        raise ExportError(f"model {path} {e}") from None
+    if metadata.get("murmur.kind") != "model" or not isinstance(state, dict):
+        raise ExportError(f"{path} is not a murmur model (no murmur.kind 'model' metadata)")
+    name = metadata.get("murmur.model", "")
+    config = _json(metadata.get("murmur.config"))
+    model = _loaded(build(name, seed=int(config.get("seed", 0) or 0)), state, str(path))
+    return Found(model, name, str(path), metadata.get("murmur.run_id"), _int(metadata.get("murmur.step")),
+                 _int(metadata.get("murmur.outer_step")), config)  # fmt: skip
+
+
+def _from_checkpoint(path: Path) -> Found:
+    try:
+        state = load_checkpoint(path)
+    except CheckpointError as e:
+        raise ExportError(str(e)) from None
+    try:
+        outer = state["trainer"]["outer"]
+        anchor, outer_step = outer["anchor"], outer["step"]
+    except (KeyError, TypeError):
+        raise ExportError(f"checkpoint {path} is corrupt: it has no outer anchor") from None
+    model = build(state["model"], seed=int((state.get("config") or {}).get("seed", 0) or 0))
+    if not isinstance(anchor, dict) or not all(isinstance(t, torch.Tensor) for t in anchor.values()):
+        raise ExportError(f"checkpoint {path} is corrupt: its anchor is not a dict of tensors")
+    model = _loaded(model, model_state(model, anchor), f"checkpoint {path}")
+    return Found(model, state["model"], str(path), state["run_id"], state["step"], outer_step,
+                 state.get("config") or {})  # fmt: skip
+
+
+def _from_export(folder: Path) -> Found:
+    if not (folder / CONFIG_FILE).exists():
+        raise ExportError(f"{folder} has {MODEL_FILE} but no {CONFIG_FILE}")
+    config = _json((folder / CONFIG_FILE).read_text())
+    about = config.get("murmur") if isinstance(config.get("murmur"), dict) else {}
+    if config.get("model_type") not in (MODEL_TYPE, "custom"):
+        raise ExportError(f"{folder / CONFIG_FILE} has no model_type {MODEL_TYPE!r} or 'custom': murmur export did "
+                          "not write it")  # fmt: skip
+    from safetensors import SafetensorError
+    from safetensors.torch import load_file
+
+    try:
+        if config.get("model_type") == MODEL_TYPE:
+            model = GPT.from_pretrained(folder)
+        else:
+            model = _loaded(build(str(config.get("builder") or "")), load_file(folder / MODEL_FILE), str(folder))
+    except ExportError:
+        raise
+    except (ValueError, TypeError, RuntimeError, OSError, SafetensorError) as e:
+        raise ExportError(f"{folder}: the exported model does not load: {' '.join(str(e).split())[:300]}") from None
+    return Found(model, str(about.get("model") or config.get("builder")), str(folder), about.get("run_id"),
+                 about.get("step"), about.get("outer_step"), about.get("train_config") or {})  # fmt: skip
+
+
+def write(found: Found, out_dir: Path) -> tuple[Path, Path]:
+    """`model.safetensors` and `config.json` in `out_dir` (made if missing), each written atomically."""
+    from safetensors.torch import save_file
+
+    out_dir = Path(out_dir)
+    out_dir.mkdir(parents=True, exist_ok=True)
+    state, seen = {}, set()
+    for key, tensor in found.model.state_dict().items():
+        tensor = tensor.detach().cpu().contiguous()
+        if tensor.data_ptr() in seen:  # a tied weight: a copy of its own under each name
+            tensor = tensor.clone()
+        seen.add(tensor.data_ptr())
+        state[key] = tensor
+    config: dict[str, Any]
+    if isinstance(found.model, GPT):
+        config = {"model_type": MODEL_TYPE, **vars(found.model.config)}
+    else:
+        config = {"model_type": "custom", "builder": found.name}
+    config["murmur"] = found.provenance()
+    model_path, config_path = out_dir / MODEL_FILE, out_dir / CONFIG_FILE
+    _atomic(model_path, lambda tmp: save_file(state, tmp, metadata={"format": "pt"}))
+    _atomic(config_path, lambda tmp: Path(tmp).write_text(json.dumps(config, indent=2, allow_nan=False) + "\n"))
+    return model_path, config_path
+
+
+def from_swarm(initial_peers: tuple[str, ...], run_id: str, *, model: str | None = None, data: str | None = None,
+               wait: float = 30.0) -> Found:  # fmt: skip
+    """A live swarm's model: a client-mode node downloads a donor's state, as a late joiner does."""
+    from dht.loop import LoopThread
+    from dht.node import NodeConfig, start_node, stop_node
+    from dht.records import RunRecords
+    from peer.runner import fetch_train_config
+    from peer.state import StateSharing, apply_training_state, expected_layout
+    from peer.trainer import Trainer
+    from peer.workload import WorkloadSpec
+
+    dht = start_node(NodeConfig(initial_peers=initial_peers, client_mode=True, run_id=run_id))
+    loop = LoopThread("murmur-export")
+    try:
+        records = RunRecords(dht, run_id)
+        config = fetch_train_config(records, wait)
+        trainer = Trainer(config, WorkloadSpec(model=model, data=data).build(config), data_seed=0)
+        sharing = loop.run(StateSharing.create(dht, records), timeout=30)
+        try:
+            found = loop.run(sharing.download(expected_layout(trainer)), timeout=sharing.config.ceiling(
+                sum(4 * p.numel() for p in trainer.outer.params.values())) + 30)  # fmt: skip
+        finally:
+            loop.run(sharing.stop(), timeout=10)
+        if found is None:
+            raise ExportError(f"run '{run_id}' has no live peer with a model yet (none has taken an outer step)")
+        snapshot, donors = found
+        apply_training_state(trainer, snapshot)
+        return Found(trainer.model.eval(), config.model, f"run {run_id}, from peer {donors[0]}", run_id,
+                     trainer.steps, trainer.outer.step, config.to_record())  # fmt: skip
+    finally:
+        loop.stop()
+        stop_node(dht)
+
+
+@torch.no_grad()
+def sample(model: GPT, prompt: str, *, tokens: int, temperature: float, top_k: int | None, seed: int) -> str:
+    """`tokens` more bytes after `prompt`, drawn from a byte-level GPT (ids above 255 are never drawn)."""
+    generator = torch.Generator().manual_seed(seed)
+    ids = list(prompt.encode("utf-8")) or [ord("\n")]
+    out = bytearray()
+    for _ in range(tokens):
+        context = torch.tensor([ids[-model.config.block_size :]])
+        logits = model(context)[0][0, -1, :256].double()
+        if temperature == 0:
+            next_id = int(logits.argmax())
+        else:
+            logits = logits / temperature
+            if top_k is not None and top_k < logits.numel():
+                logits[logits < torch.topk(logits, top_k).values[-1]] = -math.inf
+            next_id = int(torch.multinomial(torch.softmax(logits, dim=0), 1, generator=generator))
+        ids.append(next_id)
+        out.append(next_id)
+    return prompt + out.decode("utf-8", errors="replace")
+
+
+def _atomic(path: Path, write_to) -> None:
+    tmp = path.with_name(f".{path.name}.tmp-{os.getpid()}")
+    try:
+        write_to(str(tmp))
+        os.replace(tmp, path)
+    finally:
+        tmp.unlink(missing_ok=True)
+
+
+def _json(text: str | None) -> dict[str, Any]:
+    try:
+        value = json.loads(text) if text else {}
+    except ValueError:
+        return {}
+    return value if isinstance(value, dict) else {}
+
+
+def _int(text: str | None) -> int | None:
+    return int(text) if isinstance(text, str) and text.isdigit() else None

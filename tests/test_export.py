@@ -1,0 +1,159 @@
+"""`murmur export` and `murmur sample`: a trained model out of a peer's folder, a checkpoint, an earlier export
+or a live swarm, loaded back with the README's own lines; and the one-line errors."""
+
+from __future__ import annotations
+
+import json
+import re
+import threading
+import uuid
+from pathlib import Path
+
+import pytest
+import torch
+from safetensors.torch import load_file
+
+from dht.node import NodeConfig, start_node, stop_node, visible_addresses
+from dht.records import RunRecord, RunRecords
+from peer.anchorfile import ANCHOR, save_anchor
+from peer.checkpoint import save_checkpoint
+from peer.cli import main
+from peer.config import TrainConfig
+from peer.data import DataConfig, evaluate, load_corpus
+from peer.model import GPT
+from peer.runner import PeerOptions, VolunteerPeer, checkpoint_state
+from peer.trainer import Trainer
+
+README = Path(__file__).resolve().parents[1] / "README.md"
+CONFIG = TrainConfig(inner_steps=3, batch_size=4, eval_batches=2, seed=7)
+
+
+@pytest.fixture(scope="module")
+def trained() -> Trainer:
+    """A trainer that took two outer steps alone: its anchor differs from the model it was built as."""
+    trainer = Trainer(CONFIG, load_corpus(DataConfig()), data_seed=1)
+    for _ in range(2):
+        trainer.inner_phase()
+        assert trainer.finish_round(trainer.outer.offer(), None, alone=True)
+    return trainer
+
+
+def readme_load(out: Path) -> GPT:
+    """Run the README's load block (after `<!-- export-load -->`) with its OUT replaced by `out`."""
+    block = re.search(r"<!-- export-load -->\n```python\n(.*?)```", README.read_text(), re.S)
+    assert block, "the README lost its export-load block"
+    scope: dict = {}
+    exec(block.group(1).replace('"OUT"', repr(str(out))), scope)
+    return scope["model"]
+
+
+def anchor_loss(trainer: Trainer) -> float:
+    """The held-out loss of the trainer's anchor: what the peer's final model scores."""
+    model = GPT(trainer.model.config)
+    model.load_state_dict(trainer.model.state_dict())
+    for name, p in model.named_parameters():
+        p.data.copy_(trainer.outer.anchor[name])
+    return evaluate(model, trainer.eval_set)
+
+
+def test_export_from_a_peer_folder_round_trips_through_the_readme_lines(trained, tmp_path, capsys) -> None:
+    peer_dir = tmp_path / "peer"
+    peer_dir.mkdir()
+    save_anchor(peer_dir / ANCHOR, trained.model, trained.outer.anchor, run_id="r", config=CONFIG,
+                step=trained.steps, outer_step=trained.outer.step)  # fmt: skip
+    assert main(["export", str(tmp_path / "out"), "--from", str(peer_dir)]) == 0
+    assert capsys.readouterr().out.startswith(f"exported gpt-tiny at step {trained.steps} (outer step 2) from ")
+    model = readme_load(tmp_path / "out")
+    assert evaluate(model, trained.eval_set) == anchor_loss(trained)
+    config = json.loads((tmp_path / "out" / "config.json").read_text())
+    assert config["model_type"] == "murmur-gpt" and config["n_embd"] == 128 and config["murmur"]["run_id"] == "r"
+    assert config["murmur"]["train_config"]["inner_steps"] == 3
+    state = load_file(tmp_path / "out" / "model.safetensors")
+    assert set(state) == set(trained.model.state_dict())  # the tied lm_head.weight included, as a copy
+
+
+def test_export_from_a_checkpoint_and_from_an_export_give_the_same_model(trained, tmp_path) -> None:
+    directory = tmp_path / "peer" / "checkpoints"
+    path = save_checkpoint(directory, checkpoint_state("r", trained, _compressor(trained)))
+    outs = [tmp_path / "a", tmp_path / "b", tmp_path / "c"]
+    assert main(["export", str(outs[0]), "--from", str(tmp_path / "peer")]) == 0  # the newest checkpoint
+    assert main(["export", str(outs[1]), "--from", str(path)]) == 0
+    assert main(["export", str(outs[2]), "--from", str(outs[1])]) == 0
+    states = [load_file(out / "model.safetensors") for out in outs]
+    for name, tensor in states[0].items():
+        assert all(torch.equal(tensor, s[name]) for s in states[1:])
+    assert evaluate(GPT.from_pretrained(outs[2]), trained.eval_set) == anchor_loss(trained)
+
+
+def test_sample_prints_the_prompt_and_its_continuation(trained, tmp_path, capsys) -> None:
+    out = tmp_path / "peer"
+    out.mkdir()
+    save_anchor(out / ANCHOR, trained.model, trained.outer.anchor, run_id="r", config=CONFIG, step=1, outer_step=1)
+    assert main(["sample", str(out), "--prompt", "The ", "--tokens", "40", "--seed", "3"]) == 0
+    first = capsys.readouterr().out
+    assert first.startswith("The ") and len(first.encode()) >= 40
+    assert main(["sample", str(out), "--prompt", "The ", "--tokens", "40", "--seed", "3"]) == 0
+    assert capsys.readouterr().out == first  # seeded
+    assert main(["sample", str(out), "--tokens", "20", "--temperature", "0"]) == 0
+
+
+@pytest.mark.parametrize(
+    ("make", "error"),
+    [
+        (lambda d: d / "missing", "missing: no such file or folder"),
+        (lambda d: d, "no model in "),
+        (lambda d: (d / "junk.safetensors").write_bytes(b"\x00" * 64) and d / "junk.safetensors", "junk.safetensors"),
+        (lambda d: (d / "model.safetensors").write_bytes(b"x") and d, "has model.safetensors but no config.json"),
+    ],
+)
+def test_a_bad_source_is_one_line(tmp_path, capsys, make, error) -> None:
+    source = make(tmp_path)
+    assert main(["export", str(tmp_path / "out"), "--from", str(source)]) == 1
+    err = capsys.readouterr().err
+    assert err.startswith("murmur export: error: ") and error in err and err.count("\n") == 1
+    assert not (tmp_path / "out").exists()
+
+
+def test_export_flags_are_checked(capsys) -> None:
+    assert main(["export", "o", "--initial-peers", "/ip4/127.0.0.1/tcp/1/p2p/QmXm"]) == 1
+    assert "--initial-peers needs --run" in capsys.readouterr().err
+    assert main(["export", "o", "--from", "x", "--run", "r"]) == 1
+    assert "--run goes with --initial-peers" in capsys.readouterr().err
+    with pytest.raises(SystemExit) as e:
+        main(["export", "o"])
+    assert e.value.code == 2 and "one of the arguments --from --initial-peers is required" in capsys.readouterr().err
+
+
+@pytest.mark.slow
+def test_export_from_a_live_swarm_takes_a_donors_anchor(tmp_path, capsys) -> None:
+    run = f"export-{uuid.uuid4().hex[:8]}"
+    boot = start_node(NodeConfig(run_id=run))
+    peer = None
+    try:
+        config = CONFIG.with_overrides(solo_after=1)
+        RunRecords(boot, run).publish_config(
+            RunRecord(run_id=run, config=config.to_record(), created_by=boot.peer_id.to_base58())
+        )
+        options = PeerOptions(run_id=run, node=NodeConfig(initial_peers=tuple(visible_addresses(boot)), run_id=run),
+                              duration=4.0, eval_every=1000)  # fmt: skip
+        peer = VolunteerPeer.create(options)
+        thread = threading.Thread(target=peer.run, args=(threading.Event(),))
+        thread.start()
+        thread.join(60)  # its rounds alone took outer steps; it still serves its state until closed
+        assert peer.trainer.outer.step >= 1
+        argv = ["export", str(tmp_path / "out"), "--initial-peers", *visible_addresses(boot), "--run", run]
+        assert main(argv) == 0
+        assert f"from run {run}, from peer {peer.peer_id}" in capsys.readouterr().out
+        exported = GPT.from_pretrained(tmp_path / "out")
+        for name, p in exported.named_parameters():
+            assert torch.equal(p.detach(), peer.trainer.outer.anchor[name]), name
+    finally:
+        if peer is not None:
+            peer.close()
+        stop_node(boot)
+
+
+def _compressor(trainer: Trainer):
+    from averaging.compression import LowRankCompressor
+
+    return LowRankCompressor(trainer.config.compression())
