@@ -256,7 +256,8 @@ def test_the_page_shows_a_live_swarm_in_chromium_and_drops_a_killed_peer(tmp_pat
                  60, "the loss, peers and bytes charts")  # fmt: skip
         wait_for(lambda: driver.execute_script("return window.murmur.state.consensus_estimate") is not None, 60,
                  "a consensus estimate from the peers' sketches")  # fmt: skip
-        time.sleep(3)  # a few more readings: lines, not points
+        lines = "return Object.values(window.murmur.state.series.peers).map(p => p.t.length)"
+        wait_for(lambda: min(driver.execute_script(lines)) >= 3, 60, "three metrics records from every peer")
         ARTIFACTS.mkdir(parents=True, exist_ok=True)
         driver.save_screenshot(str(ARTIFACTS / "dashboard.png"))
         for chart in ("chart-loss", "chart-alive", "chart-bytes", "chart-consensus"):

@@ -95,9 +95,9 @@ function drawChart(canvas, lines, options = {}) {
   }
   g.textAlign = "center"; g.textBaseline = "top";
   for (const v of niceTicks(xmin, xmax, Math.max(2, Math.floor((width - pad.left) / 110)))) {
-    const x = px(v);
+    const x = px(v), label = fmtClock(v), half = g.measureText(label).width / 2;
     g.beginPath(); g.moveTo(x, pad.top); g.lineTo(x, height - pad.bottom); g.stroke();
-    g.fillText(fmtClock(v), x, height - pad.bottom + 4);
+    if (x - half >= 0 && x + half <= width) g.fillText(label, x, height - pad.bottom + 4);
   }
 
   g.lineWidth = 1.8;
