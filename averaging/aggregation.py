@@ -34,9 +34,9 @@ from functools import partial
 
 import torch
 
-from averaging.compression import Mode, Projection
-from averaging.lazy import Lazy
-from averaging.mixing import group_mean
+from murmur.averaging.compression import Mode, Projection
+from murmur.averaging.lazy import Lazy
+from murmur.averaging.mixing import group_mean
 
 logger = logging.getLogger("murmur.averaging")
 

@@ -34,12 +34,12 @@ from dataclasses import dataclass
 
 import torch
 
-from averaging import wire
-from averaging.compression import SCALE_SUFFIX, LowRankCompressor, Mode, Projection, Slot, code_spec
-from averaging.mixing import GroupRound
-from averaging.parts import Assembler, encode_parts
-from averaging.transport import FrameTooLarge, Stream, Transport
-from averaging.wire import Kind, TensorSpec
+from murmur.averaging import wire
+from murmur.averaging.compression import SCALE_SUFFIX, LowRankCompressor, Mode, Projection, Slot, code_spec
+from murmur.averaging.mixing import GroupRound
+from murmur.averaging.parts import Assembler, encode_parts
+from murmur.averaging.transport import FrameTooLarge, Stream, Transport
+from murmur.averaging.wire import Kind, TensorSpec
 
 logger = logging.getLogger("murmur.averaging")
 

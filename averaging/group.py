@@ -31,12 +31,12 @@ from functools import partial
 
 import torch
 
-from averaging import wire
-from averaging.access import AccessPolicy
-from averaging.aggregation import AggregationConfig, RobustAggregator
-from averaging.compression import LowRankCompressor, Mode, Projection
-from averaging.cooldown import Cooldown, CooldownConfig
-from averaging.exchange import (
+from murmur.averaging import wire
+from murmur.averaging.access import AccessPolicy
+from murmur.averaging.aggregation import AggregationConfig, RobustAggregator
+from murmur.averaging.compression import LowRankCompressor, Mode, Projection
+from murmur.averaging.cooldown import Cooldown, CooldownConfig
+from murmur.averaging.exchange import (
     AccessDenied,
     Declined,
     ExchangeFailed,
@@ -52,12 +52,12 @@ from averaging.exchange import (
     payload_specs,
     state_digest,
 )
-from averaging.exchange import members_of as exchange_members
-from averaging.groups import should_seal
-from averaging.layout import INCOMPATIBLE, layout_difference, layout_entries, layout_meta, layout_signature
-from averaging.lazy import Lazy
-from averaging.transport import Stream, Transport
-from averaging.wire import Kind
+from murmur.averaging.exchange import members_of as exchange_members
+from murmur.averaging.groups import should_seal
+from murmur.averaging.layout import INCOMPATIBLE, layout_difference, layout_entries, layout_meta, layout_signature
+from murmur.averaging.lazy import Lazy
+from murmur.averaging.transport import Stream, Transport
+from murmur.averaging.wire import Kind
 
 __all__ = ["GroupAverager", "GroupConfig", "GroupPlan", "GroupResult", "Offer"]
 

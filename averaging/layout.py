@@ -11,8 +11,8 @@ from __future__ import annotations
 import hashlib
 from collections.abc import Mapping
 
-from averaging import wire
-from averaging.compression import Mode, Slot
+from murmur.averaging import wire
+from murmur.averaging.compression import Mode, Slot
 
 INCOMPATIBLE = "incompatible run, model or compression settings"  # the DECLINE reason for another layout
 _LAYOUT_KEY = "layout."  # DECLINE meta keys "layout.0", "layout.1", ...: the decliner's layout entries

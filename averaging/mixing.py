@@ -29,7 +29,7 @@ from functools import partial
 
 import torch
 
-from averaging.compression import (
+from murmur.averaging.compression import (
     SCALE_SUFFIX,
     LowRankCompressor,
     Mode,
@@ -38,7 +38,7 @@ from averaging.compression import (
     scaled_decode,
     scaled_encode,
 )
-from averaging.lazy import Lazy
+from murmur.averaging.lazy import Lazy
 
 
 def pivoted_basis(columns: torch.Tensor, rank: int, eps: float = 1e-12) -> torch.Tensor:

@@ -18,8 +18,8 @@ from dataclasses import dataclass
 
 import torch
 
-from averaging import wire
-from averaging.wire import Kind, TensorSpec, WireError
+from murmur.averaging import wire
+from murmur.averaging.wire import Kind, TensorSpec, WireError
 
 PART_BYTES = 4 * 2**20  # tensor bytes in one part (a single row larger than this is a part of its own)
 _FRAME_SLACK = 4096  # a part's frame: its tensor bytes, plus this, plus `_PER_PIECE` per tensor piece

@@ -44,8 +44,8 @@ from dataclasses import dataclass
 import numpy as np
 import torch
 
-from averaging.access import AccessPolicy
-from averaging.state_transfer import (
+from murmur.averaging.access import AccessPolicy
+from murmur.averaging.state_transfer import (
     ACCESS_CONTEXT,
     MAX_REASON,
     DonorDeclined,
@@ -59,8 +59,8 @@ from averaging.state_transfer import (
     recv_message,
     send_message,
 )
-from averaging.transport import Stream, Transport
-from averaging.wire import TensorSpec, WireError
+from murmur.averaging.transport import Stream, Transport
+from murmur.averaging.wire import TensorSpec, WireError
 
 logger = logging.getLogger("murmur.state")
 

@@ -38,10 +38,10 @@ from dataclasses import dataclass
 import msgpack
 import torch
 
-from averaging import wire
-from averaging.access import AccessPolicy
-from averaging.transport import Stream, StreamClosed, Transport
-from averaging.wire import TensorSpec, WireError
+from murmur.averaging import wire
+from murmur.averaging.access import AccessPolicy
+from murmur.averaging.transport import Stream, StreamClosed, Transport
+from murmur.averaging.wire import TensorSpec, WireError
 
 logger = logging.getLogger("murmur.state")
 

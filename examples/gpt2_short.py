@@ -13,8 +13,8 @@ from collections.abc import Iterator
 
 from torch import Tensor
 
-from peer.data import DataConfig, batches, eval_batches, load_corpus
-from peer.model import GPT, GPT2_VOCAB, GPTConfig
+from murmur.peer.data import DataConfig, batches, eval_batches, load_corpus
+from murmur.peer.model import GPT, GPT2_VOCAB, GPTConfig
 
 CONFIG = GPTConfig(vocab_size=GPT2_VOCAB, n_layer=12, n_head=12, n_embd=768, block_size=64)
 

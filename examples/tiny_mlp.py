@@ -15,8 +15,8 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor, nn
 
-from peer.api import Peer, Swarm, train_together
-from peer.config import TrainConfig
+from murmur.peer.api import Peer, Swarm, train_together
+from murmur.peer.config import TrainConfig
 
 FEATURES = 16
 

@@ -25,8 +25,8 @@ from typing import Any
 import torch
 from torch import nn
 
-from peer import tensorfile
-from peer.tensorfile import TensorFileError
+from murmur.peer import tensorfile
+from murmur.peer.tensorfile import TensorFileError
 
 ANCHOR = "anchor.safetensors"
 FORMAT = 1

@@ -1,7 +1,7 @@
 """The Python API: train your own `torch.nn.Module` with a swarm, from a script or a notebook.
 
-    from peer.api import Peer, Swarm
-    from peer.config import TrainConfig
+    from murmur.peer.api import Peer, Swarm
+    from murmur.peer.config import TrainConfig
 
     with Swarm("my-run", TrainConfig(batch_size=32, inner_steps=20), model=build_model) as swarm:
         print(swarm.initial_peers)                  # what other machines pass as initial_peers
@@ -32,16 +32,16 @@ from types import TracebackType
 
 from torch import nn
 
-from averaging.group import GroupConfig
-from dht.heartbeat import ConfigKeeper
-from dht.node import NodeConfig, start_node, stop_node, visible_addresses
-from dht.records import RunRecord, RunRecords
-from peer.config import TrainConfig
-from peer.device import DeviceConfig
-from peer.metrics import PeerReport
-from peer.runner import PeerOptions, VolunteerPeer
-from peer.trainer import Trainer
-from peer.workload import Batch, Callables, OptimizerFactory, WorkloadError, WorkloadSpec, spec_of
+from murmur.averaging.group import GroupConfig
+from murmur.dht.heartbeat import ConfigKeeper
+from murmur.dht.node import NodeConfig, start_node, stop_node, visible_addresses
+from murmur.dht.records import RunRecord, RunRecords
+from murmur.peer.config import TrainConfig
+from murmur.peer.device import DeviceConfig
+from murmur.peer.metrics import PeerReport
+from murmur.peer.runner import PeerOptions, VolunteerPeer
+from murmur.peer.trainer import Trainer
+from murmur.peer.workload import Batch, Callables, OptimizerFactory, WorkloadError, WorkloadSpec, spec_of
 
 
 class Swarm:

@@ -36,8 +36,8 @@ from typing import Any
 
 import torch
 
-from peer import checkpoint_v1, tensorfile
-from peer.tensorfile import Snapshot, TensorFileError
+from murmur.peer import checkpoint_v1, tensorfile
+from murmur.peer.tensorfile import Snapshot, TensorFileError
 
 logger = logging.getLogger("murmur.checkpoint")
 

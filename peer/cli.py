@@ -28,13 +28,13 @@ import threading
 import time
 from pathlib import Path
 
-from peer.flags import build_parser
+from murmur.peer.flags import build_parser
 
 # the errors a user can cause, each one line: ValueError and OSError (AddressError, ConfigError, IdentityError,
 # AccessError, WorkloadError, ... are ValueErrors) and these, looked up only in modules already imported
 # (an error of a module that was never imported cannot have been raised)
-EXPECTED_ERRORS = {"dht.node": "NodeError", "peer.runner": "PeerError", "peer.ops.status": "RunNotFound",
-                   "peer.supervise": "SupervisorError"}  # fmt: skip
+EXPECTED_ERRORS = {"murmur.dht.node": "NodeError", "murmur.peer.runner": "PeerError",
+                   "murmur.peer.ops.status": "RunNotFound", "murmur.peer.supervise": "SupervisorError"}  # fmt: skip
 
 
 def expected(error: BaseException) -> bool:
@@ -114,7 +114,7 @@ def join_flags(model: str | None, data: str | None, secret_file: Path | None) ->
 
 
 def _train_config(args: argparse.Namespace):
-    from peer.config import TrainConfig
+    from murmur.peer.config import TrainConfig
 
     return TrainConfig(model=args.model).with_overrides(
         seed=args.seed, batch_size=args.batch_size, inner_steps=args.inner_steps,
@@ -124,8 +124,8 @@ def _train_config(args: argparse.Namespace):
 
 
 def _bootstrap(args: argparse.Namespace) -> int:
-    from averaging.access import load_policy
-    from peer.config import is_spec
+    from murmur.averaging.access import load_policy
+    from murmur.peer.config import is_spec
 
     config = _train_config(args)
     if is_spec(config.model) and args.data is None:
@@ -137,10 +137,10 @@ def _bootstrap(args: argparse.Namespace) -> int:
 
 
 def _serve_bootstrap(args: argparse.Namespace, config, policy, stop: _Stop) -> int:
-    from dht.heartbeat import ConfigKeeper
-    from dht.node import NodeConfig, start_node, stop_node, visible_addresses
-    from dht.records import RunRecord, RunRecords
-    from peer.config import is_spec
+    from murmur.dht.heartbeat import ConfigKeeper
+    from murmur.dht.node import NodeConfig, start_node, stop_node, visible_addresses
+    from murmur.dht.records import RunRecord, RunRecords
+    from murmur.peer.config import is_spec
 
     dht = start_node(NodeConfig(host=args.host, port=args.port, identity_path=args.identity, run_id=args.run))
     try:
@@ -163,12 +163,12 @@ def _serve_bootstrap(args: argparse.Namespace, config, policy, stop: _Stop) -> i
 
 def _join_options(args: argparse.Namespace):
     """Every join flag checked: a bad one raises one of EXPECTED_ERRORS before anything starts."""
-    from averaging.access import load_policy
-    from averaging.group import GroupConfig
-    from dht.node import NodeConfig
-    from peer.device import device_config
-    from peer.runner import PeerOptions
-    from peer.workload import WorkloadSpec
+    from murmur.averaging.access import load_policy
+    from murmur.averaging.group import GroupConfig
+    from murmur.dht.node import NodeConfig
+    from murmur.peer.device import device_config
+    from murmur.peer.runner import PeerOptions
+    from murmur.peer.workload import WorkloadSpec
 
     return PeerOptions(
         run_id=args.run,
@@ -187,7 +187,7 @@ def _join_options(args: argparse.Namespace):
 
 def _join(args: argparse.Namespace) -> int:
     with _Stop(args.command) as stop:
-        from peer.runner import run_peer
+        from murmur.peer.runner import run_peer
 
         options = _join_options(args)
         extra = join_flags(args.model, args.data, args.run_secret_file)
@@ -205,9 +205,9 @@ def _join(args: argparse.Namespace) -> int:
 
 
 def _simulate(args: argparse.Namespace) -> int:
-    from averaging.access import load_policy
-    from peer.device import device_config
-    from peer.sim.simulate import SimulationConfig, simulate
+    from murmur.averaging.access import load_policy
+    from murmur.peer.device import device_config
+    from murmur.peer.sim.simulate import SimulationConfig, simulate
 
     config = SimulationConfig(
         peers=args.peers, duration=args.duration, run_id=args.run, port=args.port, report=args.report,
@@ -232,9 +232,9 @@ def _simulate(args: argparse.Namespace) -> int:
 def _status(args: argparse.Namespace) -> int:
     from rich.console import Console
 
-    from dht.node import NodeConfig, start_node, stop_node
-    from dht.records import RunRecords, validate_run_id
-    from peer.ops.status import read_status, render_status
+    from murmur.dht.node import NodeConfig, start_node, stop_node
+    from murmur.dht.records import RunRecords, validate_run_id
+    from murmur.peer.ops.status import read_status, render_status
 
     validate_run_id(args.run)  # before starting a node
     dht = start_node(NodeConfig(initial_peers=tuple(args.initial_peers), client_mode=True, run_id=args.run))
@@ -250,15 +250,15 @@ def _status(args: argparse.Namespace) -> int:
 
 
 def _dashboard(args: argparse.Namespace) -> int:
-    from dht.addresses import parse_host
-    from dht.records import validate_run_id
+    from murmur.dht.addresses import parse_host
+    from murmur.dht.records import validate_run_id
 
     validate_run_id(args.run)
     host = parse_host(args.host)  # both before a node starts
     with _Stop(args.command) as stop:
-        from dht.node import NodeConfig, start_node, stop_node
-        from dht.records import RunRecords
-        from peer.ops.dashboard import Board, Poller, Server, make_app
+        from murmur.dht.node import NodeConfig, start_node, stop_node
+        from murmur.dht.records import RunRecords
+        from murmur.peer.ops.dashboard import Board, Poller, Server, make_app
 
         board = Board(args.run, args.period)
         server = Server(make_app(board), host, args.port)  # a port in use fails here, before the node starts
@@ -283,12 +283,12 @@ def _dashboard(args: argparse.Namespace) -> int:
 
 
 def _export(args: argparse.Namespace) -> int:
-    from peer.ops.export import from_swarm, load, write  # its ExportError is a ValueError
+    from murmur.peer.ops.export import from_swarm, load, write  # its ExportError is a ValueError
 
     if args.initial_peers is not None:
         if args.run is None:
             raise ValueError("--initial-peers needs --run: the run whose model to download")
-        from dht.records import validate_run_id
+        from murmur.dht.records import validate_run_id
 
         found = from_swarm(tuple(args.initial_peers), validate_run_id(args.run), model=args.model, data=args.data)
     else:
@@ -302,8 +302,8 @@ def _export(args: argparse.Namespace) -> int:
 
 
 def _sample(args: argparse.Namespace) -> int:
-    from peer.model import GPT
-    from peer.ops.export import load, sample
+    from murmur.peer.model import GPT
+    from murmur.peer.ops.export import load, sample
 
     found = load(args.source)
     if not isinstance(found.model, GPT):
@@ -314,15 +314,15 @@ def _sample(args: argparse.Namespace) -> int:
 
 
 def _report(args: argparse.Namespace) -> int:
-    from peer.ops.report import write_report  # its ReportError is a ValueError
+    from murmur.peer.ops.report import write_report  # its ReportError is a ValueError
 
     print(f"report written to {write_report(args.run_dir, args.out)}")
     return 0
 
 
 def _doctor(args: argparse.Namespace) -> int:
-    from dht.node import NodeConfig
-    from peer.ops.doctor import Level, run_checks
+    from murmur.dht.node import NodeConfig
+    from murmur.peer.ops.doctor import Level, run_checks
 
     config = NodeConfig(host=args.host, port=args.port)  # checks them: a bad one is a one-line error
     verdicts = run_checks(config.host, config.port)
@@ -373,7 +373,7 @@ def _one_line(error: BaseException) -> str:
 
 def _supervised_join(args: argparse.Namespace) -> int:
     """`murmur join --restart`: the peer runs in a forked child, restarted with --resume if it dies."""
-    from peer.supervise import preload, supervise
+    from murmur.peer.supervise import preload, supervise
 
     options = _join_options(args)  # a bad flag is one line from the parent, before any fork
     if options.checkpoints is None:

@@ -17,9 +17,9 @@ from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
 if TYPE_CHECKING:
-    from averaging.compression import LowRankConfig
-    from peer.outer import OuterConfig
-    from peer.rounds import RoundConfig
+    from murmur.averaging.compression import LowRankConfig
+    from murmur.peer.outer import OuterConfig
+    from murmur.peer.rounds import RoundConfig
 
 DEFAULT_MODEL = "gpt-tiny"  # the registry model a run trains unless told otherwise (peer.model.MODELS)
 _SPEC = re.compile(r"[A-Za-z_][A-Za-z0-9_]*(\.[A-Za-z_][A-Za-z0-9_]*)*:[A-Za-z_][A-Za-z0-9_]*")
@@ -72,7 +72,7 @@ class TrainConfig:
     heldout_fraction: float = 0.1
 
     def __post_init__(self) -> None:
-        from peer.model import MODELS
+        from murmur.peer.model import MODELS
 
         if self.model not in MODELS and not is_spec(self.model):
             raise ConfigError(
@@ -98,7 +98,7 @@ class TrainConfig:
             raise ConfigError(str(e)) from None
 
     def outer(self) -> OuterConfig:
-        from peer.outer import OuterConfig
+        from murmur.peer.outer import OuterConfig
 
         return OuterConfig(
             lr=self.outer_lr,
@@ -109,8 +109,8 @@ class TrainConfig:
 
     def rounds(self) -> RoundConfig:
         """The round engine's config (`peer.rounds`): the round's length, the schedule, lonely rounds, the finish."""
-        from averaging.groups import ScheduleConfig
-        from peer.rounds import RoundConfig
+        from murmur.averaging.groups import ScheduleConfig
+        from murmur.peer.rounds import RoundConfig
 
         schedule = ScheduleConfig(group_size=self.group_size, window=self.window)
         return RoundConfig(inner_steps=self.inner_steps, round_seconds=self.round_seconds, solo_after=self.solo_after,
@@ -118,7 +118,7 @@ class TrainConfig:
                            shortest_round=self.shortest_round)  # fmt: skip
 
     def compression(self) -> LowRankConfig:
-        from averaging.compression import LowRankConfig
+        from murmur.averaging.compression import LowRankConfig
 
         return LowRankConfig(
             rank=self.rank, seed=self.seed, mean_codec=self.codec, diff_codec=self.consensus_codec
@@ -127,7 +127,7 @@ class TrainConfig:
     def finish_compression(self) -> LowRankConfig:
         """How a finish round's anchors travel: whole in fp16 ("dense"), or as int8 with a scale per row; a
         low-rank pull would need many more rounds to agree."""
-        from averaging.compression import LowRankConfig
+        from murmur.averaging.compression import LowRankConfig
 
         return LowRankConfig(rank=self.rank, seed=self.seed, mean_codec=self.codec, diff_codec=self.finish_codec)
 

@@ -24,7 +24,7 @@ from typing import Literal
 
 import torch
 
-from peer.flags import DEVICES, PRECISIONS  # the --device and --precision choices
+from murmur.peer.flags import DEVICES, PRECISIONS  # the --device and --precision choices
 
 DeviceChoice = Literal["auto", "cpu", "cuda"]
 PrecisionChoice = Literal["auto", "fp32", "bf16", "fp16"]

@@ -15,7 +15,7 @@ import math
 from collections.abc import Callable
 from pathlib import Path
 
-from peer.config import TrainConfig
+from murmur.peer.config import TrainConfig
 
 DEVICES: tuple[str, ...] = ("auto", "cpu", "cuda")
 PRECISIONS: tuple[str, ...] = ("auto", "fp32", "bf16", "fp16")

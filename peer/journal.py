@@ -13,12 +13,12 @@ import math
 import time
 from pathlib import Path
 
-from dht.records import Metrics
-from peer.anchorfile import ANCHOR, save_anchor
-from peer.metrics import MetricsLog, PeerReport
-from peer.ops.progress import Progress, ProgressLine
-from peer.sketch import AnchorSketch
-from peer.verdict import all_finite
+from murmur.dht.records import Metrics
+from murmur.peer.anchorfile import ANCHOR, save_anchor
+from murmur.peer.metrics import MetricsLog, PeerReport
+from murmur.peer.ops.progress import Progress, ProgressLine
+from murmur.peer.sketch import AnchorSketch
+from murmur.peer.verdict import all_finite
 
 logger = logging.getLogger("murmur.peer")
 

@@ -15,7 +15,7 @@ import torch.nn as nn
 import torch.nn.functional as F
 from torch import Tensor
 
-from peer.config import DEFAULT_MODEL  # noqa: F401  (the registry's default, as the run config names it)
+from murmur.peer.config import DEFAULT_MODEL  # noqa: F401  (the registry's default, as the run config names it)
 
 
 @dataclass(frozen=True, kw_only=True)

@@ -36,10 +36,10 @@ from typing import Any
 import torch
 from torch import nn
 
-from averaging.compression import ErrorFeedback, Mode, Projection
-from averaging.group import GroupResult, Offer
-from averaging.lazy import Lazy
-from peer.checkpoint import CheckpointError, check_count, check_tensors
+from murmur.averaging.compression import ErrorFeedback, Mode, Projection
+from murmur.averaging.group import GroupResult, Offer
+from murmur.averaging.lazy import Lazy
+from murmur.peer.checkpoint import CheckpointError, check_count, check_tensors
 
 
 @dataclass(frozen=True, kw_only=True)

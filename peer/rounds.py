@@ -29,7 +29,7 @@ import math
 from collections.abc import Iterable
 from dataclasses import dataclass, field
 
-from averaging.groups import (
+from murmur.averaging.groups import (
     Appointment,
     ScheduleConfig,
     group_of,

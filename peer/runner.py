@@ -29,28 +29,28 @@ from typing import Any
 
 import torch
 
-from averaging.access import AccessPolicy
-from averaging.compression import LowRankCompressor
-from averaging.group import GroupAverager, GroupConfig, GroupPlan, GroupResult
-from averaging.state_transfer import TransferConfig
-from averaging.transport import P2PTransport
-from averaging.wire import PROTOCOL_VERSION
-from dht.heartbeat import Heartbeat, RosterWatch
-from dht.loop import LoopThread
-from dht.node import NodeConfig, start_node, stop_node, visible_addresses
-from dht.records import Announcement, PeerState, RunRecords
-from peer.checkpoint import CheckpointWriter, check_tensors, latest_checkpoint
-from peer.config import TrainConfig
-from peer.device import DeviceConfig, Runtime, keep_freed_memory
-from peer.journal import Journal
-from peer.metrics import PeerReport
-from peer.outer import finish_layout
-from peer.rounds import Plan, RoundEngine, Seen, Step
-from peer.rundir import check_fresh
-from peer.state import StateSharing, catch_up
-from peer.trainer import NonFiniteLoss, Trainer
-from peer.verdict import RunVerdict, all_finite
-from peer.workload import WorkloadSource, WorkloadSpec
+from murmur.averaging.access import AccessPolicy
+from murmur.averaging.compression import LowRankCompressor
+from murmur.averaging.group import GroupAverager, GroupConfig, GroupPlan, GroupResult
+from murmur.averaging.state_transfer import TransferConfig
+from murmur.averaging.transport import P2PTransport
+from murmur.averaging.wire import PROTOCOL_VERSION
+from murmur.dht.heartbeat import Heartbeat, RosterWatch
+from murmur.dht.loop import LoopThread
+from murmur.dht.node import NodeConfig, start_node, stop_node, visible_addresses
+from murmur.dht.records import Announcement, PeerState, RunRecords
+from murmur.peer.checkpoint import CheckpointWriter, check_tensors, latest_checkpoint
+from murmur.peer.config import TrainConfig
+from murmur.peer.device import DeviceConfig, Runtime, keep_freed_memory
+from murmur.peer.journal import Journal
+from murmur.peer.metrics import PeerReport
+from murmur.peer.outer import finish_layout
+from murmur.peer.rounds import Plan, RoundEngine, Seen, Step
+from murmur.peer.rundir import check_fresh
+from murmur.peer.state import StateSharing, catch_up
+from murmur.peer.trainer import NonFiniteLoss, Trainer
+from murmur.peer.verdict import RunVerdict, all_finite
+from murmur.peer.workload import WorkloadSource, WorkloadSpec
 
 logger = logging.getLogger("murmur.peer")
 

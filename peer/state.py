@@ -26,15 +26,15 @@ from typing import TextIO
 
 import torch
 
-from averaging.access import AccessPolicy
-from averaging.state_download import StateDownloader
-from averaging.state_transfer import StateDonor, StateSnapshot, StateTransferError, TransferConfig, layout_bytes
-from averaging.transport import P2PTransport, Transport
-from averaging.wire import PROTOCOL_VERSION, TensorSpec
-from dht.records import RunRecords
-from peer.checkpoint import CheckpointError, check_count
-from peer.ops.progress import download_bar
-from peer.trainer import Trainer
+from murmur.averaging.access import AccessPolicy
+from murmur.averaging.state_download import StateDownloader
+from murmur.averaging.state_transfer import StateDonor, StateSnapshot, StateTransferError, TransferConfig, layout_bytes
+from murmur.averaging.transport import P2PTransport, Transport
+from murmur.averaging.wire import PROTOCOL_VERSION, TensorSpec
+from murmur.dht.records import RunRecords
+from murmur.peer.checkpoint import CheckpointError, check_count
+from murmur.peer.ops.progress import download_bar
+from murmur.peer.trainer import Trainer
 
 logger = logging.getLogger("murmur.state")
 

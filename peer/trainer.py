@@ -18,14 +18,14 @@ from typing import Any
 
 import torch
 
-from averaging.group import GroupResult, Offer
-from peer.checkpoint import CheckpointError, check_count, check_tensors
-from peer.config import TrainConfig
-from peer.data import Corpus, evaluate
-from peer.device import Runtime, capabilities, fit_grad_accum, probe_step_memory, split_batch, step_memory
-from peer.model import loss_of
-from peer.outer import OuterOptimizer
-from peer.workload import Workload, WorkloadError, builtin
+from murmur.averaging.group import GroupResult, Offer
+from murmur.peer.checkpoint import CheckpointError, check_count, check_tensors
+from murmur.peer.config import TrainConfig
+from murmur.peer.data import Corpus, evaluate
+from murmur.peer.device import Runtime, capabilities, fit_grad_accum, probe_step_memory, split_batch, step_memory
+from murmur.peer.model import loss_of
+from murmur.peer.outer import OuterOptimizer
+from murmur.peer.workload import Workload, WorkloadError, builtin
 
 
 def to_device(t: torch.Tensor, device: torch.device) -> torch.Tensor:

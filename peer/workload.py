@@ -25,9 +25,9 @@ from typing import Any, Protocol
 import torch
 from torch import Tensor, nn
 
-from peer.config import TrainConfig, is_spec
-from peer.data import Corpus, DataConfig, batches, eval_batches, load_corpus
-from peer.model import MODELS, build_model
+from murmur.peer.config import TrainConfig, is_spec
+from murmur.peer.data import Corpus, DataConfig, batches, eval_batches, load_corpus
+from murmur.peer.model import MODELS, build_model
 
 Batch = tuple[Tensor, ...]
 OptimizerFactory = Callable[[Iterable[nn.Parameter]], torch.optim.Optimizer]

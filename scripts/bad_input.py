@@ -3,7 +3,7 @@
     .venv/bin/python scripts/bad_input.py                 # every case: about three minutes here
     .venv/bin/python scripts/bad_input.py --only port,private
 
-Each case runs the real command (`python -m peer.cli`, the program behind `.venv/bin/murmur`) in a
+Each case runs the real command (`python -m murmur.peer.cli`, the program behind `.venv/bin/murmur`) in a
 process group of its own, against bootstrap nodes this script starts on 127.0.0.1 (an open run, a
 private run, and a run of a small custom model whose code lives in a folder the script writes),
 and prints a row: the case, the exit code, the first line of stderr (or of stdout, marked, where the
@@ -33,7 +33,7 @@ from pathlib import Path
 
 import psutil
 
-from peer.metrics import read_metrics
+from murmur.peer.metrics import read_metrics
 
 ROOT = Path(__file__).resolve().parent.parent
 WORKLOAD = '''"""A small regression model and its batches, good and bad (written by scripts/bad_input.py)."""
@@ -167,7 +167,7 @@ class Lab:
         out, err = self.folder / f"cmd-{self._n}.out", self.folder / f"cmd-{self._n}.err"
         env = {**os.environ, **ENV, "PYTHONPATH": os.pathsep.join([str(ROOT), str(self.code[width])])}
         with out.open("w") as o, err.open("w") as e:
-            proc = subprocess.Popen([sys.executable, "-m", "peer.cli", *argv], stdout=o, stderr=e, env=env,
+            proc = subprocess.Popen([sys.executable, "-m", "murmur.peer.cli", *argv], stdout=o, stderr=e, env=env,
                                     cwd=self.folder, start_new_session=True)  # fmt: skip
         self._procs.append(proc)
         return proc, out, err
@@ -289,7 +289,7 @@ def command(argv: Callable[[Lab], list[str]], *, stdout: bool = False, fast: boo
 def truncated_checkpoint(lab: Lab) -> Outcome:
     """A peer's newest checkpoint is truncated; --resume takes the older one and goes on; the set keeps one
     that loads."""
-    from peer.checkpoint import latest_checkpoint
+    from murmur.peer.checkpoint import latest_checkpoint
 
     folder = lab.folder / "resumed"
     argv = [*lab.join("custom-run"), *CUSTOM, "--data", "wl:good_batches", *QUICK, "--out-dir", str(folder),
@@ -356,7 +356,7 @@ def nan_later(lab: Lab) -> Outcome:
     """Data that turns NaN after the first batch: the peer stops, and writes no non-finite model."""
     import torch
 
-    from peer.anchorfile import ANCHOR, read_anchor
+    from murmur.peer.anchorfile import ANCHOR, read_anchor
 
     folder = lab.folder / "nan-later"
     argv = [*lab.join("custom-run"), *CUSTOM, "--data", "wl:nan_later", *QUICK, "--out-dir", str(folder),

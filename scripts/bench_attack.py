@@ -33,10 +33,10 @@ from pathlib import Path
 import msgpack
 import torch
 
-from averaging import wire
-from peer.config import TrainConfig
-from peer.data import DataConfig, load_corpus
-from peer.sim.virtual import Scenario, run_murmur
+from murmur.averaging import wire
+from murmur.peer.config import TrainConfig
+from murmur.peer.data import DataConfig, load_corpus
+from murmur.peer.sim.virtual import Scenario, run_murmur
 
 ATTACKS = ("scaled", "noise", "sign_flip", "nan", "replay")
 TARGET_RATIO = 1.05

@@ -45,13 +45,13 @@ from pathlib import Path
 
 import psutil
 
-from averaging.group import GroupConfig
-from dht.node import stop_node
-from peer.anchorfile import ANCHOR, read_anchor
-from peer.config import TrainConfig
-from peer.metrics import PeerReport, consensus_distance, read_metrics
-from peer.sim.simulate import group_leaders_below, join_command, launch, start_bootstrap, stop_processes
-from peer.supervise import RESTARTED
+from murmur.averaging.group import GroupConfig
+from murmur.dht.node import stop_node
+from murmur.peer.anchorfile import ANCHOR, read_anchor
+from murmur.peer.config import TrainConfig
+from murmur.peer.metrics import PeerReport, consensus_distance, read_metrics
+from murmur.peer.sim.simulate import group_leaders_below, join_command, launch, start_bootstrap, stop_processes
+from murmur.peer.supervise import RESTARTED
 
 RESULTS = Path(__file__).resolve().parent / "results"
 

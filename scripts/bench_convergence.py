@@ -21,9 +21,9 @@ from pathlib import Path
 
 import torch
 
-from peer.config import TrainConfig
-from peer.data import load_corpus
-from peer.sim.virtual import Link, MethodResult, Scenario, run_ddp, run_diloco, run_murmur
+from murmur.peer.config import TrainConfig
+from murmur.peer.data import load_corpus
+from murmur.peer.sim.virtual import Link, MethodResult, Scenario, run_ddp, run_diloco, run_murmur
 
 
 def variants(base: TrainConfig) -> dict[str, TrainConfig]:

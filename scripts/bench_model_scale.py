@@ -52,7 +52,7 @@ def plain_peers(name: str) -> list:
     """Two peers' models after one AdamW step each: (model, optimizer) pairs."""
     import torch
 
-    from peer.model import build_model, loss_of
+    from murmur.peer.model import build_model, loss_of
 
     peers = []
     for seed in (1, 2):
@@ -76,15 +76,15 @@ def run_plain(name: str) -> dict:
 def run_murmur(name: str) -> dict:
     import torch
 
-    from averaging.group import GroupAverager, GroupConfig, GroupPlan
-    from averaging.groups import Appointment
-    from averaging.state_download import StateDownloader
-    from averaging.state_transfer import StateDonor, TransferConfig
-    from averaging.transport import InMemoryNetwork
-    from peer.checkpoint import save_checkpoint
-    from peer.config import TrainConfig
-    from peer.model import count_parameters
-    from peer.outer import OuterOptimizer
+    from murmur.averaging.group import GroupAverager, GroupConfig, GroupPlan
+    from murmur.averaging.groups import Appointment
+    from murmur.averaging.state_download import StateDownloader
+    from murmur.averaging.state_transfer import StateDonor, TransferConfig
+    from murmur.averaging.transport import InMemoryNetwork
+    from murmur.peer.checkpoint import save_checkpoint
+    from murmur.peer.config import TrainConfig
+    from murmur.peer.model import count_parameters
+    from murmur.peer.outer import OuterOptimizer
 
     config = TrainConfig(model=name)
     peers = plain_peers(name)
@@ -158,14 +158,14 @@ def run_murmur(name: str) -> dict:
 
 
 def compressor(config):
-    from averaging.compression import LowRankCompressor
+    from murmur.averaging.compression import LowRankCompressor
 
     return LowRankCompressor(config.compression())
 
 
 async def state_download(state, StateDonor, StateDownloader, TransferConfig, InMemoryNetwork) -> float:  # noqa: N803
-    from averaging.state_transfer import StateSnapshot
-    from averaging.wire import TensorSpec
+    from murmur.averaging.state_transfer import StateSnapshot
+    from murmur.averaging.wire import TensorSpec
 
     network = InMemoryNetwork()
     snapshot = StateSnapshot(tensors={n: t.detach().float().contiguous() for n, t in state.items()}, counters={})
@@ -185,7 +185,7 @@ async def state_download(state, StateDonor, StateDownloader, TransferConfig, InM
 def measure(name: str, phase: str) -> dict:
     """One size's phase in a fresh process (peak RSS is a process's high-water mark)."""
     code = f"import sys; sys.path.insert(0, {str(Path(__file__).parent)!r}); import bench_model_scale as b, json; " \
-           f"import torch; torch.set_num_threads(1); from peer.device import keep_freed_memory; " \
+           f"import torch; torch.set_num_threads(1); from murmur.peer.device import keep_freed_memory; " \
            f"keep_freed_memory(); print(json.dumps(b.run_{phase}({name!r})))"  # fmt: skip
     done = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True)
     if done.returncode != 0:

@@ -65,10 +65,10 @@ import psutil
 from hivemind_worker import PRESETS
 from netlab import HUB_HOST, NetLab, is_root
 
-from averaging.group import GroupConfig
-from peer.config import TrainConfig
-from peer.metrics import PeerReport, read_metrics
-from peer.sim.simulate import join_command, launch, stop_processes
+from murmur.averaging.group import GroupConfig
+from murmur.peer.config import TrainConfig
+from murmur.peer.metrics import PeerReport, read_metrics
+from murmur.peer.sim.simulate import join_command, launch, stop_processes
 
 RESULTS = Path(__file__).resolve().parent / "results"
 WORKER = Path(__file__).resolve().parent / "hivemind_worker.py"

@@ -29,9 +29,9 @@ import tempfile
 import time
 from pathlib import Path
 
-from dht.node import stop_node
-from peer.config import TrainConfig
-from peer.sim.simulate import join_command, launch, start_bootstrap, stop_processes
+from murmur.dht.node import stop_node
+from murmur.peer.config import TrainConfig
+from murmur.peer.sim.simulate import join_command, launch, start_bootstrap, stop_processes
 
 RESULTS = Path(__file__).resolve().parent / "results"
 MODEL, DATA = "examples.gpt2_short:build_model", "examples.gpt2_short:build_batches"

@@ -25,10 +25,10 @@ from pathlib import Path
 
 import torch
 
-from averaging.mixing import GroupRound
-from peer.api import Peer, Swarm, train_together
-from peer.config import TrainConfig
-from peer.model import MODELS
+from murmur.averaging.mixing import GroupRound
+from murmur.peer.api import Peer, Swarm, train_together
+from murmur.peer.config import TrainConfig
+from murmur.peer.model import MODELS
 
 RESULTS = Path(__file__).resolve().parent / "results" / "gpu_check.json"
 

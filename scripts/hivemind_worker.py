@@ -32,14 +32,14 @@ import torch
 from hivemind.compression import Float16Compression
 from hivemind.optim.power_sgd_averager import PowerSGDGradientAverager
 
-from dht.node import NodeConfig, start_node, stop_node, visible_addresses
-from peer.config import TrainConfig
-from peer.data import evaluate
-from peer.metrics import MetricsLog
-from peer.model import loss_of
-from peer.sim.simulate import start_bootstrap
-from peer.trainer import warmup_lr
-from peer.workload import WorkloadSpec
+from murmur.dht.node import NodeConfig, start_node, stop_node, visible_addresses
+from murmur.peer.config import TrainConfig
+from murmur.peer.data import evaluate
+from murmur.peer.metrics import MetricsLog
+from murmur.peer.model import loss_of
+from murmur.peer.sim.simulate import start_bootstrap
+from murmur.peer.trainer import warmup_lr
+from murmur.peer.workload import WorkloadSpec
 
 
 @dataclass(frozen=True, kw_only=True)

@@ -32,7 +32,7 @@ from pathlib import Path
 
 import torch
 
-from peer.sim.scale import ScaleResult, ScaleSettings, simulate
+from murmur.peer.sim.scale import ScaleResult, ScaleSettings, simulate
 
 CONSENSUS_TARGET = 0.02  # at 1024 peers with churn, after the finish
 BEFORE_FINISH_TARGET = 0.10  # at 1024 peers with churn, when the budget is spent (before any finish round)
@@ -47,8 +47,8 @@ def measure_dht(nodes: int = 8, reads: int = 12) -> dict:
     every node reads the whole list `reads` times (as a peer choosing partners does)."""
     import msgpack
 
-    from dht.node import NodeConfig, start_node, stop_node, visible_addresses
-    from dht.records import Announcement, PeerState, RunRecords
+    from murmur.dht.node import NodeConfig, start_node, stop_node, visible_addresses
+    from murmur.dht.records import Announcement, PeerState, RunRecords
 
     started, sizes = [], []
     try:

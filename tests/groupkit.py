@@ -4,10 +4,10 @@ import asyncio
 
 import torch
 
-from averaging.compression import LowRankCompressor, LowRankConfig
-from averaging.group import GroupAverager, GroupConfig, GroupPlan, Offer
-from averaging.groups import Appointment, plan_groups
-from averaging.transport import InMemoryNetwork
+from murmur.averaging.compression import LowRankCompressor, LowRankConfig
+from murmur.averaging.group import GroupAverager, GroupConfig, GroupPlan, Offer
+from murmur.averaging.groups import Appointment, plan_groups
+from murmur.averaging.transport import InMemoryNetwork
 
 SHAPES = {"delta/w": (24, 16), "delta/b": (16,), "anchor/w": (24, 16), "anchor/b": (16,)}
 MODES = {"delta/w": "mean", "delta/b": "mean", "anchor/w": "diff", "anchor/b": "diff"}

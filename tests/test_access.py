@@ -9,9 +9,9 @@ from pathlib import Path
 
 import pytest
 
-from averaging import wire
-from averaging.access import AccessError, AccessPolicy, load_policy
-from averaging.transport import InMemoryNetwork
+from murmur.averaging import wire
+from murmur.averaging.access import AccessError, AccessPolicy, load_policy
+from murmur.averaging.transport import InMemoryNetwork
 from tests.groupkit import FAST, led_by, make_averager, make_offer, started
 
 SECRET = b"correct horse battery staple"
@@ -174,7 +174,8 @@ def test_load_policy_errors_are_one_line(tmp_path: Path):
 
 def test_cli_rejects_a_bad_secret_file_in_one_line(tmp_path: Path):
     proc = subprocess.run(
-        [sys.executable, "-m", "peer.cli", "bootstrap", "--run", "r", "--run-secret-file", str(tmp_path / "nope")],
+        [sys.executable, "-m", "murmur.peer.cli", "bootstrap", "--run", "r", "--run-secret-file",
+         str(tmp_path / "nope")],
         capture_output=True, text=True, timeout=120,
     )  # fmt: skip
     assert proc.returncode == 1

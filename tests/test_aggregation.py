@@ -7,11 +7,11 @@ from dataclasses import replace
 import pytest
 import torch
 
-from averaging import wire
-from averaging.aggregation import AggregationConfig, RobustAggregator, group_stats
-from averaging.compression import Projection
-from averaging.cooldown import Cooldown, CooldownConfig
-from averaging.transport import InMemoryNetwork
+from murmur.averaging import wire
+from murmur.averaging.aggregation import AggregationConfig, RobustAggregator, group_stats
+from murmur.averaging.compression import Projection
+from murmur.averaging.cooldown import Cooldown, CooldownConfig
+from murmur.averaging.transport import InMemoryNetwork
 from tests.groupkit import FAST, led_by, make_averager, make_offer, started
 
 MODES = {"delta/w": "mean", "delta/b": "mean", "anchor/w": "diff"}

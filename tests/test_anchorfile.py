@@ -12,14 +12,14 @@ from safetensors import safe_open
 from safetensors.torch import load_file
 from torch import nn
 
-from peer import tensorfile
-from peer.anchorfile import ANCHOR, read_anchor, save_anchor
-from peer.checkpoint import save_checkpoint
-from peer.config import TrainConfig
-from peer.data import DataConfig, load_corpus
-from peer.journal import Journal
-from peer.model import build_model
-from peer.trainer import Trainer
+from murmur.peer import tensorfile
+from murmur.peer.anchorfile import ANCHOR, read_anchor, save_anchor
+from murmur.peer.checkpoint import save_checkpoint
+from murmur.peer.config import TrainConfig
+from murmur.peer.data import DataConfig, load_corpus
+from murmur.peer.journal import Journal
+from murmur.peer.model import build_model
+from murmur.peer.trainer import Trainer
 
 RUN = "anchor-test"
 CONFIG = TrainConfig(inner_steps=2, batch_size=4, eval_batches=1, warmup_steps=4)

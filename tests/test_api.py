@@ -10,11 +10,11 @@ import pytest
 import torch
 
 from examples import tiny_mlp
-from peer.api import Peer, Swarm
-from peer.cli import main
-from peer.config import ConfigError, TrainConfig
-from peer.trainer import Trainer
-from peer.workload import Callables, WorkloadError, WorkloadSpec, custom, resolve, spec_of
+from murmur.peer.api import Peer, Swarm
+from murmur.peer.cli import main
+from murmur.peer.config import ConfigError, TrainConfig
+from murmur.peer.trainer import Trainer
+from murmur.peer.workload import Callables, WorkloadError, WorkloadSpec, custom, resolve, spec_of
 
 MODEL, DATA = "examples.tiny_mlp:build_model", "examples.tiny_mlp:build_batches"
 CUSTOM = TrainConfig(model=MODEL, batch_size=8, inner_steps=5, warmup_steps=0, eval_batches=2)

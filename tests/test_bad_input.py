@@ -1,7 +1,7 @@
 """Every case of `scripts/bad_input.py` through the real command: its exact line, exit code, and data intact.
 
 The cases are the issue's classes of bad input (work that is lost, runs that silently do nothing,
-messages that mislead); each runs `python -m peer.cli ...` in its own process group against real
+messages that mislead); each runs `python -m murmur.peer.cli ...` in its own process group against real
 bootstrap nodes on 127.0.0.1, and every process is stopped by its group when the case ends.
 """
 

@@ -16,22 +16,28 @@ import torch
 from safetensors import safe_open
 from safetensors.torch import load_file, save
 
-from averaging.compression import LowRankCompressor, Projection
-from averaging.group import GroupResult
-from averaging.mixing import group_mean, local_round
-from dht.node import NodeConfig, start_node, stop_node, visible_addresses
-from dht.records import RunRecord, RunRecords
-from peer import checkpoint, tensorfile
-from peer.anchorfile import save_anchor
-from peer.checkpoint import CheckpointError, CheckpointWriter, latest_checkpoint, load_checkpoint, save_checkpoint
-from peer.checkpoint_v1 import encode_frame
-from peer.cli import main
-from peer.config import TrainConfig
-from peer.data import DataConfig, load_corpus
-from peer.model import build_model
-from peer.rundir import earlier_run
-from peer.runner import PeerOptions, checkpoint_state, restore_state, run_peer
-from peer.trainer import Trainer
+from murmur.averaging.compression import LowRankCompressor, Projection
+from murmur.averaging.group import GroupResult
+from murmur.averaging.mixing import group_mean, local_round
+from murmur.dht.node import NodeConfig, start_node, stop_node, visible_addresses
+from murmur.dht.records import RunRecord, RunRecords
+from murmur.peer import checkpoint, tensorfile
+from murmur.peer.anchorfile import save_anchor
+from murmur.peer.checkpoint import (
+    CheckpointError,
+    CheckpointWriter,
+    latest_checkpoint,
+    load_checkpoint,
+    save_checkpoint,
+)
+from murmur.peer.checkpoint_v1 import encode_frame
+from murmur.peer.cli import main
+from murmur.peer.config import TrainConfig
+from murmur.peer.data import DataConfig, load_corpus
+from murmur.peer.model import build_model
+from murmur.peer.rundir import earlier_run
+from murmur.peer.runner import PeerOptions, checkpoint_state, restore_state, run_peer
+from murmur.peer.trainer import Trainer
 
 RUN = "ckpt-test"
 BOOTSTRAP = "/ip4/127.0.0.1/tcp/4001/p2p/QmNnooDu7bfjPFoTZYxMNLWUQJyrVwtbZg5gBMjTezGAJN"

@@ -13,13 +13,13 @@ import uuid
 import psutil
 import pytest
 
-from averaging.group import GroupConfig
-from dht.node import NodeConfig, start_node, stop_node, visible_addresses
-from dht.records import RunRecord, RunRecords
-from peer.anchorfile import ANCHOR, read_anchor
-from peer.config import TrainConfig
-from peer.metrics import read_metrics
-from peer.runner import PeerOptions, VolunteerPeer
+from murmur.averaging.group import GroupConfig
+from murmur.dht.node import NodeConfig, start_node, stop_node, visible_addresses
+from murmur.dht.records import RunRecord, RunRecords
+from murmur.peer.anchorfile import ANCHOR, read_anchor
+from murmur.peer.config import TrainConfig
+from murmur.peer.metrics import read_metrics
+from murmur.peer.runner import PeerOptions, VolunteerPeer
 from tests.test_swarm import tagged_processes
 
 pytestmark = pytest.mark.slow
@@ -125,7 +125,7 @@ def test_sigterm_during_an_exchange_stops_within_10_s_with_a_checkpoint(tmp_path
         messenger.send_bytes = stalling_send
         out = tmp_path / "peer"
         cmd = [
-            sys.executable, "-m", "peer.cli", "join", "--initial-peers", *visible_addresses(boot), "--run", run,
+            sys.executable, "-m", "murmur.peer.cli", "join", "--initial-peers", *visible_addresses(boot), "--run", run,
             "--out-dir", str(out), "--quiet", "--checkpoint-every", "1000", "--exchange-timeout", "4",
         ]  # fmt: skip
         proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=env,

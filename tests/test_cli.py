@@ -8,13 +8,13 @@ from pathlib import Path
 import pytest
 import torch
 
-from averaging.group import GroupConfig
-from dht.node import NodeConfig
-from peer.cli import main
-from peer.config import ConfigError, TrainConfig
-from peer.flags import DEVICES, JOIN_DEFAULTS, build_parser
-from peer.model import DEFAULT_MODEL, MODELS
-from peer.runner import PeerOptions
+from murmur.averaging.group import GroupConfig
+from murmur.dht.node import NodeConfig
+from murmur.peer.cli import main
+from murmur.peer.config import ConfigError, TrainConfig
+from murmur.peer.flags import DEVICES, JOIN_DEFAULTS, build_parser
+from murmur.peer.model import DEFAULT_MODEL, MODELS
+from murmur.peer.runner import PeerOptions
 
 PEER = "/ip4/127.0.0.1/tcp/1/p2p/QmNnooDu7bfjPFoTZYxMNLWUQJyrVwtbZg5gBMjTezGAJN"  # never dialled: errors come first
 JOIN = ["join", "--initial-peers", PEER, "--run", "r"]
@@ -141,7 +141,7 @@ def test_every_numeric_flag_is_range_checked_and_named_alone(command, flag, kind
 
 def test_help_bad_flags_and_report_answer_without_torch_hivemind_or_matplotlib(tmp_path):
     (tmp_path / "metrics.jsonl").write_text('{"t": 1.0, "round": 1, "samples": 16, "loss": 3.0, "eval_loss": 3.1}\n')
-    code = "import sys; from peer.cli import main; main(sys.argv[1:])"
+    code = "import sys; from murmur.peer.cli import main; main(sys.argv[1:])"
     plotless = {"matplotlib"}
     runs = [(["--help"], plotless), (["join", "--help"], plotless), (["join", "--run", "r"], plotless),
             (["simulate", "--duration", "-5"], plotless), (["report", str(tmp_path)], plotless)]  # fmt: skip
@@ -164,7 +164,7 @@ def test_the_help_shows_the_defaults_the_peer_uses():
 
 def test_console_entry_point_reports_a_bad_address_in_one_line():
     done = subprocess.run(
-        [sys.executable, "-m", "peer.cli", "join", "--initial-peers", "/ip4/1.2.3/tcp/1", "--run", "r"],
+        [sys.executable, "-m", "murmur.peer.cli", "join", "--initial-peers", "/ip4/1.2.3/tcp/1", "--run", "r"],
         capture_output=True, text=True, timeout=120,
     )  # fmt: skip
     assert done.returncode == 1

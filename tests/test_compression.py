@@ -3,8 +3,8 @@
 import pytest
 import torch
 
-from averaging import wire
-from averaging.compression import (
+from murmur.averaging import wire
+from murmur.averaging.compression import (
     ErrorFeedback,
     LowRankCompressor,
     LowRankConfig,
@@ -14,7 +14,7 @@ from averaging.compression import (
     sign_decode,
     sign_encode,
 )
-from averaging.mixing import GroupRound, group_mean, pivoted_basis
+from murmur.averaging.mixing import GroupRound, group_mean, pivoted_basis
 
 F32 = LowRankConfig(rank=4, factor_dtype=torch.float32, dense_dtype=torch.float32)
 

@@ -16,15 +16,15 @@ import pytest
 import torch
 from hivemind.utils.timed_storage import get_dht_time
 
-from dht.node import NodeConfig, start_node, stop_node, visible_addresses
-from dht.records import Announcement, Metrics, PeerState, RunRecord, RunRecords
-from peer.cli import main
-from peer.config import TrainConfig
-from peer.metrics import consensus_distance
-from peer.ops import dashboard
-from peer.ops.dashboard import Board, Poller
-from peer.ops.status import PeerStatus, RunStatus
-from peer.sketch import AnchorSketch, consensus_estimate
+from murmur.dht.node import NodeConfig, start_node, stop_node, visible_addresses
+from murmur.dht.records import Announcement, Metrics, PeerState, RunRecord, RunRecords
+from murmur.peer.cli import main
+from murmur.peer.config import TrainConfig
+from murmur.peer.metrics import consensus_distance
+from murmur.peer.ops import dashboard
+from murmur.peer.ops.dashboard import Board, Poller
+from murmur.peer.ops.status import PeerStatus, RunStatus
+from murmur.peer.sketch import AnchorSketch, consensus_estimate
 from tests.test_swarm import tagged_processes
 
 CHROMIUM, CHROMEDRIVER = Path("/usr/bin/chromium"), Path("/usr/bin/chromedriver")
@@ -232,12 +232,12 @@ def test_the_page_shows_a_live_swarm_in_chromium_and_drops_a_killed_peer(tmp_pat
         initial = visible_addresses(boot)
         for k in range(3):
             procs[f"peer-{k}"] = subprocess.Popen(
-                [sys.executable, "-m", "peer.cli", "join", "--initial-peers", *initial, "--run", run, "--quiet",
+                [sys.executable, "-m", "murmur.peer.cli", "join", "--initial-peers", *initial, "--run", run, "--quiet",
                  "--device", "cpu", "--duration", "180", "--data-seed", str(k), "--exchange-timeout", "4"],
                 stdout=subprocess.PIPE, stderr=subprocess.DEVNULL, text=True, env=env, start_new_session=True,
             )  # fmt: skip
         procs["dashboard"] = subprocess.Popen(
-            [sys.executable, "-m", "peer.cli", "dashboard", "--initial-peers", *initial, "--run", run,
+            [sys.executable, "-m", "murmur.peer.cli", "dashboard", "--initial-peers", *initial, "--run", run,
              "--port", "0", "--period", "1"],
             stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=env, start_new_session=True,
         )  # fmt: skip

@@ -8,12 +8,12 @@ from pathlib import Path
 import pytest
 import torch
 
-from averaging.compression import LowRankCompressor, LowRankConfig, plan
-from averaging.mixing import GroupRound, group_mean
-from peer.checkpoint import CheckpointError
-from peer.config import TrainConfig
-from peer.data import Corpus
-from peer.device import (
+from murmur.averaging.compression import LowRankCompressor, LowRankConfig, plan
+from murmur.averaging.mixing import GroupRound, group_mean
+from murmur.peer.checkpoint import CheckpointError
+from murmur.peer.config import TrainConfig
+from murmur.peer.data import Corpus
+from murmur.peer.device import (
     Capabilities,
     DeviceConfig,
     DeviceError,
@@ -25,7 +25,7 @@ from peer.device import (
     split_batch,
     step_memory,
 )
-from peer.trainer import Trainer
+from murmur.peer.trainer import Trainer
 
 CPU, CUDA = torch.device("cpu"), torch.device("cuda")
 NO_GPU = Capabilities()

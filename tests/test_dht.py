@@ -24,7 +24,7 @@ from hivemind.utils import MPFuture
 from hivemind.utils.timed_storage import ValueWithExpiration, get_dht_time
 from pydantic import ValidationError
 
-from dht import (
+from murmur.dht import (
     PROTOCOL_VERSION,
     AddressError,
     Announcement,
@@ -622,7 +622,7 @@ def test_unreachable_initial_peer_is_a_node_error(tmp_path: Path) -> None:
 @pytest.mark.slow
 def test_a_node_dies_with_the_process_that_started_it() -> None:
     """kill -9 of a node's owner (the OOM killer): its DHT worker and p2pd follow it within a second."""
-    code = "from dht.node import NodeConfig, start_node; import os, sys, time; d = start_node(NodeConfig()); " \
+    code = "from murmur.dht.node import NodeConfig, start_node; import os, sys, time; d = start_node(NodeConfig()); " \
            "print(d.pid, flush=True); time.sleep(60)"  # fmt: skip
     owner = subprocess.Popen([sys.executable, "-c", code], stdout=subprocess.PIPE, text=True, start_new_session=True)
     try:

@@ -6,9 +6,9 @@ import socket
 
 import pytest
 
-from peer.cli import main
-from peer.device import Capabilities
-from peer.ops.doctor import CUDA_INSTALL, Level, check_p2pd, check_port, check_reachability, check_torch
+from murmur.peer.cli import main
+from murmur.peer.device import Capabilities
+from murmur.peer.ops.doctor import CUDA_INSTALL, Level, check_p2pd, check_port, check_reachability, check_torch
 
 
 def test_a_busy_port_fails_with_a_fix() -> None:

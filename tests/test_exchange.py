@@ -7,12 +7,12 @@ from dataclasses import replace
 import pytest
 import torch
 
-from averaging import wire
-from averaging.compression import LowRankCompressor, LowRankConfig, plan, scaled_decode, scaled_encode
-from averaging.exchange import going_on
-from averaging.group import GroupAverager, GroupPlan, Offer
-from averaging.transport import InMemoryNetwork
-from peer.verdict import RunVerdict
+from murmur.averaging import wire
+from murmur.averaging.compression import LowRankCompressor, LowRankConfig, plan, scaled_decode, scaled_encode
+from murmur.averaging.exchange import going_on
+from murmur.averaging.group import GroupAverager, GroupPlan, Offer
+from murmur.averaging.transport import InMemoryNetwork
+from murmur.peer.verdict import RunVerdict
 from tests.groupkit import (
     APPOINTMENT,
     FAST,

@@ -13,16 +13,16 @@ import pytest
 import torch
 from safetensors.torch import load_file
 
-from dht.node import NodeConfig, start_node, stop_node, visible_addresses
-from dht.records import RunRecord, RunRecords
-from peer.anchorfile import ANCHOR, save_anchor
-from peer.checkpoint import save_checkpoint
-from peer.cli import main
-from peer.config import TrainConfig
-from peer.data import DataConfig, evaluate, load_corpus
-from peer.model import GPT
-from peer.runner import PeerOptions, VolunteerPeer, checkpoint_state
-from peer.trainer import Trainer
+from murmur.dht.node import NodeConfig, start_node, stop_node, visible_addresses
+from murmur.dht.records import RunRecord, RunRecords
+from murmur.peer.anchorfile import ANCHOR, save_anchor
+from murmur.peer.checkpoint import save_checkpoint
+from murmur.peer.cli import main
+from murmur.peer.config import TrainConfig
+from murmur.peer.data import DataConfig, evaluate, load_corpus
+from murmur.peer.model import GPT
+from murmur.peer.runner import PeerOptions, VolunteerPeer, checkpoint_state
+from murmur.peer.trainer import Trainer
 
 README = Path(__file__).resolve().parents[1] / "README.md"
 CONFIG = TrainConfig(inner_steps=3, batch_size=4, eval_batches=2, seed=7)
@@ -154,6 +154,6 @@ def test_export_from_a_live_swarm_takes_a_donors_anchor(tmp_path, capsys) -> Non
 
 
 def _compressor(trainer: Trainer):
-    from averaging.compression import LowRankCompressor
+    from murmur.averaging.compression import LowRankCompressor
 
     return LowRankCompressor(trainer.config.compression())

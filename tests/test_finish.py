@@ -9,14 +9,14 @@ import pytest
 import torch
 from torch import nn
 
-from averaging.compression import LowRankCompressor
-from averaging.group import GroupAverager
-from averaging.transport import InMemoryNetwork
-from peer.config import ConfigError, TrainConfig
-from peer.metrics import consensus_distance
-from peer.outer import OuterConfig, OuterOptimizer, finish_layout
-from peer.rounds import RoundConfig, RoundEngine, Seen
-from peer.sim.scale import ScaleSettings, simulate
+from murmur.averaging.compression import LowRankCompressor
+from murmur.averaging.group import GroupAverager
+from murmur.averaging.transport import InMemoryNetwork
+from murmur.peer.config import ConfigError, TrainConfig
+from murmur.peer.metrics import consensus_distance
+from murmur.peer.outer import OuterConfig, OuterOptimizer, finish_layout
+from murmur.peer.rounds import RoundConfig, RoundEngine, Seen
+from murmur.peer.sim.scale import ScaleSettings, simulate
 from tests.groupkit import APPOINTMENT, FAST, plans
 
 

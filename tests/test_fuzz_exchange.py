@@ -20,10 +20,10 @@ import torch
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
-from averaging import wire
-from averaging.exchange import bits, state_digest
-from averaging.mixing import GroupRound
-from averaging.transport import InMemoryNetwork
+from murmur.averaging import wire
+from murmur.averaging.exchange import bits, state_digest
+from murmur.averaging.mixing import GroupRound
+from murmur.averaging.transport import InMemoryNetwork
 from tests.groupkit import APPOINTMENT, FAST, led_by, make_averager, make_offer, one_round, started
 from tests.test_wire import mutate_bytes
 

@@ -18,8 +18,8 @@ import numpy as np
 import pytest
 import torch
 
-from averaging import wire
-from averaging.transport import InMemoryNetwork
+from murmur.averaging import wire
+from murmur.averaging.transport import InMemoryNetwork
 from tests.groupkit import FAST, led_by, make_averager, make_offer, one_round, started
 
 Kind = wire.Kind

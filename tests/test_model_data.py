@@ -12,7 +12,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from peer.data import (
+from murmur.peer.data import (
     EXCLUDED_DIRS,
     DataConfig,
     batches,
@@ -21,7 +21,7 @@ from peer.data import (
     list_files,
     load_corpus,
 )
-from peer.model import DEFAULT_MODEL, GPT, MODELS, GPTConfig, build_model, count_parameters
+from murmur.peer.model import DEFAULT_MODEL, GPT, MODELS, GPTConfig, build_model, count_parameters
 
 SMALL = GPTConfig(n_layer=1, n_head=2, n_embd=32, block_size=16)
 REPO_ROOT = Path(__file__).resolve().parents[1]
@@ -68,7 +68,7 @@ def test_build_model_is_deterministic_and_leaves_global_rng_alone():
 
 def test_build_model_is_identical_in_another_process():
     code = (
-        "import hashlib, torch; from peer.model import build_model\n"
+        "import hashlib, torch; from murmur.peer.model import build_model\n"
         "torch.manual_seed(123); torch.rand(5)\n"  # a different global RNG state must not matter
         "h = hashlib.sha256()\n"
         "for n, p in build_model('gpt-tiny', seed=3).named_parameters():\n"

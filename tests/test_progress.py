@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import io
 
-from peer.ops.progress import Progress, ProgressLine, download_bar, render_progress
+from murmur.peer.ops.progress import Progress, ProgressLine, download_bar, render_progress
 
 SNAPSHOT = Progress(
     round=12, step=240, loss=2.3456, eval_loss=2.5, samples_per_second=81.25, peers_seen=3, exchanges_ok=9,

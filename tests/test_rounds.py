@@ -8,7 +8,7 @@ import uuid
 
 import pytest
 
-from averaging.groups import (
+from murmur.averaging.groups import (
     Appointment,
     ScheduleConfig,
     group_of,
@@ -19,15 +19,15 @@ from averaging.groups import (
     round_seconds,
     should_seal,
 )
-from dht.node import NodeConfig
-from peer.api import Swarm
-from peer.config import TrainConfig
-from peer.data import load_corpus
-from peer.metrics import consensus_distance
-from peer.rounds import FINISH_GRID, Phase, ReplayMismatch, RoundConfig, RoundEngine, Seen, Step, replay
-from peer.runner import PeerOptions, VolunteerPeer
-from peer.sim.swarm import VirtualSwarm
-from peer.sim.virtual import Scenario, _trainers
+from murmur.dht.node import NodeConfig
+from murmur.peer.api import Swarm
+from murmur.peer.config import TrainConfig
+from murmur.peer.data import load_corpus
+from murmur.peer.metrics import consensus_distance
+from murmur.peer.rounds import FINISH_GRID, Phase, ReplayMismatch, RoundConfig, RoundEngine, Seen, Step, replay
+from murmur.peer.runner import PeerOptions, VolunteerPeer
+from murmur.peer.sim.swarm import VirtualSwarm
+from murmur.peer.sim.virtual import Scenario, _trainers
 
 CONFIG = RoundConfig(inner_steps=10, solo_after=3, finish_rounds=2, shortest_round=0.0)
 

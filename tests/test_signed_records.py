@@ -10,7 +10,7 @@ from typing import Any
 import pytest
 from hivemind.utils.timed_storage import get_dht_time
 
-from dht import NodeConfig, RunRecord, RunRecords, start_node, stop_node, visible_addresses
+from murmur.dht import NodeConfig, RunRecord, RunRecords, start_node, stop_node, visible_addresses
 from tests.test_dht import live_announcement, metrics, wait_for
 
 RUN = "signed-run"

@@ -12,7 +12,7 @@ from pathlib import Path
 import psutil
 import pytest
 
-from peer.sim.scale import Internet, Profile, ScaleSettings, group_seconds, simulate
+from murmur.peer.sim.scale import Internet, Profile, ScaleSettings, group_seconds, simulate
 
 SCRIPT = Path(__file__).resolve().parent.parent / "scripts" / "simulate_scale.py"
 TINY = ScaleSettings(rounds=3, marks=1)

@@ -13,9 +13,9 @@ import msgpack
 import pytest
 import torch
 
-from averaging.access import AccessPolicy
-from averaging.state_download import StateDownloader
-from averaging.state_transfer import (
+from murmur.averaging.access import AccessPolicy
+from murmur.averaging.state_download import StateDownloader
+from murmur.averaging.state_transfer import (
     MAX_CHUNKS,
     Manifest,
     StateDonor,
@@ -26,17 +26,17 @@ from averaging.state_transfer import (
     decode_message,
     pack,
 )
-from averaging.transport import InMemoryNetwork, StreamClosed
-from averaging.wire import TensorSpec, WireError
-from dht.loop import LoopThread
-from dht.node import NodeConfig, start_node, stop_node, visible_addresses
-from dht.records import Announcement, PeerState, RunRecord, RunRecords
-from peer.checkpoint import CheckpointError
-from peer.config import TrainConfig
-from peer.data import DataConfig, load_corpus
-from peer.runner import PeerOptions, VolunteerPeer
-from peer.state import AHEAD, StateSharing, apply_training_state, catch_up, expected_layout, training_state
-from peer.trainer import Trainer, warmup_lr
+from murmur.averaging.transport import InMemoryNetwork, StreamClosed
+from murmur.averaging.wire import TensorSpec, WireError
+from murmur.dht.loop import LoopThread
+from murmur.dht.node import NodeConfig, start_node, stop_node, visible_addresses
+from murmur.dht.records import Announcement, PeerState, RunRecord, RunRecords
+from murmur.peer.checkpoint import CheckpointError
+from murmur.peer.config import TrainConfig
+from murmur.peer.data import DataConfig, load_corpus
+from murmur.peer.runner import PeerOptions, VolunteerPeer
+from murmur.peer.state import AHEAD, StateSharing, apply_training_state, catch_up, expected_layout, training_state
+from murmur.peer.trainer import Trainer, warmup_lr
 
 CONFIG = TransferConfig(
     chunk_size=1024, message_timeout=0.3, find_timeout=2.0, stall_timeout=1.0, max_state_bytes=8 << 20

@@ -11,7 +11,7 @@ from typing import Any
 import pytest
 from rich.console import Console
 
-from dht import (
+from murmur.dht import (
     Announcement,
     Heartbeat,
     Metrics,
@@ -23,11 +23,11 @@ from dht import (
     stop_node,
     visible_addresses,
 )
-from peer.cli import main
-from peer.config import TrainConfig
-from peer.ops.chart import Chart, Panel, Series, nice_ticks
-from peer.ops.report import PANEL_TITLES, alive_over_time, build_chart, load_logs
-from peer.ops.status import PeerStatus, RunStatus, render_status
+from murmur.peer.cli import main
+from murmur.peer.config import TrainConfig
+from murmur.peer.ops.chart import Chart, Panel, Series, nice_ticks
+from murmur.peer.ops.report import PANEL_TITLES, alive_over_time, build_chart, load_logs
+from murmur.peer.ops.status import PeerStatus, RunStatus, render_status
 
 PNG_SIGNATURE = b"\x89PNG\r\n\x1a\n"
 

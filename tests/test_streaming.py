@@ -7,12 +7,12 @@ from dataclasses import replace
 import pytest
 import torch
 
-from averaging import wire
-from averaging.compression import LowRankCompressor, LowRankConfig
-from averaging.group import GroupAverager, Offer
-from averaging.parts import PART_BYTES, Assembler, encode_parts, frame_cap, plan_parts
-from averaging.transport import InMemoryNetwork
-from averaging.wire import Kind, TensorSpec, WireError
+from murmur.averaging import wire
+from murmur.averaging.compression import LowRankCompressor, LowRankConfig
+from murmur.averaging.group import GroupAverager, Offer
+from murmur.averaging.parts import PART_BYTES, Assembler, encode_parts, frame_cap, plan_parts
+from murmur.averaging.transport import InMemoryNetwork
+from murmur.averaging.wire import Kind, TensorSpec, WireError
 from tests.groupkit import APPOINTMENT, FAST, plans
 
 # ---------------------------------------------------------------- the cut

@@ -18,7 +18,7 @@ from pathlib import Path
 import psutil
 import pytest
 
-from peer.supervise import RestartPolicy, describe, exit_code, restartable
+from murmur.peer.supervise import RestartPolicy, describe, exit_code, restartable
 from tests.test_swarm import tagged_processes
 
 ROOT = Path(__file__).resolve().parent.parent
@@ -27,7 +27,7 @@ SCRIPT = textwrap.dedent(
     """
     import json, os, signal, sys, time
     from pathlib import Path
-    from peer.supervise import RestartPolicy, SupervisorError, supervise
+    from murmur.peer.supervise import RestartPolicy, SupervisorError, supervise
 
     starts, plan = Path(sys.argv[1]), json.loads(sys.argv[2])
 

@@ -14,14 +14,14 @@ import psutil
 import pytest
 import torch
 
-from averaging.compression import LowRankCompressor, LowRankConfig
-from averaging.group import GroupAverager, GroupConfig, Offer
-from averaging.transport import P2PTransport
-from dht.loop import LoopThread
-from dht.node import NodeConfig, start_node, stop_node, visible_addresses
-from peer.cli import main
-from peer.metrics import consensus_distance, read_metrics
-from peer.ops.report import PANEL_TITLES, build_chart, load_logs
+from murmur.averaging.compression import LowRankCompressor, LowRankConfig
+from murmur.averaging.group import GroupAverager, GroupConfig, Offer
+from murmur.averaging.transport import P2PTransport
+from murmur.dht.loop import LoopThread
+from murmur.dht.node import NodeConfig, start_node, stop_node, visible_addresses
+from murmur.peer.cli import main
+from murmur.peer.metrics import consensus_distance, read_metrics
+from murmur.peer.ops.report import PANEL_TITLES, build_chart, load_logs
 from tests.groupkit import APPOINTMENT, plans
 
 pytestmark = pytest.mark.slow
@@ -104,7 +104,7 @@ def test_three_real_peers_average_in_one_group_and_agree(three_nodes, loop):
 def test_simulate_command_trains_a_swarm_and_reaps_everything(tmp_path):
     report_path = tmp_path / "report.json"
     cmd = [
-        sys.executable, "-m", "peer.cli", "simulate", "--peers", "2", "--duration", "20",
+        sys.executable, "-m", "murmur.peer.cli", "simulate", "--peers", "2", "--duration", "20",
         "--report", str(report_path), "--out-dir", str(tmp_path / "runs"), "--inner-steps", "10",
         "--finish-rounds", "2",
     ]  # fmt: skip
@@ -160,7 +160,7 @@ def test_bootstrap_prints_a_join_line_that_works(tmp_path):
     """An operator's bootstrap node, a volunteer joining with the printed line, and clean SIGTERM stops."""
     env = {**os.environ, "MURMUR_TEST_TAG": f"bootstrap-{uuid.uuid4()}"}
     boot = subprocess.Popen(
-        [sys.executable, "-m", "peer.cli", "bootstrap", "--run", "boot-test", "--inner-steps", "5"],
+        [sys.executable, "-m", "murmur.peer.cli", "bootstrap", "--run", "boot-test", "--inner-steps", "5"],
         stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=env, start_new_session=True,
     )  # fmt: skip
     try:
@@ -169,7 +169,7 @@ def test_bootstrap_prints_a_join_line_that_works(tmp_path):
         argv = line.split()[1:]
         assert argv[-2:] == ["--run", "boot-test"]
         peer = subprocess.Popen(
-            [sys.executable, "-m", "peer.cli", *argv, "--out-dir", str(tmp_path / "peer"), "--quiet"],
+            [sys.executable, "-m", "murmur.peer.cli", *argv, "--out-dir", str(tmp_path / "peer"), "--quiet"],
             stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=env, start_new_session=True,
         )  # fmt: skip
         # wait for a few rounds in the metrics log, then stop the volunteer as a user's Ctrl-C would

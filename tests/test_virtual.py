@@ -3,10 +3,10 @@
 import pytest
 import torch
 
-from peer.config import TrainConfig
-from peer.data import DataConfig, batches, evaluate, load_corpus
-from peer.model import build_model
-from peer.sim.virtual import Curve, Link, Scenario, run_ddp, run_diloco, run_murmur
+from murmur.peer.config import TrainConfig
+from murmur.peer.data import DataConfig, batches, evaluate, load_corpus
+from murmur.peer.model import build_model
+from murmur.peer.sim.virtual import Curve, Link, Scenario, run_ddp, run_diloco, run_murmur
 
 TINY = TrainConfig(inner_steps=4, batch_size=8, eval_batches=2, warmup_steps=2, outer_lr=1.0, outer_momentum=0.0)
 
@@ -71,7 +71,7 @@ def test_ddp_with_one_peer_is_plain_training_step_for_step(corpus):
         loss.backward()
         torch.nn.utils.clip_grad_norm_(model.parameters(), config.grad_clip)
         opt.step()
-    from peer.data import eval_batches
+    from murmur.peer.data import eval_batches
 
     eval_set = eval_batches(corpus.heldout, batch_size=config.batch_size, block_size=model.config.block_size,
                             n_batches=config.eval_batches)  # fmt: skip

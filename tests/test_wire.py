@@ -11,7 +11,7 @@ import torch
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from averaging.wire import (
+from murmur.averaging.wire import (
     PROTOCOL_VERSION,
     Kind,
     Limits,
@@ -466,7 +466,7 @@ def test_decode_raises_only_wire_error(data: bytes) -> None:
 
 
 def test_peers_announce_the_protocol_version_the_wire_speaks():
-    from averaging.wire import PROTOCOL_VERSION
-    from dht.records import PROTOCOL_VERSION as ANNOUNCED
+    from murmur.averaging.wire import PROTOCOL_VERSION
+    from murmur.dht.records import PROTOCOL_VERSION as ANNOUNCED
 
     assert ANNOUNCED == PROTOCOL_VERSION == 2

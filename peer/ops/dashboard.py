@@ -24,7 +24,7 @@ from dataclasses import dataclass, field
 from importlib import resources
 from typing import Any
 
-from peer.ops.status import PeerStatus, RunNotFound, RunStatus, read_status
+from murmur.peer.ops.status import PeerStatus, RunNotFound, RunStatus, read_status
 
 logger = logging.getLogger("murmur.dashboard")
 
@@ -169,7 +169,7 @@ class Poller:
 
 
 def page(name: str) -> str:
-    return resources.files("peer.ops").joinpath("web", name).read_text(encoding="utf-8")
+    return resources.files("murmur.peer.ops").joinpath("web", name).read_text(encoding="utf-8")
 
 
 def make_app(board: Board):

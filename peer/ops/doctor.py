@@ -20,9 +20,9 @@ from enum import StrEnum
 import psutil
 import torch
 
-from dht.addresses import port_problem
-from dht.node import NodeConfig, start_node, stop_node, visible_addresses
-from peer.device import Capabilities, capabilities
+from murmur.dht.addresses import port_problem
+from murmur.dht.node import NodeConfig, start_node, stop_node, visible_addresses
+from murmur.peer.device import Capabilities, capabilities
 
 CUDA_INSTALL = "pip install torch==2.13.0 --index-url https://download.pytorch.org/whl/cu128"
 

@@ -14,7 +14,7 @@ checkpoint file, a folder that `export` wrote, or a live swarm: a client-mode no
 state as a late joiner does (`peer.state`), and exports its anchor. What is exported is always the
 outer anchor φ, the swarm's model, never a peer's half-finished inner steps. Loading it back:
 
-    from peer.model import GPT
+    from murmur.peer.model import GPT
     model = GPT.from_pretrained("OUT_DIR")
 """
 
@@ -30,12 +30,12 @@ from typing import Any
 import torch
 from torch import nn
 
-from peer import tensorfile
-from peer.anchorfile import ANCHOR, model_state
-from peer.checkpoint import CheckpointError, checkpoint_files, load_checkpoint
-from peer.config import is_spec
-from peer.model import GPT, MODELS, build_model
-from peer.tensorfile import TensorFileError
+from murmur.peer import tensorfile
+from murmur.peer.anchorfile import ANCHOR, model_state
+from murmur.peer.checkpoint import CheckpointError, checkpoint_files, load_checkpoint
+from murmur.peer.config import is_spec
+from murmur.peer.model import GPT, MODELS, build_model
+from murmur.peer.tensorfile import TensorFileError
 
 MODEL_FILE, CONFIG_FILE = "model.safetensors", "config.json"
 MODEL_TYPE = "murmur-gpt"
@@ -67,7 +67,7 @@ def build(name: str, seed: int = 0) -> nn.Module:
     if name in MODELS:
         return build_model(name, seed=seed)
     if is_spec(name):
-        from peer.workload import resolve
+        from murmur.peer.workload import resolve
 
         model = resolve(name, "model")()
         if not isinstance(model, nn.Module):
@@ -195,13 +195,13 @@ def write(found: Found, out_dir: Path) -> tuple[Path, Path]:
 def from_swarm(initial_peers: tuple[str, ...], run_id: str, *, model: str | None = None, data: str | None = None,
                wait: float = 30.0) -> Found:  # fmt: skip
     """A live swarm's model: a client-mode node downloads a donor's state, as a late joiner does."""
-    from dht.loop import LoopThread
-    from dht.node import NodeConfig, start_node, stop_node
-    from dht.records import RunRecords
-    from peer.runner import fetch_train_config
-    from peer.state import StateSharing, apply_training_state, expected_layout
-    from peer.trainer import Trainer
-    from peer.workload import WorkloadSpec
+    from murmur.dht.loop import LoopThread
+    from murmur.dht.node import NodeConfig, start_node, stop_node
+    from murmur.dht.records import RunRecords
+    from murmur.peer.runner import fetch_train_config
+    from murmur.peer.state import StateSharing, apply_training_state, expected_layout
+    from murmur.peer.trainer import Trainer
+    from murmur.peer.workload import WorkloadSpec
 
     dht = start_node(NodeConfig(initial_peers=initial_peers, client_mode=True, run_id=run_id))
     loop = LoopThread("murmur-export")

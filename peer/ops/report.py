@@ -16,8 +16,8 @@ from __future__ import annotations
 import re
 from pathlib import Path
 
-from peer.metrics import read_metrics
-from peer.ops.chart import GRAY, PALETTE, Chart, Panel
+from murmur.peer.metrics import read_metrics
+from murmur.peer.ops.chart import GRAY, PALETTE, Chart, Panel
 
 PANEL_TITLES = ("loss vs wall time", "loss vs samples", "bytes sent / received", "peers alive")
 

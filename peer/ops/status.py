@@ -18,8 +18,8 @@ from rich.console import Group, RenderableType
 from rich.table import Table
 from rich.text import Text
 
-from dht.records import RunRecords
-from peer.sketch import consensus_estimate
+from murmur.dht.records import RunRecords
+from murmur.peer.sketch import consensus_estimate
 
 
 class RunNotFound(LookupError):

@@ -43,17 +43,17 @@ from dataclasses import asdict, dataclass, field
 import torch
 from torch import Tensor, nn
 
-from averaging.group import GroupResult
-from peer.config import TrainConfig
-from peer.metrics import anchor_distances
-from peer.rounds import Step
-from peer.sim.swarm import VirtualPeer, VirtualSwarm
-from peer.sketch import AnchorSketch, consensus_estimate
-from peer.state import apply_training_state, training_state
-from peer.trainer import Trainer
-from peer.workload import Workload, custom
+from murmur.averaging.group import GroupResult
+from murmur.peer.config import TrainConfig
+from murmur.peer.metrics import anchor_distances
+from murmur.peer.rounds import Step
+from murmur.peer.sim.swarm import VirtualPeer, VirtualSwarm
+from murmur.peer.sketch import AnchorSketch, consensus_estimate
+from murmur.peer.state import apply_training_state, training_state
+from murmur.peer.trainer import Trainer
+from murmur.peer.workload import Workload, custom
 
-DIGITS_MODEL = "peer.sim.scale:build_mlp"
+DIGITS_MODEL = "murmur.peer.sim.scale:build_mlp"
 HELDOUT = 360  # of the 1797 digits, held out once with a fixed seed; every peer evaluates on the same set
 HELDOUT_SEED = 1234
 STATE_MESSAGES = 4  # a state download: HELLO, MANIFEST, GET, CHUNK (the digits model is one chunk)

@@ -1,6 +1,6 @@
 """`murmur simulate`: a bootstrap node and N real peer processes on 127.0.0.1, then one report.
 
-Each peer is `python -m peer.cli join ...` in its own process group (its DHT worker and `p2pd`
+Each peer is `python -m murmur.peer.cli join ...` in its own process group (its DHT worker and `p2pd`
 inherit the group), so the simulator can stop a peer and everything under it by PID: SIGTERM to
 the peer first, SIGKILL to its group after a grace period. That happens in `finally`, on a
 normal end, an error or Ctrl-C alike. Progress comes from the peers' metrics logs; the report gathers their reports and
@@ -26,14 +26,14 @@ from rich.console import Console
 from rich.live import Live
 from rich.table import Table
 
-from dht.node import NodeConfig, start_node, stop_node, visible_addresses
-from dht.records import RunRecord, RunRecords
-from peer.anchorfile import ANCHOR, read_anchor
-from peer.config import TrainConfig, is_spec
-from peer.device import DeviceConfig, Runtime
-from peer.metrics import PeerReport, SwarmReport, consensus_distance, read_metrics
-from peer.model import build_model
-from peer.rundir import fresh_folder
+from murmur.dht.node import NodeConfig, start_node, stop_node, visible_addresses
+from murmur.dht.records import RunRecord, RunRecords
+from murmur.peer.anchorfile import ANCHOR, read_anchor
+from murmur.peer.config import TrainConfig, is_spec
+from murmur.peer.device import DeviceConfig, Runtime
+from murmur.peer.metrics import PeerReport, SwarmReport, consensus_distance, read_metrics
+from murmur.peer.model import build_model
+from murmur.peer.rundir import fresh_folder
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -68,9 +68,9 @@ class SimulationConfig:
 
 
 def join_command(maddrs: list[str], run_id: str, out_dir: Path, data_seed: int, *extra: str) -> list[str]:
-    """`murmur join` as a child process runs it: this interpreter, `-m peer.cli`, quiet."""
+    """`murmur join` as a child process runs it: this interpreter, `-m murmur.peer.cli`, quiet."""
     return [
-        sys.executable, "-m", "peer.cli", "join",
+        sys.executable, "-m", "murmur.peer.cli", "join",
         "--initial-peers", *maddrs,
         "--run", run_id,
         "--out-dir", str(out_dir),
@@ -162,7 +162,7 @@ def _progress_table(config: SimulationConfig, elapsed: float) -> Table:
 
 
 def simulate(config: SimulationConfig, console: Console | None = None) -> SwarmReport:
-    from averaging.access import load_policy
+    from murmur.averaging.access import load_policy
 
     console = console or Console(stderr=True)
     Runtime.resolve(config.device)  # a device this machine lacks fails here, not in every peer

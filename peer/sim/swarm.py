@@ -30,14 +30,14 @@ from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, field
 from enum import IntEnum
 
-from averaging.compression import LowRankCompressor
-from averaging.group import GroupAverager, GroupConfig, GroupPlan, GroupResult, Offer
-from averaging.groups import should_seal
-from averaging.transport import InMemoryNetwork
-from peer.config import TrainConfig
-from peer.outer import finish_layout
-from peer.rounds import Phase, Plan, RoundEngine, Seen, Step
-from peer.trainer import Trainer
+from murmur.averaging.compression import LowRankCompressor
+from murmur.averaging.group import GroupAverager, GroupConfig, GroupPlan, GroupResult, Offer
+from murmur.averaging.groups import should_seal
+from murmur.averaging.transport import InMemoryNetwork
+from murmur.peer.config import TrainConfig
+from murmur.peer.outer import finish_layout
+from murmur.peer.rounds import Phase, Plan, RoundEngine, Seen, Step
+from murmur.peer.trainer import Trainer
 
 # (members in group order, per member (bytes sent, bytes received), messages on the critical path) -> seconds
 ExchangeClock = Callable[[Sequence[int], Mapping[int, tuple[int, int]], int], float]

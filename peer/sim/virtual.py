@@ -23,14 +23,14 @@ from dataclasses import dataclass, field
 
 import torch
 
-from averaging.compression import Projection
-from averaging.group import GroupResult
-from peer.config import TrainConfig
-from peer.data import Corpus, batches, eval_batches, evaluate
-from peer.metrics import consensus_distance
-from peer.model import build_model
-from peer.sim.swarm import VirtualSwarm
-from peer.trainer import Trainer, warmup_lr
+from murmur.averaging.compression import Projection
+from murmur.averaging.group import GroupResult
+from murmur.peer.config import TrainConfig
+from murmur.peer.data import Corpus, batches, eval_batches, evaluate
+from murmur.peer.metrics import consensus_distance
+from murmur.peer.model import build_model
+from murmur.peer.sim.swarm import VirtualSwarm
+from murmur.peer.trainer import Trainer, warmup_lr
 
 
 @dataclass(frozen=True, kw_only=True)
