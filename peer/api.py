@@ -24,7 +24,6 @@ as in the tests, in one.
 
 from __future__ import annotations
 
-import dataclasses
 import threading
 from collections.abc import Callable, Iterable, Sequence
 from pathlib import Path
@@ -51,7 +50,7 @@ class Swarm:
         self, run: str, config: TrainConfig, *, model: Callable[[], nn.Module] | None = None, host: str = "127.0.0.1"
     ) -> None:
         self.run = run
-        self.config = config if model is None else dataclasses.replace(config, model=spec_of(model))
+        self.config = config if model is None else config.with_overrides(model=spec_of(model))
         self._node_config = NodeConfig(host=host, run_id=run)
         self._keeper: ConfigKeeper | None = None
         self.dht = None

@@ -114,13 +114,10 @@ def join_flags(model: str | None, data: str | None, secret_file: Path | None) ->
 
 
 def _train_config(args: argparse.Namespace):
+    """The run config from the flags `peer.flags.train_flags` made, one per field (a flag not given: the default)."""
     from murmur.peer.config import TrainConfig
 
-    return TrainConfig(model=args.model).with_overrides(
-        seed=args.seed, batch_size=args.batch_size, inner_steps=args.inner_steps,
-        inner_lr=args.inner_lr, outer_lr=args.outer_lr, rank=args.rank, finish_rounds=args.finish_rounds,
-        round_seconds=args.round_seconds, group_size=args.group_size, window=args.window,
-    )  # fmt: skip
+    return TrainConfig().with_overrides(**{name: getattr(args, name) for name in TrainConfig.model_fields})
 
 
 def _bootstrap(args: argparse.Namespace) -> int:

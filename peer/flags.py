@@ -10,8 +10,8 @@ and exit code 2, before anything starts. The defaults shown for the peer's own f
 from __future__ import annotations
 
 import argparse
-import dataclasses
 import math
+import typing
 from collections.abc import Callable
 from pathlib import Path
 
@@ -63,42 +63,43 @@ def number(*, zero: bool = False) -> Callable[[str], float]:
 PORT = integer(0, 65535)
 
 
-def share(text: str) -> float:
-    """An argparse type: a share of a round, in (0, 1]."""
-    value = number()(text)
-    if value > 1:
-        raise argparse.ArgumentTypeError(f"must be a share of a round in (0, 1], got {text}")
-    return value
-
-
 def train_flags(parser: argparse.ArgumentParser) -> None:
+    """A flag for every field of `TrainConfig`, made from its schema: `--inner-steps` from `inner_steps`, its type
+    and bounds checked here, its description as the help. None (the flag not given) keeps the config's default."""
     group = parser.add_argument_group("run config (published to the DHT; joiners take it from there)")
-    defaults = {f.name: f.default for f in dataclasses.fields(TrainConfig)}
-    group.add_argument("--model", default=defaults["model"], help="model from the registry (default: %(default)s)")
-    group.add_argument("--seed", type=integer(0), help=f"model init seed (default: {defaults['seed']})")
-    group.add_argument("--batch-size", type=integer(1),
-                       help=f"sequences per inner step (default: {defaults['batch_size']})")  # fmt: skip
-    group.add_argument("--inner-steps", type=integer(1),
-                       help=f"H, inner steps per round (default: {defaults['inner_steps']})")  # fmt: skip
-    group.add_argument("--inner-lr", type=number(), help=f"AdamW learning rate (default: {defaults['inner_lr']})")
-    group.add_argument("--outer-lr", type=number(),
-                       help=f"outer Nesterov learning rate (default: {defaults['outer_lr']})")  # fmt: skip
-    group.add_argument("--rank", type=integer(1), help=f"low-rank compression rank (default: {defaults['rank']})")
-    group.add_argument("--round-seconds", type=number(zero=True), metavar="SECONDS",
-                       help="length of a round; 0: H steps and an exchange at the swarm's pace "
-                            f"(default: {defaults['round_seconds']:g})")  # fmt: skip
-    group.add_argument(
-        "--group-size",
-        type=integer(2),
-        metavar="G",
-        help=f"the most peers averaged together in a round (default: {defaults['group_size']})",
-    )
-    group.add_argument("--window", type=share, metavar="SHARE",
-                       help="share of a round a group's leader waits for late members, in (0, 1] "
-                            f"(default: {defaults['window']})")  # fmt: skip
-    group.add_argument("--finish-rounds", type=integer(0), metavar="K",
-                       help="when a peer's --duration is over: K rounds that only average anchors, so that the "
-                            f"final models agree (default: {defaults['finish_rounds']})")  # fmt: skip
+    for name, field in TrainConfig.model_fields.items():
+        extra = field.json_schema_extra or {}
+        default = field.default
+        shown = f"{default:g}" if isinstance(default, float) else str(default).lower() if default in (True, False) \
+            else default  # fmt: skip
+        kwargs: dict = {"dest": name, "default": None, "help": f"{field.description} (default: {shown})"}
+        if extra.get("metavar"):
+            kwargs["metavar"] = extra["metavar"]
+        if field.annotation is bool:
+            kwargs["action"] = argparse.BooleanOptionalAction
+        elif typing.get_origin(field.annotation) is typing.Literal:
+            kwargs["choices"] = typing.get_args(field.annotation)
+        elif field.annotation is not str:
+            kwargs["type"] = _bounded(field.annotation, field.metadata)
+        group.add_argument("--" + name.replace("_", "-"), **kwargs)
+
+
+def _bounded(kind: type, bounds: list) -> Callable[[str], int | float]:
+    """An argparse type for an int or float field with annotated_types bounds (Ge, Gt, Le, Lt)."""
+    limits = {key: getattr(b, key) for b in bounds for key in ("ge", "gt", "le", "lt") if hasattr(b, key)}
+    if kind is int:
+        return integer(limits.get("ge", -(2**63)), limits.get("le"))
+
+    def parse(text: str) -> float:
+        value = number(zero="gt" not in limits)(text)  # every float of the config is finite and not negative
+        checks = (("gt", lambda v, b: v > b, "above"), ("ge", lambda v, b: v >= b, "at least"),
+                  ("lt", lambda v, b: v < b, "below"), ("le", lambda v, b: v <= b, "at most"))  # fmt: skip
+        for key, ok, words in checks:
+            if key in limits and not ok(value, limits[key]):
+                raise argparse.ArgumentTypeError(f"must be {words} {limits[key]:g}, got {text}")
+        return value
+
+    return parse
 
 
 def node_flags(parser: argparse.ArgumentParser) -> None:

@@ -22,6 +22,7 @@ import argparse
 import json
 import os
 import re
+import shutil
 import signal
 import subprocess
 import sys
@@ -83,6 +84,16 @@ def dashboard(bin_dir: Path, work: Path) -> tuple[bool, str]:
                     proc.wait(10)
 
 
+def source(folder: Path) -> Path:
+    """What the distribution is built from, copied out of the repository (pip builds in the source tree)."""
+    for name in ("peer", "dht", "averaging", "setup.cfg", "pyproject.toml", "README.md"):
+        if (REPO / name).is_dir():
+            shutil.copytree(REPO / name, folder / name, ignore=shutil.ignore_patterns("__pycache__"))
+        else:
+            shutil.copy(REPO / name, folder / name)
+    return folder
+
+
 def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--keep", type=Path, help="make the venv here and keep it (default: a temporary folder)")
@@ -96,7 +107,7 @@ def main() -> int:
         started = time.monotonic()
         steps = [([sys.executable, "-m", "venv", str(venv)], 120),
                  ([str(python), "-m", "pip", "install", "-q", TORCH], 900),
-                 ([str(python), "-m", "pip", "install", "-q", str(REPO)], 900)]  # fmt: skip
+                 ([str(python), "-m", "pip", "install", "-q", str(source(root / "src"))], 900)]  # fmt: skip
         for argv, timeout in steps:
             proc = run(argv, work, timeout)
             if not check(" ".join(argv[2:]) if "pip" in argv else "venv", proc.returncode == 0, tail(proc)):

@@ -183,3 +183,49 @@ def test_run_config_round_trips_and_rejects_hostile_records():
         TrainConfig.from_record({**config.to_record(), "rank": True})
     with pytest.raises(ConfigError, match="unknown model"):
         TrainConfig.from_record({**config.to_record(), "model": "../../etc/passwd"})
+
+
+def test_every_run_config_field_is_a_flag_of_bootstrap_and_simulate() -> None:
+    from murmur.peer.cli import _train_config
+    from murmur.peer.flags import build_parser
+
+    parser = build_parser()
+    for command in ("bootstrap", "simulate"):
+        base = [command, "--run", "r"]
+        default = _train_config(parser.parse_args(base))
+        assert default == TrainConfig()  # no flag given: the schema's defaults
+        argv = [*base, "--no-consensus", "--codec", "dense", "--warmup-steps", "3", "--weight-decay", "0",
+                "--heldout-fraction", "0.2", "--outer-momentum", "0.5", "--window", "1"]  # fmt: skip
+        config = _train_config(parser.parse_args(argv))
+        assert (config.consensus, config.codec, config.warmup_steps, config.weight_decay) == (False, "dense", 3, 0.0)
+        assert (config.heldout_fraction, config.outer_momentum, config.window) == (0.2, 0.5, 1.0)
+        flags = {a.dest for a in parser._subparsers._group_actions[0].choices[command]._actions}
+        assert set(TrainConfig.model_fields) <= flags
+
+
+@pytest.mark.parametrize(
+    ("argv", "needle"),
+    [
+        (["--window", "1.5"], "argument --window: must be at most 1, got 1.5"),
+        (["--outer-momentum", "1"], "argument --outer-momentum: must be below 1, got 1"),
+        (["--inner-lr", "0"], "argument --inner-lr: must be a positive number, got 0"),
+        (["--codec", "zip"], "argument --codec: invalid choice: 'zip'"),
+        (["--group-size", "1"], "argument --group-size: must be at least 2, got 1"),
+    ],
+)
+def test_generated_flags_check_the_schemas_bounds(argv, needle, capsys) -> None:
+    with pytest.raises(SystemExit) as exit_info:
+        main(["bootstrap", "--run", "r", *argv])
+    assert exit_info.value.code == 2 and needle in capsys.readouterr().err
+
+
+def test_a_bad_config_value_is_one_line_naming_the_field() -> None:
+    with pytest.raises(ConfigError, match=r"^rank must be at least 1, got 0$"):
+        TrainConfig(rank=0)
+    with pytest.raises(ConfigError, match=r"^codec must be 'sign', 'lowrank' or 'dense', got 'zip'$"):
+        TrainConfig(codec="zip")
+    with pytest.raises(ConfigError, match=r"^run config key 'consensus' must be bool, got 1$"):
+        TrainConfig.from_record({**TrainConfig().to_record(), "consensus": 1})
+    assert TrainConfig.from_record({**TrainConfig().to_record(), "inner_lr": 1}).inner_lr == 1.0  # int for float
+    with pytest.raises(ConfigError, match="must be a dict"):
+        TrainConfig.from_record(["not", "a", "dict"])
