@@ -79,6 +79,7 @@ class DonorDeclined(StateTransferError):
     """The donor declined before sending anything."""
 
 
+REQUEST_BYTES = 4096  # a joiner's HELLO (a nonce and a proof) or GET (an index): a donor reads no more of either
 ACCESS_CONTEXT = "state-download"  # what a private run's proof is bound to
 
 
@@ -302,10 +303,16 @@ def decode_message(data: bytes, kinds: set[StateKind], config: TransferConfig) -
 
 
 async def recv_message(
-    stream: Stream, kinds: set[StateKind], config: TransferConfig, timeout: float | None = None
+    stream: Stream,
+    kinds: set[StateKind],
+    config: TransferConfig,
+    timeout: float | None = None,
+    max_frame: int | None = None,
 ) -> tuple[StateKind, dict]:
-    """The next message, within `timeout` (`message_timeout` unless given), its frame within `max_frame`."""
-    data = await asyncio.wait_for(stream.recv(config.max_frame), config.message_timeout if timeout is None else timeout)
+    """The next message, within `timeout` (`message_timeout` unless given), its frame within `max_frame` (the
+    config's, which fits a chunk, unless given)."""
+    cap = config.max_frame if max_frame is None else max_frame
+    data = await asyncio.wait_for(stream.recv(cap), config.message_timeout if timeout is None else timeout)
     return decode_message(data, kinds, config)
 
 
@@ -382,7 +389,7 @@ class StateDonor:
     async def _handle(self, remote: str, stream: Stream) -> None:
         timeout = self.config.message_timeout
         try:
-            _, hello = await recv_message(stream, {StateKind.HELLO}, self.config)
+            _, hello = await recv_message(stream, {StateKind.HELLO}, self.config, max_frame=REQUEST_BYTES)
         except (StateTransferError, WireError, ConnectionError, TimeoutError) as e:
             logger.warning("bad state request from %s: %s", remote[-8:], e)
             return
@@ -399,7 +406,9 @@ class StateDonor:
             async with asyncio.timeout(self.config.ceiling(manifest.total_bytes)):
                 await send_message(stream, StateKind.MANIFEST, timeout, m=manifest.to_wire())
                 while True:  # GETs may come several at a time: each is answered in turn
-                    _, get = await recv_message(stream, {StateKind.GET}, self.config, self.config.stall_timeout)
+                    _, get = await recv_message(
+                        stream, {StateKind.GET}, self.config, self.config.stall_timeout, REQUEST_BYTES
+                    )
                     index = get["i"]
                     if type(index) is not int or not 0 <= index < len(chunks):
                         raise StateTransferError(f"chunk {index!r} does not exist")

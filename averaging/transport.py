@@ -5,6 +5,12 @@ The exchange protocol sees only `Transport.open(peer_id)` → `Stream` and a han
 the bytes). Every frame's length is checked against a cap *before* its body is read, so a hostile
 length prefix cannot make us allocate. Both transports count the bytes they move (`Traffic`).
 
+Before any byte of an inbound stream is read, an `Admission` gate counts it against two caps: streams
+from that remote peer, and streams in all. A stream over either is closed unread, so a flood of
+connections (from one peer id or from many) costs at most `Admission.total` streams, each read no
+further than its first message's pre-authentication cap (the protocols keep that to a few kB), and no
+remote holds more than `per_peer` of the slots.
+
 `InMemoryNetwork` connects `InMemoryTransport`s inside one event loop. It has hooks for faults:
 `before_send` may drop or alter a frame or crash a peer, and `crash(peer)` closes all of a peer's streams
 and cancels its handlers, as a SIGKILL would.
@@ -28,6 +34,54 @@ class StreamClosed(ConnectionError):
 
 class FrameTooLarge(ConnectionError):
     """A frame's length prefix exceeds the cap; the stream is unusable afterwards."""
+
+
+@dataclass(frozen=True)
+class Admission:
+    """How many inbound streams a transport handles at once, per remote peer and in all."""
+
+    per_peer: int = 8  # a group member keeps 1-2 open to one remote; a joiner 1 per donor
+    total: int = 64
+
+    def __post_init__(self) -> None:
+        if not 1 <= self.per_peer <= self.total:
+            raise ValueError(f"need 1 <= per_peer <= total, got {self.per_peer} and {self.total}")
+
+
+class Gate:
+    """The live inbound streams of one transport, by remote peer; `refused` counts the streams turned away."""
+
+    def __init__(self, admission: Admission) -> None:
+        self.admission = admission
+        self.open: dict[str, int] = {}
+        self.total = 0
+        self.refused = 0
+
+    def enter(self, remote: str) -> bool:
+        if self.total >= self.admission.total or self.open.get(remote, 0) >= self.admission.per_peer:
+            self.refused += 1
+            return False
+        self.open[remote] = self.open.get(remote, 0) + 1
+        self.total += 1
+        return True
+
+    def leave(self, remote: str) -> None:
+        self.total -= 1
+        if (left := self.open[remote] - 1) > 0:
+            self.open[remote] = left
+        else:
+            del self.open[remote]
+
+    async def run(self, remote: str, stream: Stream, handler: Handler) -> None:
+        """`handler(remote, stream)` if the stream is admitted, then close it either way."""
+        if not self.enter(remote):
+            await stream.close()
+            return
+        try:
+            await handler(remote, stream)
+        finally:
+            self.leave(remote)
+            await stream.close()
 
 
 @dataclass
@@ -69,6 +123,7 @@ Handler = Callable[[str, Stream], Awaitable[None]]
 class Transport(ABC):
     peer_id: str
     traffic: Traffic
+    gate: Gate  # admission of inbound streams
 
     @abstractmethod
     async def open(self, peer_id: str) -> Stream:
@@ -119,11 +174,12 @@ class P2PStream(Stream):
 class P2PTransport(Transport):
     """Streams over a `hivemind.p2p.P2P` (e.g. `await dht.replicate_p2p()`), under one protocol name."""
 
-    def __init__(self, p2p, protocol: str) -> None:  # p2p: hivemind.p2p.P2P
+    def __init__(self, p2p, protocol: str, admission: Admission = Admission()) -> None:  # p2p: hivemind.p2p.P2P
         self._p2p = p2p
         self.protocol = protocol
         self.peer_id = p2p.peer_id.to_base58()
         self.traffic = Traffic()
+        self.gate = Gate(admission)
         self._serving = False
 
     async def open(self, peer_id: str) -> Stream:
@@ -137,11 +193,7 @@ class P2PTransport(Transport):
 
     async def serve(self, handler: Handler) -> None:
         async def on_stream(info, reader, writer) -> None:
-            stream = P2PStream(reader, writer, self.traffic)
-            try:
-                await handler(info.peer_id.to_base58(), stream)
-            finally:
-                await stream.close()
+            await self.gate.run(info.peer_id.to_base58(), P2PStream(reader, writer, self.traffic), handler)
 
         await self._p2p.add_binary_stream_handler(self.protocol, on_stream)
         self._serving = True
@@ -210,8 +262,8 @@ class InMemoryNetwork:
         # it may also call crash() to kill a peer mid-send
         self.before_send: Callable[[str, str, bytes], Awaitable[bytes | None]] = _deliver
 
-    def transport(self, peer_id: str) -> InMemoryTransport:
-        return InMemoryTransport(self, peer_id)
+    def transport(self, peer_id: str, admission: Admission = Admission()) -> InMemoryTransport:
+        return InMemoryTransport(self, peer_id, admission)
 
     async def crash(self, peer_id: str) -> None:
         """Kill a peer: its handler is gone, its streams close, its running handlers are cancelled."""
@@ -226,10 +278,11 @@ class InMemoryNetwork:
 
 
 class InMemoryTransport(Transport):
-    def __init__(self, network: InMemoryNetwork, peer_id: str) -> None:
+    def __init__(self, network: InMemoryNetwork, peer_id: str, admission: Admission = Admission()) -> None:
         self.network = network
         self.peer_id = peer_id
         self.traffic = Traffic()
+        self.gate = Gate(admission)
 
     async def open(self, peer_id: str) -> Stream:
         if peer_id not in self.network.handlers:
@@ -241,10 +294,7 @@ class InMemoryTransport(Transport):
         self.network.streams.update((mine, theirs))
 
         async def run_handler() -> None:
-            try:
-                await handler(self.peer_id, theirs)
-            finally:
-                await theirs.close()
+            await remote.gate.run(self.peer_id, theirs, handler)
 
         task = asyncio.get_running_loop().create_task(run_handler())
         self.network.tasks.setdefault(peer_id, set()).add(task)

@@ -68,6 +68,16 @@ def parse_peer_multiaddr(text: str) -> str:
     return str(maddr)
 
 
+def parse_peer_id(text: str) -> str:
+    """Validate a base58 libp2p peer id (as `/p2p/<id>` carries it); return it stripped."""
+    if not isinstance(text, str):
+        raise AddressError("peer id", text, f"expected a str, got {type(text).__name__}")
+    try:
+        return str(Multiaddr(f"/p2p/{text.strip()}")).removeprefix("/p2p/")
+    except Exception as e:  # the multiaddr package raises several unrelated types
+        raise AddressError("peer id", text, "it is not a base58 peer id (as in /p2p/<peer id>)") from e
+
+
 def parse_peer_multiaddrs(texts: Iterable[str]) -> list[str]:
     """Validate every address (all or nothing); return them canonical, de-duplicated, in order."""
     if isinstance(texts, str):

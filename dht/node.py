@@ -27,7 +27,7 @@ from pathlib import Path
 import hivemind
 import psutil
 
-from .addresses import parse_host, parse_peer_multiaddrs, port_problem
+from .addresses import parse_host, parse_peer_id, parse_peer_multiaddrs, port_problem
 from .identity import IdentityError, ensure_identity, peer_id_of
 from .records import validate_run_id
 from .signing import RunValidator, load_signing_key
@@ -57,6 +57,9 @@ class NodeConfig:
     use_auto_relay: bool = False  # look for relays and advertise addresses through them (a host behind NAT)
     startup_timeout: float = 30.0  # seconds until the node must be ready
     run_id: str | None = None  # sign this node's records of the run and check everyone's (dht.signing)
+    # the run's creator, from the join line's --creator: only its config is accepted ("self": this node created
+    # the run); None: the first config seen is trusted
+    creator: str | None = None
 
     def __post_init__(self) -> None:
         object.__setattr__(self, "initial_peers", tuple(parse_peer_multiaddrs(self.initial_peers)))
@@ -70,6 +73,8 @@ class NodeConfig:
                 raise ValueError(f"{flag} must be a bool, got {getattr(self, flag)!r}")
         if self.run_id is not None:
             validate_run_id(self.run_id)
+        if self.creator is not None and self.creator != "self":
+            object.__setattr__(self, "creator", parse_peer_id(self.creator))
         timeout = self.startup_timeout
         if isinstance(timeout, bool) or not isinstance(timeout, int | float) or not 0 < timeout < math.inf:
             raise ValueError(f"startup_timeout must be a positive number of seconds, got {timeout!r}")
@@ -96,7 +101,7 @@ def start_node(config: NodeConfig) -> hivemind.DHT:
     with tempfile.TemporaryDirectory(prefix="murmur-id-") as scratch:
         identity = config.identity_path or str(ensure_identity(Path(scratch) / "identity.key"))
         try:
-            validator = RunValidator(config.run_id, load_signing_key(identity))
+            validator = RunValidator(config.run_id, load_signing_key(identity), creator=config.creator)
         except (OSError, ValueError) as e:
             raise NodeError(f"cannot sign with identity {identity!r}: {e}") from e
         return _start(replace(config, identity_path=identity), [validator])

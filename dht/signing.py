@@ -9,8 +9,10 @@ with `RunValidator`, both when it stores one for others and when it reads one:
   signer is the peer id that key hashes to (the libp2p rule), so a signature names a peer id;
 * ``{run}:peers`` and ``{run}:metrics``: the subkey must be the signer's peer id, and the value a
   valid ``Announcement`` / ``Metrics`` of that peer (or a withdrawal tombstone);
-* ``{run}:config``: a valid ``RunRecord`` whose ``created_by`` is the signer, and the first
-  signer a node accepts for the config is pinned: a config signed by any other key is refused.
+* ``{run}:config``: a valid ``RunRecord`` whose ``created_by`` is the signer. A node started with the
+  run's creator (the join line's ``--creator``; the creator's own node pins itself) accepts only that
+  signer's config, so a stranger who publishes a config first is refused; a node started without
+  one pins the first signer it accepts (trust on first use).
   Its signature covers only the record's content and travels inside it (``RunRecord.public_key``
   and ``signature``), so any peer can republish the creator's record unchanged, with a new
   expiration, to keep the config alive after the bootstrap node is gone.
@@ -91,14 +93,21 @@ def _payload(record: DHTRecord, value: bytes) -> bytes:
 class RunValidator(RecordValidatorBase):
     """Signs this node's records of `run_id` and checks everyone's (see the module docstring)."""
 
-    def __init__(self, run_id: str, private_key: rsa.RSAPrivateKey | None) -> None:
+    def __init__(self, run_id: str, private_key: rsa.RSAPrivateKey | None, creator: str | None = None) -> None:
+        """`creator`: the peer id the run's join line names (`--creator`), or "self" on the creator's own node;
+        then only that signer's config is accepted, from the start. Without it, the first valid config
+        this node sees pins its signer (trust on first use)."""
         self.run_id = validate_run_id(run_id)
         self._key = private_key
         self._public = None if private_key is None else _public_der(private_key)
+        if creator == "self":
+            if self._public is None:
+                raise ValueError("creator 'self' needs this node's signing key")
+            creator = peer_id_of_public_key(self._public)
         self._kinds: dict[bytes, str] = {
             DHTID.generate(source=f"{run_id}:{kind}").to_bytes(): kind for kind in ("peers", "metrics", "config")
         }
-        self._creator: str | None = None  # the config's signer, pinned on the first valid config
+        self._creator: str | None = creator  # the config's signer: given, or pinned on the first valid config
 
     @property
     def priority(self) -> int:

@@ -113,6 +113,14 @@ def join_flags(model: str | None, data: str | None, secret_file: Path | None) ->
     return flags + (f" --run-secret-file {secret_file}" if secret_file else "")
 
 
+def reader_node(args: argparse.Namespace):
+    """The client-mode node of a command that only reads a run (status, dashboard, export)."""
+    from murmur.dht.node import NodeConfig
+
+    return NodeConfig(initial_peers=tuple(args.initial_peers), client_mode=True, run_id=args.run,
+                      creator=args.creator)  # fmt: skip
+
+
 def _train_config(args: argparse.Namespace):
     """The run config from the flags `peer.flags.train_flags` made, one per field (a flag not given: the default)."""
     from murmur.peer.config import TrainConfig
@@ -139,7 +147,9 @@ def _serve_bootstrap(args: argparse.Namespace, config, policy, stop: _Stop) -> i
     from murmur.dht.records import RunRecord, RunRecords
     from murmur.peer.config import is_spec
 
-    dht = start_node(NodeConfig(host=args.host, port=args.port, identity_path=args.identity, run_id=args.run))
+    # creator "self": this node accepts no config of the run but its own
+    dht = start_node(NodeConfig(host=args.host, port=args.port, identity_path=args.identity, run_id=args.run,
+                                creator="self"))  # fmt: skip
     try:
         records = RunRecords(dht, args.run)
         record = RunRecord(run_id=args.run, config=config.to_record(), created_by=dht.peer_id.to_base58(),
@@ -148,7 +158,8 @@ def _serve_bootstrap(args: argparse.Namespace, config, policy, stop: _Stop) -> i
         try:
             stop.started()
             extra = join_flags(config.model if is_spec(config.model) else None, args.data, args.run_secret_file)
-            print(f"murmur join --initial-peers {' '.join(visible_addresses(dht))} --run {args.run}{extra}", flush=True)
+            line = f"murmur join --initial-peers {' '.join(visible_addresses(dht))} --run {args.run}"
+            print(f"{line} --creator {dht.peer_id.to_base58()}{extra}", flush=True)
             while not stop.event.wait(1.0):  # short waits: the signal handlers run in this thread
                 pass
         finally:
@@ -171,7 +182,7 @@ def _join_options(args: argparse.Namespace):
         run_id=args.run,
         node=NodeConfig(initial_peers=tuple(args.initial_peers), host=args.host, port=args.port,
                         identity_path=args.identity, client_mode=args.client_mode, use_relay=args.use_relay,
-                        use_auto_relay=args.use_auto_relay, run_id=args.run),
+                        use_auto_relay=args.use_auto_relay, run_id=args.run, creator=args.creator),
         device=device_config(args), workload=WorkloadSpec(model=args.model, data=args.data),
         exchange=GroupConfig(exchange_timeout=args.exchange_timeout,
                              access=load_policy(args.run_secret_file, args.allow_peers)),
@@ -229,12 +240,12 @@ def _simulate(args: argparse.Namespace) -> int:
 def _status(args: argparse.Namespace) -> int:
     from rich.console import Console
 
-    from murmur.dht.node import NodeConfig, start_node, stop_node
+    from murmur.dht.node import start_node, stop_node
     from murmur.dht.records import RunRecords, validate_run_id
     from murmur.peer.ops.status import read_status, render_status
 
     validate_run_id(args.run)  # before starting a node
-    dht = start_node(NodeConfig(initial_peers=tuple(args.initial_peers), client_mode=True, run_id=args.run))
+    dht = start_node(reader_node(args))
     try:
         status = read_status(RunRecords(dht, args.run))
     finally:
@@ -253,14 +264,14 @@ def _dashboard(args: argparse.Namespace) -> int:
     validate_run_id(args.run)
     host = parse_host(args.host)  # both before a node starts
     with _Stop(args.command) as stop:
-        from murmur.dht.node import NodeConfig, start_node, stop_node
+        from murmur.dht.node import start_node, stop_node
         from murmur.dht.records import RunRecords
         from murmur.peer.ops.dashboard import Board, Poller, Server, make_app
 
         board = Board(args.run, args.period)
         server = Server(make_app(board), host, args.port)  # a port in use fails here, before the node starts
         try:
-            dht = start_node(NodeConfig(initial_peers=tuple(args.initial_peers), client_mode=True, run_id=args.run))
+            dht = start_node(reader_node(args))
             try:
                 records = RunRecords(dht, args.run, request_timeout=max(5.0, 2 * args.period))
                 poller = Poller(records, board, args.period).start()
@@ -287,7 +298,8 @@ def _export(args: argparse.Namespace) -> int:
             raise ValueError("--initial-peers needs --run: the run whose model to download")
         from murmur.dht.records import validate_run_id
 
-        found = from_swarm(tuple(args.initial_peers), validate_run_id(args.run), model=args.model, data=args.data)
+        validate_run_id(args.run)
+        found = from_swarm(reader_node(args), model=args.model, data=args.data)
     else:
         if args.run is not None:
             raise ValueError("--run goes with --initial-peers; with --from the model's file names its run")

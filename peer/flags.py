@@ -102,6 +102,12 @@ def _bounded(kind: type, bounds: list) -> Callable[[str], int | float]:
     return parse
 
 
+def creator_flag(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument("--creator", metavar="PEER_ID",
+                        help="the run creator's peer id, as the join line names it: a run config signed by anyone "
+                             "else is refused (default: trust the first config found)")  # fmt: skip
+
+
 def node_flags(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--host", default="127.0.0.1", help="address to listen on (default: %(default)s)")
     parser.add_argument("--port", type=PORT, default=0, help="TCP port, 0 picks a free one (default: %(default)s)")
@@ -142,6 +148,7 @@ def _join_parser(sub) -> None:
     join = sub.add_parser("join", help="join a run as a training peer")
     join.add_argument("--initial-peers", nargs="+", required=True, metavar="MADDR", help="bootstrap multiaddrs")
     join.add_argument("--run", required=True, help="run id")
+    creator_flag(join)
     join.add_argument("--duration", type=number(), metavar="SECONDS", help="seconds to train (default: until Ctrl-C)")
     join.add_argument("--until", type=number(), metavar="UNIX_TIME",
                       help="wall-clock end, in seconds since the epoch: no round starts that would end later, so "
@@ -219,11 +226,13 @@ def build_parser() -> argparse.ArgumentParser:
     status = sub.add_parser("status", help="show a run's config and live peers, read from the DHT")
     status.add_argument("--initial-peers", nargs="+", required=True, metavar="MADDR", help="bootstrap multiaddrs")
     status.add_argument("--run", required=True, help="run id")
+    creator_flag(status)
     status.add_argument("--json", action="store_true", help="print one JSON object instead of a table")
 
     dash = sub.add_parser("dashboard", help="serve a live web page of a run's peers and charts, read from the DHT")
     dash.add_argument("--initial-peers", nargs="+", required=True, metavar="MADDR", help="bootstrap multiaddrs")
     dash.add_argument("--run", required=True, help="run id")
+    creator_flag(dash)
     dash.add_argument("--host", default="127.0.0.1",
                       help="address the page is served on (default: %(default)s, this machine only)")  # fmt: skip
     dash.add_argument("--port", type=PORT, default=8080,
@@ -243,6 +252,7 @@ def build_parser() -> argparse.ArgumentParser:
         help="a live swarm's bootstrap multiaddrs: the model is downloaded from a peer (with --run)",
     )
     export.add_argument("--run", help="run id, with --initial-peers")
+    creator_flag(export)
     workload_flags(export, joining=True)
 
     sample = sub.add_parser("sample", help="print text from a built-in GPT that a run trained")

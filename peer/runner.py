@@ -38,7 +38,7 @@ from murmur.averaging.wire import PROTOCOL_VERSION
 from murmur.dht.heartbeat import Heartbeat, RosterWatch
 from murmur.dht.loop import LoopThread
 from murmur.dht.node import NodeConfig, start_node, stop_node, visible_addresses
-from murmur.dht.records import Announcement, PeerState, RunRecords
+from murmur.dht.records import Announcement, PeerState, RunRecord, RunRecords
 from murmur.peer.checkpoint import CheckpointWriter, check_tensors, latest_checkpoint
 from murmur.peer.config import TrainConfig
 from murmur.peer.device import DeviceConfig, Runtime, keep_freed_memory
@@ -113,17 +113,23 @@ class PeerOptions:
         return self.out_dir / "checkpoints" if self.out_dir is not None else None
 
 
-def fetch_train_config(records: RunRecords, wait: float, access: AccessPolicy | None = None) -> TrainConfig:
-    """The run's config from its record; PeerError if there is none, or if the run is private and `access` does
-    not hold its secret (the record says so: nothing is tried that the run would refuse)."""
+def fetch_run(
+    records: RunRecords, wait: float, access: AccessPolicy | None = None, creator: str | None = None
+) -> tuple[TrainConfig, RunRecord]:
+    """The run's config and the record it came from; PeerError if there is none, or if the run is private and
+    `access` does not hold its secret (the record says so: nothing is tried that the run would refuse). With
+    `creator` (the node's `NodeConfig.creator`) the node reads no config signed by anyone else."""
     deadline = time.monotonic() + wait
     while True:
         record = records.fetch_config()
         if record is not None:
             if access is not None and (why := access.refuses_run(record.run_id, record.secret_check)):
                 raise PeerError(why)
-            return TrainConfig.from_record(record.config)
+            return TrainConfig.from_record(record.config), record
         if time.monotonic() >= deadline:
+            if creator not in (None, "self"):
+                raise PeerError(f"run '{records.run_id}' has no config signed by its creator {creator} on the DHT "
+                                "(a config signed by anyone else is refused): check the join line")  # fmt: skip
             raise PeerError(f"run '{records.run_id}' has no config on the DHT: check the run id and the address")
         time.sleep(0.5)
 
@@ -163,6 +169,7 @@ class VolunteerPeer:
         self.dht = dht
         self.trainer = trainer
         self.records = records
+        self.creator: str | None = None  # the run's creator, named in this peer's join line
         self.peer_id = dht.peer_id.to_base58()
         self.addresses = visible_addresses(dht)
         self.engine = RoundEngine(self.peer_id, trainer.config.rounds(), client=options.node.client_mode,
@@ -191,10 +198,11 @@ class VolunteerPeer:
         peer = None
         try:
             records = RunRecords(dht, options.run_id)
-            config = fetch_train_config(records, options.config_wait, options.exchange.access)
+            config, record = fetch_run(records, options.config_wait, options.exchange.access, options.node.creator)
             workload = options.workload.build(config)
             trainer = Trainer.fitted(config, workload, data_seed=options.data_seed, runtime=runtime)
             peer = cls(options, dht, trainer, records)
+            peer.creator = record.created_by  # signed by that key (dht.signing): join lines name it
             peer.averager = peer.loop.run(peer._start_averager(), timeout=30)
             peer.sharing = peer.loop.run(
                 StateSharing.create(dht, records, config=options.transfer, access=options.exchange.access,
@@ -307,7 +315,8 @@ class VolunteerPeer:
         live = [a for pid, a in peers.items() if pid != self.peer_id and a.addresses and not a.client_mode]
         live.sort(key=lambda a: -a.step)  # the peers furthest along have been up longest
         addresses += [a.addresses[0] for a in live[:others]]
-        return f"murmur join --initial-peers {' '.join(addresses)} --run {self.options.run_id}"
+        line = f"murmur join --initial-peers {' '.join(addresses)} --run {self.options.run_id}"
+        return line + (f" --creator {self.creator}" if self.creator else "")
 
     def _announce(self, averager: GroupAverager | None = None) -> None:
         """Publish the engine's state (from the heartbeat's thread) and tell the averager what to expect."""

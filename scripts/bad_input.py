@@ -560,10 +560,11 @@ def cases() -> list[Case]:
              lambda lab: _e("murmur join: interrupted")),
         Case("custom-model bootstrap: its join line", words,
              printed_join_line([*CUSTOM, "--data", "wl:good_batches"]), 0,
-             lambda lab: r"stdout: murmur join --initial-peers \S+ --run line-\d+ --model wl:build_model --data "
-                         r"wl:good_batches"),
+             lambda lab: r"stdout: murmur join --initial-peers \S+ --run line-\d+ --creator Qm\w+ "
+                         r"--model wl:build_model --data wl:good_batches"),
         Case("private bootstrap: its join line", words, printed_join_line(["--run-secret-file", "run.secret"]), 0,
-             lambda lab: r"stdout: murmur join --initial-peers \S+ --run line-\d+ --run-secret-file run\.secret"),
+             lambda lab: r"stdout: murmur join --initial-peers \S+ --run line-\d+ --creator Qm\w+ "
+                         r"--run-secret-file run\.secret"),
         Case("custom-model bootstrap without --data", words,
              command(lambda lab: ["bootstrap", "--run", "c", *CUSTOM]), 1,
              lambda lab: _e("murmur bootstrap: error: --model wl:build_model is a custom model: also give --data "

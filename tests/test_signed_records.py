@@ -83,3 +83,69 @@ def test_only_the_creator_writes_the_run_config(signed_swarm) -> None:
     assert RunRecords(peer, RUN, config_ttl=7200.0).publish_config(signed)
     found = RunRecords(boot, RUN).fetch_config()
     assert found == signed
+
+
+@pytest.mark.slow
+def test_a_config_a_stranger_published_first_is_refused_by_a_joiner_with_the_join_line(capsys) -> None:
+    from murmur.peer.cli import main
+    from murmur.peer.config import TrainConfig
+    from murmur.peer.runner import PeerError, fetch_run
+
+    run = "bound-run"
+    nodes = []
+    try:
+        nodes.append(trusting := start_node(NodeConfig(run_id=run)))  # a node that trusts the first config it sees
+        initial = tuple(visible_addresses(trusting))
+        nodes.append(stranger := start_node(NodeConfig(run_id=run, initial_peers=initial)))
+        forger = stranger.peer_id.to_base58()
+        forged = RunRecord(run_id=run, config=TrainConfig(inner_steps=99).to_record(), created_by=forger)
+        assert RunRecords(stranger, run).publish_config(forged)  # first: the trusting node pins the stranger
+        nodes.append(boot := start_node(NodeConfig(run_id=run, initial_peers=initial, creator="self")))
+        creator = boot.peer_id.to_base58()
+        assert not RunRecords(boot, run).publish_config(forged)  # the creator's own node never holds a forgery
+
+        # a joiner holding the join line (--creator) refuses the forgery, and says so
+        nodes.append(joiner := start_node(NodeConfig(run_id=run, initial_peers=initial, creator=creator)))
+        assert RunRecords(trusting, run).fetch_config().created_by == forger  # what a trusting reader takes
+        with pytest.raises(PeerError, match=f"no config signed by its creator {creator}"):
+            fetch_run(RunRecords(joiner, run), wait=2.0, creator=creator)
+        argv = ["status", "--initial-peers", *initial, "--run", run, "--creator", creator, "--json"]
+        assert main(argv) == 1  # nor does the operator's status read the forgery
+        assert "run 'bound-run' not found: no config and no live peers" in capsys.readouterr().err
+
+    finally:
+        for node in nodes:
+            stop_node(node)
+        gc.collect()
+
+
+@pytest.mark.slow
+def test_where_every_node_holds_the_join_line_the_creators_config_wins_though_a_strangers_came_first() -> None:
+    from murmur.peer.config import TrainConfig
+    from murmur.peer.runner import fetch_run
+
+    run = "bound-run-2"
+    nodes = []
+    try:
+        nodes.append(boot := start_node(NodeConfig(run_id=run, creator="self")))
+        initial, creator = tuple(visible_addresses(boot)), boot.peer_id.to_base58()
+        nodes.append(stranger := start_node(NodeConfig(run_id=run, initial_peers=initial)))
+        nodes += [start_node(NodeConfig(run_id=run, initial_peers=initial, creator=creator)) for _ in range(2)]
+        forged = RunRecord(run_id=run, config=TrainConfig(inner_steps=99).to_record(),
+                           created_by=stranger.peer_id.to_base58())  # fmt: skip
+        RunRecords(stranger, run).publish_config(forged)  # first; only the stranger's own node may keep it
+        genuine = RunRecord(run_id=run, config=TrainConfig(inner_steps=7).to_record(), created_by=creator)
+        # the bootstrap's ConfigKeeper republishes; a store right after the nodes start may find only the stranger
+        wait_for(lambda: RunRecords(boot, run).publish_config(genuine), bool)
+        for joiner in nodes[2:]:
+            config, record = fetch_run(RunRecords(joiner, run), wait=10.0, creator=creator)
+            assert config.inner_steps == 7 and record.created_by == creator
+    finally:
+        for node in nodes:
+            stop_node(node)
+        gc.collect()
+
+
+def test_a_bad_creator_is_one_line() -> None:
+    with pytest.raises(ValueError, match="bad peer id 'nope': it is not a base58 peer id"):
+        NodeConfig(run_id="r", creator="nope")

@@ -167,7 +167,8 @@ def test_bootstrap_prints_a_join_line_that_works(tmp_path):
         line = boot.stdout.readline().strip()
         assert line.startswith("murmur join --initial-peers /ip4/127.0.0.1/tcp/"), line
         argv = line.split()[1:]
-        assert argv[-2:] == ["--run", "boot-test"]
+        assert argv[-4:-1] == ["--run", "boot-test", "--creator"] and argv[-1].startswith("Qm")  # the boot's id
+        assert f"/p2p/{argv[-1]}" in line
         peer = subprocess.Popen(
             [sys.executable, "-m", "murmur.peer.cli", *argv, "--out-dir", str(tmp_path / "peer"), "--quiet"],
             stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=env, start_new_session=True,

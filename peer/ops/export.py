@@ -192,22 +192,23 @@ def write(found: Found, out_dir: Path) -> tuple[Path, Path]:
     return model_path, config_path
 
 
-def from_swarm(initial_peers: tuple[str, ...], run_id: str, *, model: str | None = None, data: str | None = None,
-               wait: float = 30.0) -> Found:  # fmt: skip
-    """A live swarm's model: a client-mode node downloads a donor's state, as a late joiner does."""
+def from_swarm(node, *, model: str | None = None, data: str | None = None, wait: float = 30.0) -> Found:
+    """A live swarm's model: a node (a `NodeConfig` with the run id) downloads a donor's state, as a late joiner
+    does."""
     from murmur.dht.loop import LoopThread
-    from murmur.dht.node import NodeConfig, start_node, stop_node
+    from murmur.dht.node import start_node, stop_node
     from murmur.dht.records import RunRecords
-    from murmur.peer.runner import fetch_train_config
+    from murmur.peer.runner import fetch_run
     from murmur.peer.state import StateSharing, apply_training_state, expected_layout
     from murmur.peer.trainer import Trainer
     from murmur.peer.workload import WorkloadSpec
 
-    dht = start_node(NodeConfig(initial_peers=initial_peers, client_mode=True, run_id=run_id))
+    run_id = node.run_id
+    dht = start_node(node)
     loop = LoopThread("murmur-export")
     try:
         records = RunRecords(dht, run_id)
-        config = fetch_train_config(records, wait)
+        config, _ = fetch_run(records, wait, creator=node.creator)
         trainer = Trainer(config, WorkloadSpec(model=model, data=data).build(config), data_seed=0)
         sharing = loop.run(StateSharing.create(dht, records), timeout=30)
         try:

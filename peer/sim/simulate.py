@@ -92,7 +92,7 @@ def start_bootstrap(
     """An in-process bootstrap node that has published the run's config (and, for a private run, the
     `AccessPolicy.run_check` of its secret); returns it and its multiaddrs."""
     # signs the config, as every node of the run signs its records
-    boot = start_node(NodeConfig(run_id=run_id, host=host, port=port))
+    boot = start_node(NodeConfig(run_id=run_id, host=host, port=port, creator="self"))
     try:
         RunRecords(boot, run_id).publish_config(
             RunRecord(
