@@ -160,9 +160,14 @@ def _register_guard() -> None:
 
 
 def _guard_worker() -> None:
-    """In a freshly forked DHT worker (and no other fork): watch the parent from a daemon thread."""
+    """In a freshly forked DHT worker (and no other fork): watch the parent from a daemon thread, and leave
+    Ctrl-C to the parent. A terminal sends SIGINT to the whole process group; the worker would otherwise run
+    the parent's handler (`murmur.peer.cli`), and print a traceback of its own, while the parent stops
+    cleanly and then stops the worker. SIGTERM kills the worker as by default."""
     parent = _forking_worker_of
     if parent is not None and os.getppid() == parent:
+        signal.signal(signal.SIGINT, signal.SIG_IGN)
+        signal.signal(signal.SIGTERM, signal.SIG_DFL)
         threading.Thread(target=_die_with, args=(parent,), name="murmur-orphan-guard", daemon=True).start()
 
 

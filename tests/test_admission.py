@@ -92,4 +92,3 @@ def test_a_donor_reads_no_more_than_a_request_before_the_joiner_is_known(caplog)
     caplog.set_level(logging.WARNING)
     run(main())
     assert f"exceeds the {REQUEST_BYTES}-byte cap" in caplog.text
-
