@@ -32,6 +32,7 @@ import hashlib
 import logging
 import math
 import sys
+import time
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass
 
@@ -112,13 +113,17 @@ class TransferConfig:
     stall_timeout: float = 15.0  # no chunk verified from anyone this long: the download fails; no GET: a session ends
     min_rate: float = float(1 << 20)  # bytes/s: the slowest average download that is let to finish (see `ceiling`)
     max_state_bytes: int = 16 << 30
+    # a donor packs its state at most once this often: a HELLO from anyone within it is served the last pack
+    # (a state a few rounds old), so a stranger's HELLO every round cannot make every peer repack every round
+    repack_interval: float = 10.0
 
     def __post_init__(self) -> None:
         if not 1 << 10 <= self.chunk_size <= 16 << 20:
             raise ValueError(f"chunk_size must be between 1 KiB and 16 MiB, got {self.chunk_size}")
         if min(self.max_uploads, self.parallel, self.window) < 1:
             raise ValueError("max_uploads, parallel and window must be at least 1")
-        if min(self.message_timeout, self.find_timeout, self.stall_timeout, self.min_rate) <= 0:
+        if min(self.message_timeout, self.find_timeout, self.stall_timeout, self.min_rate) <= 0 or \
+                self.repack_interval < 0:  # fmt: skip
             raise ValueError("state transfer timeouts and min_rate must be positive")
         if self.stall_timeout < 2 * self.message_timeout:
             raise ValueError("stall_timeout must be at least twice message_timeout (a stalled donor is dropped first)")
@@ -327,9 +332,10 @@ class StateDonor:
     """Serves the latest published state to joiners; `publish` may be called from any thread.
 
     What is published is a snapshot, or a function that takes one. A function is called only when a joiner
-    asks, at most once per `publish` (the packed state is cached and shared by every joiner until the next
-    one), on a worker thread, so neither the training loop nor the event loop pays for a copy of the state
-    that nobody downloads.
+    asks, at most once per `publish` and once per `repack_interval` (the packed state is cached and shared by
+    every joiner until then), on a worker thread, so neither the training loop nor the event loop pays for a
+    copy of the state that nobody downloads, and HELLOs from anyone cost at most one pack per interval.
+    `packs` counts the packs made.
     """
 
     def __init__(
@@ -344,15 +350,22 @@ class StateDonor:
         self._source: tuple[int, Callable[[], StateSnapshot]] | None = None  # (publication, how to take it)
         self._published = 0
         self._packed: tuple[int, Manifest, list[memoryview]] | None = None
+        self._packed_at = -math.inf  # monotonic time the cached pack was made
         self._packing: asyncio.Lock | None = None  # made on the event loop: one pack at a time
+        self.packs = 0
 
     def publish(self, state: StateSnapshot | Callable[[], StateSnapshot] | None) -> None:
         """Serve `state` from now on: a snapshot, a function that takes one when a joiner asks, or None."""
         self._published += 1
         take = state if callable(state) or state is None else (lambda: state)
         self._source = None if take is None else (self._published, take)  # one reference swap: thread-safe
-        if not self.uploads:  # the old packed state goes now (an upload in progress keeps its own chunks)
+        # the old packed state goes now, unless an upload is using it or it is young enough to serve (an upload in
+        # progress keeps its own chunks either way)
+        if not self.uploads and not self._fresh():
             self._packed = None
+
+    def _fresh(self) -> bool:
+        return time.monotonic() - self._packed_at < self.config.repack_interval
 
     async def start(self) -> None:
         await self.transport.serve(self._handle)
@@ -380,9 +393,11 @@ class StateDonor:
             if source is None:
                 raise StateTransferError("no state to share any more")
             packed = self._packed  # read once: `publish` may drop the cache from another thread
-            if packed is None or packed[0] != source[0]:
+            if packed is None or (packed[0] != source[0] and not self._fresh()):
                 self._packed = packed = None  # the old one goes before the new one is made
                 take, size = source[1], self.config.chunk_size
+                self._packed_at = time.monotonic()
+                self.packs += 1
                 packed = self._packed = (source[0], *await asyncio.to_thread(lambda: pack(take(), size)))
             return packed[1], packed[2]
 

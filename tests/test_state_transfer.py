@@ -41,6 +41,7 @@ from murmur.peer.trainer import Trainer, warmup_lr
 CONFIG = TransferConfig(
     chunk_size=1024, message_timeout=0.3, find_timeout=2.0, stall_timeout=1.0, max_state_bytes=8 << 20
 )
+EVERY_ROUND = replace(CONFIG, repack_interval=0)  # a new pack for every publication somebody asks for
 SEQUENTIAL = replace(CONFIG, parallel=1)  # one donor at a time: a hand-over from one donor to the next
 SHAPES = {"anchor/w": (40, 24), "anchor/b": (24,), "momentum/w": (40, 24), "momentum/b": (24,)}  # 8 chunks
 EXPECTED = {name: TensorSpec(shape, torch.float32) for name, shape in SHAPES.items()}
@@ -127,7 +128,7 @@ def test_a_published_state_is_taken_only_when_asked_and_once_for_every_joiner():
     async def main():
         net = InMemoryNetwork()
         loop_thread.append(threading.current_thread().name)
-        donor = StateDonor(net.transport("D"), CONFIG)
+        donor = StateDonor(net.transport("D"), EVERY_ROUND)
         donor.publish(take(1))
         await donor.start()
         assert taken == []  # published, not copied
@@ -142,6 +143,27 @@ def test_a_published_state_is_taken_only_when_asked_and_once_for_every_joiner():
     assert_same(first, snapshot(1)) and assert_same(second, snapshot(1))
     assert_same(later, snapshot(2))
     assert len(taken) == 2 and loop_thread[0] not in taken  # taken on a worker thread, twice in all
+
+
+def test_a_donor_packs_at_most_once_per_interval_whoever_asks():
+    """HELLOs from anyone, every round: the donor serves its last pack until `repack_interval` has passed."""
+
+    async def main():
+        net = InMemoryNetwork()
+        donor = StateDonor(net.transport("D"), replace(CONFIG, repack_interval=0.5))
+        await donor.start()
+        got = []
+        for k in range(1, 4):  # three rounds' publications, each asked for at once
+            donor.publish(lambda k=k: snapshot(k))
+            got.append((await StateDownloader(net.transport(f"J{k}"), EXPECTED, CONFIG).download(["D"]))[0])
+        await asyncio.sleep(0.6)
+        late = (await StateDownloader(net.transport("J4"), EXPECTED, CONFIG).download(["D"]))[0]
+        return got, late, donor.packs
+
+    got, late, packs = asyncio.run(main())
+    for state in got:
+        assert_same(state, snapshot(1))  # the first pack, served for the whole interval
+    assert_same(late, snapshot(3)) and packs == 2  # then the latest publication, packed once more
 
 
 @pytest.mark.parametrize("same_state", [True, False])
