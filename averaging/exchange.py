@@ -277,6 +277,8 @@ class SealedExchange:
         self.opened = {j: asyncio.Event() for j in others if seal.opens(j, seal.me)}  # links others open to us
         self.going: list[int] = []
         self.blamed: set[int] = set()  # members whose messages to us were bad (a strike each)
+        self.awaiting_commit = False  # a member that has done its part and waits for the leader's COMMIT
+        self.deadline = 0.0  # monotonic time the exchange's bound ends
         self.over = asyncio.Event()
         self.payload1: list[bytes] = []  # our PHASE1, as the frames of its parts
 
@@ -296,6 +298,7 @@ class SealedExchange:
         links = [asyncio.ensure_future(self._open(j)) for j in self.settled if seal.opens(me, j)]
         links += [asyncio.ensure_future(self._expect(j)) for j in self.opened]
         started = time.monotonic()
+        self.deadline = started + self.exchange_timeout
         try:
             async with asyncio.timeout(self.exchange_timeout):
                 await asyncio.wait(list(self.settled.values())) if self.settled else None
@@ -327,6 +330,8 @@ class SealedExchange:
                 await self._commit() if me == 0 else await self._committed()
                 return self.going, self.round.finish(first, second)
         except TimeoutError:
+            if self.awaiting_commit:
+                raise self._withheld(f"timed out after {time.monotonic() - started:.1f} s") from None
             raise ExchangeFailed(f"timed out after {time.monotonic() - started:.1f} s") from None
         except ConnectionError as e:
             raise ExchangeFailed(str(e)) from None
@@ -392,9 +397,12 @@ class SealedExchange:
         seal, m, step = self.seal, self.messenger, self.offer.step
         others = [j for j in self.going if j != 0]
         if self.two_phase:
+            # a stalled member is given up on while there is still time to tell the others (ABORT): a member left
+            # waiting for a COMMIT would strike this leader
+            wait = max(0.1, self.deadline - time.monotonic() - m.timeout)
             outcomes = await asyncio.gather(
-                *(m.recv(seal.control[seal.members[j]], Kind.DONE, seal.session, {}, step=step,
-                         timeout=self.exchange_timeout) for j in others), return_exceptions=True,
+                *(m.recv(seal.control[seal.members[j]], Kind.DONE, seal.session, {}, step=step, timeout=wait)
+                  for j in others), return_exceptions=True,
             )  # fmt: skip
             failed = [j for j, outcome in zip(others, outcomes, strict=True) if isinstance(outcome, BaseException)]
             for j in failed:
@@ -415,11 +423,26 @@ class SealedExchange:
             logger.info("member %s left the group (%s: %s)", self.members[j][-8:], what, error)
 
     async def _committed(self) -> None:
-        """A member: DONE (after phase 2), then the leader's COMMIT."""
+        """A member: DONE (after phase 2), then the leader's COMMIT.
+
+        A COMMIT that never comes is the one window in which the others may have applied without us (our work
+        then stays pending, and counts again in a later round): it is a strike against the leader, so a leader
+        that withholds COMMITs on purpose is on every victim's cool-down after two, and the double counting it
+        can cause is bounded by two rounds per victim per cool-down period."""
         seal = self.seal
         if self.two_phase:
             await self.messenger.send(seal.control[seal.members[0]], Kind.DONE, seal.session, self.offer.step, {})
-        await self._from_leader(Kind.COMMIT)
+        self.awaiting_commit = True  # a timeout from here on (ours, or the whole exchange's) is the leader's
+        try:
+            await self._from_leader(Kind.COMMIT)
+        except (TimeoutError, ConnectionError) as e:
+            raise self._withheld(type(e).__name__) from None
+        self.awaiting_commit = False
+
+    def _withheld(self, how: str) -> ExchangeFailed:
+        reason = f"no COMMIT from the leader ({how}): the others may have applied without us"
+        self.on_bad(self.seal.members[0], Misbehaved(reason))
+        return ExchangeFailed(reason)
 
     # -- the pair streams --------------------------------------------------------------------------------
     async def _open(self, j: int) -> None:

@@ -16,7 +16,8 @@ stream carries a tensor, and their frames are read with a cap of a few kB: nothi
 both sides are authenticated. States ("diff" tensors: the anchors) travel only when the members' digests
 differ: a group whose anchors already agree sends its updates alone.
 
-The only window in which some members apply and others do not is a lost COMMIT.
+The only window in which some members apply and others do not is a lost COMMIT; a member that waited for
+one in vain strikes the leader (`averaging.exchange.SealedExchange._committed`).
 """
 
 from __future__ import annotations

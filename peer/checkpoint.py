@@ -97,17 +97,36 @@ def prune(directory: Path, *, run_id: str, model: str, keep: int) -> list[Path]:
     """
     kept, removed = 0, []
     for path in checkpoint_files(directory):
-        if path.suffix != ".safetensors":
-            continue
-        try:
-            load_checkpoint(path, run_id=run_id, model=model)
-        except CheckpointError:
+        if path.suffix != ".safetensors" or not _verifies(path, run_id=run_id, model=model):
             continue
         kept += 1
         if kept > keep:
             path.unlink(missing_ok=True)
+            _verified.pop(str(path.resolve()), None)
             removed.append(path)
     return removed
+
+
+# checkpoints that verified, by path: (size, mtime in ns, run id, model). A write verifies the new file once,
+# not every file it keeps (a 124M model's checkpoint is 1.5 GB to read and hash); a file changed since is
+# verified again.
+_verified: dict[str, tuple[int, int, str, str]] = {}
+
+
+def _verifies(path: Path, *, run_id: str, model: str) -> bool:
+    try:
+        stat = path.stat()
+    except OSError:
+        return False
+    key, seen = str(path.resolve()), (stat.st_size, stat.st_mtime_ns, run_id, model)
+    if _verified.get(key) == seen:
+        return True
+    try:
+        load_checkpoint(path, run_id=run_id, model=model)
+    except CheckpointError:
+        return False
+    _verified[key] = seen
+    return True
 
 
 class CheckpointWriter:

@@ -85,6 +85,13 @@ class _Stop:
     def started(self) -> None:
         self._started = True
 
+    def serve(self, line: str) -> None:
+        """A node that serves until told to stop: started, say `line` (a join line, an address), then wait."""
+        self.started()
+        print(line, flush=True)
+        while not self.event.wait(1.0):  # short waits: the signal handlers run in this thread
+            pass
+
     def say_interrupted(self) -> bool:
         """Whether this caller is the one to print the line (it is printed once)."""
         return self._said.acquire(blocking=False)
@@ -156,12 +163,9 @@ def _serve_bootstrap(args: argparse.Namespace, config, policy, stop: _Stop) -> i
                            secret_check=policy.run_check(args.run))  # fmt: skip
         keeper = ConfigKeeper(records, record).start()
         try:
-            stop.started()
             extra = join_flags(config.model if is_spec(config.model) else None, args.data, args.run_secret_file)
             line = f"murmur join --initial-peers {' '.join(visible_addresses(dht))} --run {args.run}"
-            print(f"{line} --creator {dht.peer_id.to_base58()}{extra}", flush=True)
-            while not stop.event.wait(1.0):  # short waits: the signal handlers run in this thread
-                pass
+            stop.serve(f"{line} --creator {dht.peer_id.to_base58()}{extra}")
         finally:
             keeper.stop()
     finally:
@@ -277,10 +281,7 @@ def _dashboard(args: argparse.Namespace) -> int:
                 poller = Poller(records, board, args.period).start()
                 try:
                     server.start()
-                    stop.started()
-                    print(f"dashboard of run '{args.run}' at {server.url}", flush=True)
-                    while not stop.event.wait(1.0):  # short waits: the signal handlers run in this thread
-                        pass
+                    stop.serve(f"dashboard of run '{args.run}' at {server.url}")
                 finally:
                     poller.stop()
             finally:

@@ -246,6 +246,19 @@ def test_pruning_counts_and_deletes_only_checkpoints_that_verify(tmp_path):
     assert len(list(tmp_path.glob("ckpt-*.safetensors"))) == 5
 
 
+def test_a_write_verifies_only_the_checkpoints_it_has_not_verified_before(tmp_path, monkeypatch):
+    loads = []
+    real = checkpoint.load_checkpoint
+    monkeypatch.setattr(checkpoint, "load_checkpoint", lambda path, **kw: loads.append(path.name) or real(path, **kw))
+    for step in range(1, 7):
+        save_checkpoint(tmp_path, small_state(step))
+    assert len(loads) == 6  # each new file once: not the two it keeps, again and again
+    flip_data_byte(tmp_path / "ckpt-00000006.safetensors")  # changed since it verified: verified again, and fails
+    save_checkpoint(tmp_path, small_state(7))
+    assert loads[-2:] == ["ckpt-00000007.safetensors", "ckpt-00000006.safetensors"]
+    assert sorted(p.name for p in tmp_path.iterdir()) == [f"ckpt-0000000{k}.safetensors" for k in (5, 6, 7)]
+
+
 def test_the_writer_snapshots_at_submit_and_keeps_only_the_newest_pending(tmp_path, monkeypatch):
     gate, started, written = threading.Event(), threading.Event(), []
     real_write = checkpoint.write_snapshot

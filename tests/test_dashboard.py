@@ -17,7 +17,7 @@ import torch
 from hivemind.utils.timed_storage import get_dht_time
 
 from murmur.dht.node import NodeConfig, start_node, stop_node, visible_addresses
-from murmur.dht.records import Announcement, Metrics, PeerState, RunRecord, RunRecords
+from murmur.dht.records import Announcement, PeerState, RunRecord, RunRecords
 from murmur.peer.cli import main
 from murmur.peer.config import TrainConfig
 from murmur.peer.metrics import consensus_distance
@@ -25,6 +25,7 @@ from murmur.peer.ops import dashboard
 from murmur.peer.ops.dashboard import Board, Poller
 from murmur.peer.ops.status import PeerStatus, RunStatus
 from murmur.peer.sketch import AnchorSketch, consensus_estimate
+from tests.test_dht import metrics
 from tests.test_swarm import tagged_processes
 
 CHROMIUM, CHROMEDRIVER = Path("/usr/bin/chromium"), Path("/usr/bin/chromedriver")
@@ -125,19 +126,7 @@ def test_a_slow_dht_keeps_the_last_reading_and_malformed_records_are_skipped() -
         address = f"/ip4/127.0.0.1/tcp/4001/p2p/{me}"
         assert records.announce(Announcement(peer_id=me, addresses=[address], step=3, samples_per_second=2.0,
                                              state=PeerState.TRAINING))  # fmt: skip
-        assert records.publish_metrics(
-            Metrics(
-                peer_id=me,
-                step=1,
-                samples=1,
-                loss=1.0,
-                exchanges_ok=0,
-                exchanges_failed=0,
-                bytes_sent=0,
-                bytes_received=0,
-                sketch=[1.0] * 4,
-            )
-        )
+        assert records.publish_metrics(metrics(me, step=1, sketch=[1.0] * 4))
         assert node.store("board:peers", {"junk": True}, expires, subkey="mallory")
         assert node.store("board:metrics", {"sketch": "x" * 100}, expires, subkey="mallory")
         assert node.store("board:config", "not a record", expires)

@@ -334,3 +334,31 @@ def test_finish_rounds_decline_training_peers_without_a_layout_complaint(caplog)
     a, results = asyncio.run(main())
     assert results == [None, None] and a.stats.declined >= 1 and not a.incompatible
     assert not [r for r in caplog.records if "layout" in r.getMessage()]
+
+
+@pytest.mark.parametrize("two_phase", [False, True], ids=["one-phase", "two-phase"])
+def test_a_leader_that_withholds_commit_is_struck_by_the_member_it_left_out(two_phase):
+    """The leader applies but never sends one member its COMMIT: that member applies nothing (its work stays
+    pending) and strikes the leader, so a leader that does it on purpose is soon on its victims' cool-down."""
+
+    async def main():
+        net = InMemoryNetwork()
+        codec = {"diff_codec": "lowrank"} if two_phase else {}
+        peers = await started(*(make_averager(net, f"P{i}", FAST, **codec) for i in range(3)))
+        plan_of = plans([p.peer_id for p in peers])
+        leader = plan_of[peers[0].peer_id].candidates[0]
+        victim = plan_of[leader].planned[0]
+
+        async def withhold(src, dst, frame):
+            return None if src == leader and dst == victim and wire.decode(frame).kind == Kind.COMMIT else frame
+
+        net.before_send = withhold
+        offers = [make_offer(i, anchor_seed=i if two_phase else None) for i in range(3)]
+        results = await one_round(peers, offers, plan_of)
+        return peers, leader, victim, results
+
+    peers, leader, victim, results = asyncio.run(main())
+    by_id = {p.peer_id: r for p, r in zip(peers, results, strict=True)}
+    assert by_id[victim] is None and by_id[leader] is not None  # the leader applied, the victim did not
+    struck = {p.peer_id: p.cooldown.strikes(leader) for p in peers if p.peer_id != leader}
+    assert struck[victim] == 1 and all(n == 0 for peer, n in struck.items() if peer != victim)
