@@ -28,7 +28,20 @@ import threading
 import time
 from pathlib import Path
 
-from murmur.peer.flags import build_parser
+
+def _interrupted_while_importing(signum, frame) -> None:
+    """Ctrl-C (or SIGTERM) before `main` runs, while the flags' modules import: nothing has started, so say
+    so in one line and exit (130) at once, rather than in a traceback from inside some import."""
+    command = next((a for a in sys.argv[1:] if not a.startswith("-")), "")
+    os.write(2, f"murmur{' ' + command if command else ''}: interrupted\n".encode())
+    os._exit(130)
+
+
+if __name__ == "__main__" or os.path.basename(sys.argv[0]) == "murmur":  # the program, not an importer of it
+    for _signum in (signal.SIGINT, signal.SIGTERM):
+        signal.signal(_signum, _interrupted_while_importing)
+
+from murmur.peer.flags import build_parser  # noqa: E402  (after the handler: pydantic takes a while to import)
 
 # the errors a user can cause, each one line: ValueError and OSError (AddressError, ConfigError, IdentityError,
 # AccessError, WorkloadError, ... are ValueErrors) and these, looked up only in modules already imported
@@ -342,6 +355,8 @@ def _doctor(args: argparse.Namespace) -> int:
 
 
 def main(argv: list[str] | None = None) -> int:
+    signal.signal(signal.SIGINT, signal.default_int_handler)  # imported: Ctrl-C is a KeyboardInterrupt again
+    signal.signal(signal.SIGTERM, signal.SIG_DFL)
     args = build_parser().parse_args(argv)
     logging.basicConfig(
         level=logging.DEBUG if args.verbose else logging.WARNING,

@@ -83,8 +83,9 @@ def test_peers_outlive_the_bootstrap_node_and_a_newcomer_joins_through_a_peer():
         wait_for(lambda: all(p.ok >= b + 2 for p, b in zip(peers, before, strict=True)), 90, "exchanges without boot")
         # the line lists the peer's own address and the other live peer's, not the dead bootstrap's
         argv = line.split()
-        assert argv[:3] == ["murmur", "join", "--initial-peers"] and argv[-2:] == ["--run", run]
-        listed = argv[3:-2]
+        assert argv[:3] == ["murmur", "join", "--initial-peers"]
+        assert argv[-4:] == ["--run", run, "--creator", boot.peer_id.to_base58()]  # the run's creator, passed on
+        listed = argv[3:-4]
         assert listed[0] == peers[0].peer.addresses[0] and peers[1].peer.addresses[0] in listed
         assert not any(boot.peer_id.to_base58() in address for address in listed)
         wait_for(lambda: time.monotonic() > expired, BOOT_CONFIG_TTL + 5, "the bootstrap's config copy to expire")
