@@ -43,6 +43,10 @@ from murmur.averaging.wire import Kind, TensorSpec
 
 logger = logging.getLogger("murmur.averaging")
 
+# HELLO, HAVE, PROCEED, DONE and COMMIT carry no tensors, only a few meta fields: each is read no further than
+# this, whoever sends it (a PHASE payload's frames have caps of their own, from the layout: averaging.parts)
+CONTROL_BYTES = 64 * 1024
+
 
 @dataclass
 class Offer:
@@ -366,7 +370,8 @@ class SealedExchange:
     async def _from_leader(self, kind: Kind) -> wire.Message:
         seal = self.seal  # the leader waits on the slowest member: only the exchange's bound applies
         return await self.messenger.recv(seal.control[seal.members[0]], kind, seal.session, {},
-                                         step=self.offer.step, timeout=self.exchange_timeout)  # fmt: skip
+                                         step=self.offer.step, timeout=self.exchange_timeout,
+                                         max_bytes=CONTROL_BYTES)  # fmt: skip
 
     async def _decide(self, have: int) -> list[int]:
         """The leader: every member's HAVE, then who goes on, sent as PROCEED (ABORT to those left out)."""
@@ -375,7 +380,7 @@ class SealedExchange:
 
         async def report(j: int) -> None:
             message = await m.recv(seal.control[seal.members[j]], Kind.HAVE, seal.session, {}, step=step,
-                                   timeout=self.exchange_timeout)  # fmt: skip
+                                   timeout=self.exchange_timeout, max_bytes=CONTROL_BYTES)  # fmt: skip
             haves[j] = meta_int(message.meta, "h")
             blamed.update(members_of(meta_int(message.meta, "b"), len(seal.members)))
 
@@ -401,8 +406,8 @@ class SealedExchange:
             # waiting for a COMMIT would strike this leader
             wait = max(0.1, self.deadline - time.monotonic() - m.timeout)
             outcomes = await asyncio.gather(
-                *(m.recv(seal.control[seal.members[j]], Kind.DONE, seal.session, {}, step=step, timeout=wait)
-                  for j in others), return_exceptions=True,
+                *(m.recv(seal.control[seal.members[j]], Kind.DONE, seal.session, {}, step=step, timeout=wait,
+                         max_bytes=CONTROL_BYTES) for j in others), return_exceptions=True,
             )  # fmt: skip
             failed = [j for j, outcome in zip(others, outcomes, strict=True) if isinstance(outcome, BaseException)]
             for j in failed:
@@ -456,7 +461,7 @@ class SealedExchange:
             await m.send(
                 stream, Kind.HELLO, session, self.offer.step, {}, self.credentials("group-hello", peer, session)
             )
-            hello = await m.recv(stream, Kind.HELLO, session, {}, step=self.offer.step)
+            hello = await m.recv(stream, Kind.HELLO, session, {}, step=self.offer.step, max_bytes=CONTROL_BYTES)
             if why := self.check(peer, session, hello.meta):  # it proves itself before it gets our payload
                 raise Misbehaved(f"member failed the access check ({why})")
             await self._receive(stream, j, Kind.PHASE1)

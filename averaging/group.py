@@ -38,6 +38,7 @@ from murmur.averaging.aggregation import AggregationConfig, RobustAggregator
 from murmur.averaging.compression import LowRankCompressor, Mode, Projection
 from murmur.averaging.cooldown import Cooldown, CooldownConfig
 from murmur.averaging.exchange import (
+    CONTROL_BYTES,
     AccessDenied,
     Declined,
     ExchangeFailed,
@@ -64,7 +65,7 @@ __all__ = ["GroupAverager", "GroupConfig", "GroupPlan", "GroupResult", "Offer"]
 
 logger = logging.getLogger("murmur.averaging")
 
-FIRST_MESSAGE_BYTES = 64 * 1024  # JOIN and HELLO carry no tensors: read no more before anyone is authenticated
+FIRST_MESSAGE_BYTES = CONTROL_BYTES  # JOIN and HELLO carry no tensors: read no more before anyone is authenticated
 
 
 @dataclass(frozen=True, kw_only=True)

@@ -9,7 +9,7 @@ import torch
 
 from murmur.averaging import wire
 from murmur.averaging.compression import LowRankCompressor, LowRankConfig, plan, scaled_decode, scaled_encode
-from murmur.averaging.exchange import going_on
+from murmur.averaging.exchange import CONTROL_BYTES, going_on
 from murmur.averaging.group import GroupAverager, GroupPlan, Offer
 from murmur.averaging.transport import InMemoryNetwork
 from murmur.peer.verdict import RunVerdict
@@ -362,3 +362,29 @@ def test_a_leader_that_withholds_commit_is_struck_by_the_member_it_left_out(two_
     assert by_id[victim] is None and by_id[leader] is not None  # the leader applied, the victim did not
     struck = {p.peer_id: p.cooldown.strikes(leader) for p in peers if p.peer_id != leader}
     assert struck[victim] == 1 and all(n == 0 for peer, n in struck.items() if peer != victim)
+
+
+def test_a_control_message_over_its_cap_is_refused_unread_and_struck(caplog):
+    """HAVE carries two bitmasks: an authenticated member that sends one of 100 kB is cut off at the frame's
+    length, before it is decoded, left out of the round and struck."""
+
+    async def main():
+        net = InMemoryNetwork()
+        peers = await started(*(make_averager(net, f"P{i}") for i in range(3)))
+        plan_of = plans([p.peer_id for p in peers])
+        leader = plan_of[peers[0].peer_id].candidates[0]
+        bloated = plan_of[leader].planned[0]
+
+        async def bloat(src, dst, frame):
+            return frame + b"\x00" * 100_000 if src == bloated and wire.decode(frame).kind == Kind.HAVE else frame
+
+        net.before_send = bloat
+        results = await one_round(peers, [make_offer(i) for i in range(3)], plan_of)
+        return peers, leader, bloated, results
+
+    caplog.set_level(logging.WARNING)
+    peers, leader, bloated, results = asyncio.run(main())
+    by_id = {p.peer_id: (p, r) for p, r in zip(peers, results, strict=True)}
+    assert f"exceeds the {CONTROL_BYTES}-byte cap" in caplog.text
+    assert by_id[leader][0].cooldown.strikes(bloated) == 1
+    assert by_id[leader][1] is not None and bloated not in by_id[leader][1].members
