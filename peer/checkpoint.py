@@ -221,7 +221,7 @@ def _check_labels(metadata: dict[str, str], *, run_id: str | None, model: str | 
         kind = metadata.get("murmur.kind")
         raise TensorFileError(f"is not a checkpoint (a murmur {kind!r} file)" if isinstance(kind, str)
                               else "is not a murmur checkpoint (no murmur metadata)")  # fmt: skip
-    version, step = _number(metadata.get("murmur.format")), _number(metadata.get("murmur.step"))
+    version, step = decimal(metadata.get("murmur.format")), decimal(metadata.get("murmur.step"))
     if version is None or step is None or not all(isinstance(metadata.get(f"murmur.{k}"), str) for k in LABELS[:2]):
         raise TensorFileError("is corrupt: malformed metadata")
     if version > FORMAT:
@@ -231,7 +231,7 @@ def _check_labels(metadata: dict[str, str], *, run_id: str | None, model: str | 
             raise TensorFileError(f"is for {key.replace('_', ' ')} {metadata[f'murmur.{key}']!r}, not {expected!r}")
 
 
-def _number(text: Any) -> int | None:
+def decimal(text: Any) -> int | None:
     """A non-negative int written as decimal digits, or None."""
     return int(text) if isinstance(text, str) and text.isascii() and text.isdigit() else None
 

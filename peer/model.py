@@ -17,6 +17,8 @@ from torch import Tensor
 
 from murmur.peer.config import DEFAULT_MODEL  # noqa: F401  (the registry's default, as the run config names it)
 
+MODEL_FILE, CONFIG_FILE = "model.safetensors", "config.json"  # what `murmur export` writes (peer.ops.export)
+
 
 @dataclass(frozen=True, kw_only=True)
 class GPTConfig:
@@ -109,9 +111,9 @@ class GPT(nn.Module):
         from safetensors.torch import load_file
 
         folder = Path(folder)
-        config = json.loads((folder / "config.json").read_text())
+        config = json.loads((folder / CONFIG_FILE).read_text())
         model = cls(GPTConfig(**{k: v for k, v in config.items() if k in GPTConfig.__dataclass_fields__}))
-        model.load_state_dict(load_file(folder / "model.safetensors"))
+        model.load_state_dict(load_file(folder / MODEL_FILE))
         return model.eval()
 
     @staticmethod

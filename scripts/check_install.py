@@ -33,6 +33,7 @@ from pathlib import Path
 
 REPO = Path(__file__).resolve().parents[1]
 TORCH = "torch==2.13.0"
+SOURCES = ("peer", "dht", "averaging")  # the folders installed as murmur.peer, murmur.dht and murmur.averaging
 
 
 def run(argv: list[str], cwd: Path, timeout: float, **kwargs) -> subprocess.CompletedProcess:
@@ -86,7 +87,7 @@ def dashboard(bin_dir: Path, work: Path) -> tuple[bool, str]:
 
 def source(folder: Path) -> Path:
     """What the distribution is built from, copied out of the repository (pip builds in the source tree)."""
-    for name in ("peer", "dht", "averaging", "setup.cfg", "pyproject.toml", "README.md"):
+    for name in (*SOURCES, "setup.cfg", "pyproject.toml", "README.md"):
         if (REPO / name).is_dir():
             shutil.copytree(REPO / name, folder / name, ignore=shutil.ignore_patterns("__pycache__"))
         else:

@@ -11,7 +11,6 @@ from __future__ import annotations
 import ast
 import configparser
 import re
-import shutil
 import subprocess
 import sys
 import zipfile
@@ -20,8 +19,10 @@ from pathlib import Path
 
 import pytest
 
+from scripts import check_install
+
 ROOT = Path(__file__).resolve().parents[1]
-PACKAGES = ("peer", "dht", "averaging")  # installed as murmur.<name>
+PACKAGES = check_install.SOURCES  # installed as murmur.<name>
 # the repository's own: the namespace, its folders, and the scripts (which import each other as scripts)
 LOCAL = {"murmur", "tests", "examples", "scripts"} | {p.stem for p in (ROOT / "scripts").glob("*.py")}
 
@@ -99,11 +100,7 @@ def test_the_entry_point_and_the_packages_are_under_murmur() -> None:
 
 @pytest.mark.slow
 def test_the_wheel_installs_only_murmur(tmp_path: Path) -> None:
-    source = tmp_path / "src"
-    for name in (*PACKAGES, "setup.cfg", "pyproject.toml", "README.md"):
-        copy = shutil.copytree if (ROOT / name).is_dir() else shutil.copy
-        copy(ROOT / name, source / name, **({"ignore": shutil.ignore_patterns("__pycache__")}
-                                           if (ROOT / name).is_dir() else {}))  # fmt: skip
+    source = check_install.source(tmp_path / "src")  # what a distribution is built from, as the script copies it
     argv = [sys.executable, "-m", "pip", "wheel", "-q", "--no-deps", "--no-build-isolation", str(source)]
     proc = subprocess.run([*argv, "-w", str(tmp_path / "dist")], capture_output=True, text=True, timeout=300)
     assert proc.returncode == 0, proc.stderr[-2000:]

@@ -32,12 +32,11 @@ from torch import nn
 
 from murmur.peer import tensorfile
 from murmur.peer.anchorfile import ANCHOR, model_state
-from murmur.peer.checkpoint import CheckpointError, checkpoint_files, load_checkpoint
+from murmur.peer.checkpoint import CheckpointError, checkpoint_files, decimal, load_checkpoint
 from murmur.peer.config import is_spec
-from murmur.peer.model import GPT, MODELS, build_model
+from murmur.peer.model import CONFIG_FILE, GPT, MODEL_FILE, MODELS, build_model
 from murmur.peer.tensorfile import TensorFileError
 
-MODEL_FILE, CONFIG_FILE = "model.safetensors", "config.json"
 MODEL_TYPE = "murmur-gpt"
 
 
@@ -121,8 +120,8 @@ def _from_anchor(path: Path) -> Found:
     name = metadata.get("murmur.model", "")
     config = _json(metadata.get("murmur.config"))
     model = _loaded(build(name, seed=int(config.get("seed", 0) or 0)), state, str(path))
-    return Found(model, name, str(path), metadata.get("murmur.run_id"), _int(metadata.get("murmur.step")),
-                 _int(metadata.get("murmur.outer_step")), config)  # fmt: skip
+    return Found(model, name, str(path), metadata.get("murmur.run_id"), decimal(metadata.get("murmur.step")),
+                 decimal(metadata.get("murmur.outer_step")), config)  # fmt: skip
 
 
 def _from_checkpoint(path: Path) -> Found:
@@ -263,7 +262,3 @@ def _json(text: str | None) -> dict[str, Any]:
     except ValueError:
         return {}
     return value if isinstance(value, dict) else {}
-
-
-def _int(text: str | None) -> int | None:
-    return int(text) if isinstance(text, str) and text.isdigit() else None
