@@ -17,6 +17,10 @@ judged per group (the prefix before ``/``, e.g. ``delta`` or ``anchor``), on gro
   apart (a synthetic test starts peers further apart than their own norm) must still converge.
   A negated state is caught apart: its pull is about 2× our projection and opposes it (cosine
   < 0), while an honest pull stays well under ``diff_flip`` × our projection.
+  In a group of three or more, a state far from the members' coordinate-wise median (``diff_outlier`` ×
+  the median member's distance, and ``diff_floor`` × the median state's norm) pulls nobody, its update still
+  counting: an attacker that inflates its anchor within the clip moves the consensus by at most
+  ``diff_floor`` / G of the state's norm per round, and a stale state does not pull the group back.
 * a non-finite value anywhere aborts the exchange.
 
 An abort is a `Rejected` error: the caller applies nothing. Honest pairs never come near the
@@ -67,6 +71,11 @@ class AggregationConfig:
     diff_clip: float = 2.0  # diff groups: ‖theirs − own‖ ≤ diff_clip × ‖our whole state‖
     diff_reject: float = 5.0  # diff groups: ‖theirs − own‖ > diff_reject × ‖our whole state‖ aborts
     diff_flip: float = 1.8  # diff groups: ‖theirs − own‖ > diff_flip × ‖own‖ with cos(own, theirs) < 0 aborts
+    # diff groups, in a group of three or more: a member's state further from the members' coordinate-wise median
+    # than diff_outlier × the median member's distance, and than diff_floor × the median state's norm, pulls
+    # nobody (its update still counts): one state cannot drag the consensus, and a stale one does not pull it back
+    diff_outlier: float = 3.0
+    diff_floor: float = 0.1
 
     def __post_init__(self) -> None:
         if not 0 < self.clip <= self.reject or not 0 < self.diff_clip <= self.diff_reject:
@@ -125,6 +134,7 @@ class RobustAggregator:
     def __init__(self, config: AggregationConfig = AggregationConfig()) -> None:
         self.config = config
         self.clipped = 0  # groups clipped so far (honest runs keep this at 0)
+        self.ignored = 0  # states that pulled nobody: far from the group's median state
 
     def check_group(
         self,
@@ -148,6 +158,7 @@ class RobustAggregator:
             return Lazy({}), {}
         judged = {group_of(n) for n in contributions}
         members, squares, pairs, states = 0, [], {}, {}
+        spread: dict[str, list] = {}  # diff group -> [Σ‖c_j − median‖² per member, ‖median‖²]
         for name in offered:
             group = group_of(name)
             if group not in judged:
@@ -165,6 +176,14 @@ class RobustAggregator:
             # orthogonal to ours late in training, while the rest of the group, noise averaged out, still
             # points where we do
             total = torch.stack(list(c)).sum(0) if members >= 3 and modes[name] == "mean" else None
+            if members >= 3 and modes[name] == "diff":  # each state's distance from the members' median state
+                stacked = torch.stack([cj.reshape(-1).float() for cj in c])  # (G, numel)
+                median = stacked.median(dim=0).values
+                far = spread.setdefault(group, [[0.0] * members, 0.0])
+                for j in range(members):
+                    far[0][j] += float((stacked[j] - median).square().sum())
+                far[1] += float(median.square().sum())
+                del stacked
             for j, cj in enumerate(c):
                 flat = cj.reshape(-1).float()
                 squares[j][group] = squares[j].get(group, 0.0) + float(torch.dot(flat, flat))
@@ -183,6 +202,17 @@ class RobustAggregator:
                 scales[j] = self._scales(_stats(sums), state_norms, group_modes, reference)
             except Rejected as e:
                 excluded[j] = str(e)
+        for group, (distances, median_norm) in spread.items():
+            far = [math.sqrt(d) for d in distances]
+            limit = max(
+                self.config.diff_outlier * statistics.median(far), self.config.diff_floor * math.sqrt(median_norm)
+            )
+            for j in scales:
+                if far[j] > limit:
+                    scales[j][group] = 0.0
+                    self.ignored += 1
+                    logger.info("ignored member %d's %r: %.3g from the group's median state (limit %.3g)",
+                                j, group, far[j], limit)  # fmt: skip
         plain = not excluded and not any(s != 1.0 for js in scales.values() for s in js.values())
 
         def projection(name: str) -> Projection:

@@ -165,12 +165,15 @@ class GroupAverager:
         self._exchange: SealedExchange | None = None
         self._exchange_changed = asyncio.Event()
         self._unreachable: dict[str, float] = {}  # peer -> loop time until which it is not asked
+        self.missed: tuple[str, ...] = ()  # the last round's planned peers that declined, refused, were not
+        # reachable or never came (the round engine counts them as faults: `averaging.standing`)
 
     @property
     def peer_id(self) -> str:
         return self.transport.peer_id
 
     async def start(self) -> None:
+        self.transport.gate.barred = self.cooldown.cooling  # a peer on cool-down is not even read
         await self.transport.serve(self._handle)
 
     async def stop(self) -> None:
@@ -205,13 +208,14 @@ class GroupAverager:
         loop = asyncio.get_running_loop()
         digest = state_digest(offer)
         result = None
+        missed: list[str] = []
         try:
             for leader in plan.candidates:
                 if self._closed:
                     break
                 if leader == self.peer_id:
                     if not self.client_mode:  # nobody can dial a client-mode peer: it never leads
-                        result = await self._lead(offer, plan, digest)
+                        result = await self._lead(offer, plan, digest, missed)
                     break
                 if not self.reachable(leader) or self.cooldown.cooling(leader) or leader in self.incompatible:
                     continue
@@ -222,14 +226,17 @@ class GroupAverager:
                     self.stats.declined += 1
                     self._incompatible(leader, str(e), detailed=True)
                 except AccessDenied as e:
+                    missed.append(leader)
                     self.stats.failed += 1
                     self.stats.last_error = f"{leader[-8:]}: {e}"
                     self._refuse(leader, str(e))
                     break
                 except Declined as e:
+                    missed.append(leader)
                     self.stats.declined += 1
                     logger.debug("leader %s declined: %s", leader[-8:], e)
                 except Unreachable as e:
+                    missed.append(leader)
                     self.stats.unreachable += 1
                     self._unreachable[leader] = loop.time() + self.config.unreachable_for
                     logger.info("leader %s %s", leader[-8:], e)
@@ -239,6 +246,7 @@ class GroupAverager:
         finally:
             self._release(self._gathering, "the group was sealed without you")
             self._gathering = None
+            self.missed = tuple(missed)
         if result is None:
             self.stats.alone += 1
         else:
@@ -248,9 +256,10 @@ class GroupAverager:
             self.compatible.update(m for m in result.members if m != self.peer_id)
         return result
 
-    async def _lead(self, offer: Offer, plan: GroupPlan, digest: str) -> GroupResult | None:
+    async def _lead(self, offer: Offer, plan: GroupPlan, digest: str, missed: list[str]) -> GroupResult | None:
         """Hold the joins for this appointment until the group is full, every planned member is in (and the
-        appointment has come), or the deadline passes; then send the roster and run the exchange."""
+        appointment has come), or the deadline passes; then send the roster and run the exchange. Planned
+        members that never joined go into `missed`."""
         loop = asyncio.get_running_loop()
         gathering = self._gathering if self._gathering is not None and self._gathering.key == plan.key else None
         if gathering is None:
@@ -275,6 +284,7 @@ class GroupAverager:
             with contextlib.suppress(TimeoutError):
                 await asyncio.wait_for(gathering.changed.wait(), max(0.0, until - now))
         gathering.sealed = True
+        missed += [p for p in plan.planned if p not in gathering.joins and p not in gathering.refused]
         for p in joined:  # a member whose outer step is insane (checked now that ours is known) is declined
             if abs(gathering.joins[p].step - offer.step) > self.config.max_step_gap:
                 why = f"outer step {gathering.joins[p].step} is not within {self.config.max_step_gap} of ours"
@@ -388,12 +398,14 @@ class GroupAverager:
             return None
         going, contributions = outcome
         index = going.index(seal.me)
+        ignored_before = self.aggregator.ignored
         checked, refused = self.aggregator.check_group(contributions, index, self.modes, offer.tensors)
+        ignored = self.aggregator.ignored != ignored_before  # a state left out of the pull: nobody adopts a mean
         makers = {}
         for name, slot in self.slots.items():
             if name not in checked:  # a state the group did not pull: it already agreed
                 makers[name] = partial(_agreed, offer.tensors, name)
-            elif self.modes[name] == "diff" and not slot.low_rank and not refused:  # all at the same mean, exactly
+            elif self.modes[name] == "diff" and not slot.low_rank and not refused and not ignored:  # one mean, exactly
                 makers[name] = partial(_adopted, checked, name)
             else:
                 makers[name] = partial(checked.__getitem__, name)

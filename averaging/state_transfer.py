@@ -41,7 +41,8 @@ import torch
 
 from murmur.averaging import wire
 from murmur.averaging.access import AccessPolicy
-from murmur.averaging.transport import Stream, StreamClosed, Transport
+from murmur.averaging.cooldown import Cooldown
+from murmur.averaging.transport import FrameTooLarge, Stream, StreamClosed, Transport
 from murmur.averaging.wire import TensorSpec, WireError
 
 logger = logging.getLogger("murmur.state")
@@ -347,6 +348,7 @@ class StateDonor:
         self.uploads = 0  # sessions in progress
         self.served = 0  # sessions that sent a manifest
         self.declined = 0
+        self.cooldown = Cooldown()  # a remote whose request is garbage or oversized is turned away unread
         self._source: tuple[int, Callable[[], StateSnapshot]] | None = None  # (publication, how to take it)
         self._published = 0
         self._packed: tuple[int, Manifest, list[memoryview]] | None = None
@@ -368,6 +370,7 @@ class StateDonor:
         return time.monotonic() - self._packed_at < self.config.repack_interval
 
     async def start(self) -> None:
+        self.transport.gate.barred = self.cooldown.cooling
         await self.transport.serve(self._handle)
 
     async def stop(self) -> None:
@@ -406,7 +409,10 @@ class StateDonor:
         try:
             _, hello = await recv_message(stream, {StateKind.HELLO}, self.config, max_frame=REQUEST_BYTES)
         except (StateTransferError, WireError, ConnectionError, TimeoutError) as e:
-            logger.warning("bad state request from %s: %s", remote[-8:], e)
+            if not self.cooldown.cooling(remote):
+                logger.warning("bad state request from %s: %s", remote[-8:], e)
+                if isinstance(e, StateTransferError | WireError | FrameTooLarge):  # not a closed link: on purpose
+                    self.cooldown.strike(remote, str(e))
             return
         if (reason := self._refusal(remote, hello["a"])) is not None:
             self.declined += 1

@@ -42,23 +42,34 @@ class Admission:
 
     per_peer: int = 8  # a group member keeps 1-2 open to one remote; a joiner 1 per donor
     total: int = 64
+    # a stream turned away is held, unread, this long before it is closed (at most `tarpit_max` at once, the rest
+    # closed at once): a flooder that reopens whatever is closed then opens a few streams a second, not hundreds
+    tarpit: float = 1.0
+    tarpit_max: int = 256
 
     def __post_init__(self) -> None:
         if not 1 <= self.per_peer <= self.total:
             raise ValueError(f"need 1 <= per_peer <= total, got {self.per_peer} and {self.total}")
+        if self.tarpit < 0 or self.tarpit_max < 0:
+            raise ValueError(f"tarpit and tarpit_max must be >= 0, got {self.tarpit} and {self.tarpit_max}")
 
 
 class Gate:
-    """The live inbound streams of one transport, by remote peer; `refused` counts the streams turned away."""
+    """The live inbound streams of one transport, by remote peer; `refused` counts the streams turned away.
+
+    `barred(remote)`, set by the transport's owner (its cool-down), turns a remote's streams away unread."""
 
     def __init__(self, admission: Admission) -> None:
         self.admission = admission
         self.open: dict[str, int] = {}
         self.total = 0
         self.refused = 0
+        self.held = 0  # refused streams in the tarpit now
+        self.barred: Callable[[str], bool] = _nobody
 
     def enter(self, remote: str) -> bool:
-        if self.total >= self.admission.total or self.open.get(remote, 0) >= self.admission.per_peer:
+        if (self.total >= self.admission.total or self.open.get(remote, 0) >= self.admission.per_peer
+                or self.barred(remote)):  # fmt: skip
             self.refused += 1
             return False
         self.open[remote] = self.open.get(remote, 0) + 1
@@ -75,6 +86,12 @@ class Gate:
     async def run(self, remote: str, stream: Stream, handler: Handler) -> None:
         """`handler(remote, stream)` if the stream is admitted, then close it either way."""
         if not self.enter(remote):
+            if self.held < self.admission.tarpit_max and self.admission.tarpit > 0:
+                self.held += 1
+                try:
+                    await asyncio.sleep(self.admission.tarpit)
+                finally:
+                    self.held -= 1
             await stream.close()
             return
         try:
@@ -82,6 +99,10 @@ class Gate:
         finally:
             self.leave(remote)
             await stream.close()
+
+
+def _nobody(remote: str) -> bool:
+    return False
 
 
 @dataclass
@@ -163,6 +184,8 @@ class P2PStream(Stream):
             return await self._reader.readexactly(length)
         except asyncio.IncompleteReadError as e:
             raise StreamClosed("stream closed by the other side") from e
+        except FrameTooLarge:  # a ConnectionError, hence an OSError: not to be taken for a broken link
+            raise
         except OSError as e:
             raise StreamClosed(f"receive failed: {e}") from e
 

@@ -14,7 +14,7 @@ from collections.abc import Iterable
 
 from multiaddr import Multiaddr
 
-__all__ = ["AddressError", "parse_host", "parse_peer_multiaddr", "parse_peer_multiaddrs", "port_problem"]
+__all__ = ["AddressError", "host_of", "parse_host", "parse_peer_multiaddr", "parse_peer_multiaddrs", "port_problem"]
 
 _HOST_PROTOCOLS = frozenset({"ip4", "ip6", "dns", "dns4", "dns6"})
 _QUIC_PROTOCOLS = frozenset({"quic", "quic-v1"})
@@ -66,6 +66,19 @@ def parse_peer_multiaddr(text: str) -> str:
     if reason is not None:
         raise AddressError("multiaddr", text, reason)
     return str(maddr)
+
+
+def host_of(addresses: Iterable[str]) -> str | None:
+    """The host (ip4, ip6 or dns value) of the first of `addresses` that names one, else None."""
+    for address in addresses:
+        try:
+            parts = Multiaddr(address).items()
+        except Exception:  # whatever the multiaddr package raises on a bad one: it names no host
+            continue
+        for protocol, value in parts:
+            if protocol.name in _HOST_PROTOCOLS:
+                return str(value)
+    return None
 
 
 def parse_peer_id(text: str) -> str:

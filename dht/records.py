@@ -207,6 +207,7 @@ class RunRecords:
         self.run_id = validate_run_id(run_id)
         self.announce_ttl, self.metrics_ttl, self.config_ttl = announce_ttl, metrics_ttl, config_ttl
         self.request_timeout = request_timeout
+        self._decoded: dict[type, dict[str, tuple[float, Any]]] = {}  # model -> subkey -> (expiration, record)
         self.peers_key = f"{run_id}:peers"
         self.config_key = f"{run_id}:config"
         self.metrics_key = f"{run_id}:metrics"
@@ -314,14 +315,28 @@ class RunRecords:
             return {}
         now = get_dht_time()
         records: dict[str, Model] = {}
+        # An entry read before with the same expiration is the same signed value (a later store by its signer has
+        # a later expiration): it is not validated again. Only the last read's entries are kept, so a flood of
+        # announcements costs one validation per store, not one per read, and no memory beyond the last read.
+        known = self._decoded.get(model, {})
+        decoded: dict[str, tuple[float, Model | None]] = {}
         for subkey, entry in found.value.items():
             if entry.value is None or entry.expiration_time < now:
                 continue  # withdrawn or expired
-            record = _decode(model, entry.value, where=f"{model.__name__} under subkey {subkey!r}")
-            if record is not None and getattr(record, "peer_id", None) != subkey:
-                logger.debug("skipping %s under subkey %r: it names peer %r", model.__name__, subkey, record.peer_id)
-            elif record is not None:
+            cached = known.get(subkey)
+            if cached is not None and cached[0] == entry.expiration_time:
+                record = cached[1]
+            else:
+                record = _decode(model, entry.value, where=f"{model.__name__} under subkey {subkey!r}")
+                if record is not None and getattr(record, "peer_id", None) != subkey:
+                    logger.debug("skipping %s under subkey %r: it names peer %r", model.__name__, subkey,
+                                 record.peer_id)  # fmt: skip
+                    record = None
+            if isinstance(subkey, str):
+                decoded[subkey] = (entry.expiration_time, record)
+            if record is not None:
                 records[subkey] = record
+        self._decoded[model] = decoded  # one reference swap: readers on other threads see the old or the new
         return records
 
     def _config(self, found: ValueWithExpiration | None) -> RunRecord | None:

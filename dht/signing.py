@@ -25,6 +25,7 @@ from __future__ import annotations
 
 import base64
 import binascii
+import collections
 import hashlib
 import json
 import logging
@@ -40,6 +41,7 @@ from hivemind.dht.routing import DHTID
 from hivemind.dht.validation import DHTRecord, RecordValidatorBase
 from hivemind.p2p import PeerID
 from hivemind.proto import crypto_pb2
+from hivemind.utils import get_dht_time
 from pydantic import BaseModel, ValidationError
 
 from .records import Announcement, Metrics, RunRecord, validate_run_id
@@ -51,6 +53,10 @@ logger = logging.getLogger(__name__)
 _SIGNATURE = re.compile(rb"\[murmur-sig:([A-Za-z0-9+/=]{1,4096})\]\Z")
 _PADDING = padding.PSS(mgf=padding.MGF1(hashes.SHA256()), salt_length=padding.PSS.MAX_LENGTH)
 _MAX_VALUE = 64 * 1024
+_VERIFIED = 8192  # announcements and metrics remembered as verified (sha256 of what is signed), newest kept
+# how far ahead a record may expire (its ttl, plus room for clock skew): a fake announcement cannot outlive its
+# signer's attention for an hour with one store, nor a stale one shadow a newer state for long
+_MAX_TTL = {"peers": 300.0, "metrics": 600.0, "config": 4 * 3600.0}
 _IS_REGULAR_VALUE = msgpack.packb(None)  # hivemind's subkey tag for a value without subkeys
 
 
@@ -107,6 +113,7 @@ class RunValidator(RecordValidatorBase):
         self._kinds: dict[bytes, str] = {
             DHTID.generate(source=f"{run_id}:{kind}").to_bytes(): kind for kind in ("peers", "metrics", "config")
         }
+        self._verified: collections.OrderedDict[bytes, None] = collections.OrderedDict()  # digests checked
         self._creator: str | None = creator  # the config's signer: given, or pinned on the first valid config
 
     @property
@@ -157,8 +164,14 @@ class RunValidator(RecordValidatorBase):
     def _check(self, kind: str, record: DHTRecord) -> None:
         if len(record.value) > _MAX_VALUE:
             raise _Invalid(f"value of {len(record.value)} bytes")
+        if (ahead := record.expiration_time - get_dht_time()) > _MAX_TTL[kind]:
+            raise _Invalid(f"it expires {ahead:.0f} s from now, more than {_MAX_TTL[kind]:.0f} s")
         if kind == "config":
             self._check_config(record)
+            return
+        digest = hashlib.sha256(_payload(record, record.value)).digest()
+        if digest in self._verified:  # the same record, already checked (hivemind validates every read)
+            self._verified.move_to_end(digest)
             return
         match = _SIGNATURE.search(record.value)
         if match is None:
@@ -185,6 +198,9 @@ class RunValidator(RecordValidatorBase):
             model: type[BaseModel] = Announcement if kind == "peers" else Metrics
             if _validated(model, body).peer_id != signer:
                 raise _Invalid(f"the {kind} record names another peer than its signer {signer}")
+        self._verified[digest] = None
+        while len(self._verified) > _VERIFIED:
+            self._verified.popitem(last=False)
 
     def _check_config(self, record: DHTRecord) -> None:
         if record.subkey != _IS_REGULAR_VALUE:

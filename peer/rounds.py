@@ -38,6 +38,7 @@ from murmur.averaging.groups import (
     pace,
     round_seconds,
 )
+from murmur.averaging.standing import Standing, StandingConfig
 
 
 class Phase(enum.StrEnum):
@@ -65,6 +66,7 @@ class Seen:
     step_seconds: float | None = None  # its measured seconds per inner step
     exchange_seconds: float | None = None  # its measured seconds from an appointment to the end of its exchange
     client: bool = False  # in client mode: nobody can dial it, so it never leads a group
+    address: str | None = None  # the host it announces (faults count against it too: `averaging.standing`)
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -75,6 +77,7 @@ class RoundConfig:
     solo_after: int = 4  # lonely rounds in a row before a peer steps alone
     finish_rounds: int = 0  # rounds of averaging anchors only once training is over
     schedule: ScheduleConfig = field(default_factory=ScheduleConfig)
+    standing: StandingConfig = field(default_factory=StandingConfig)  # whose announcements plan our groups
 
     def __post_init__(self) -> None:
         if self.inner_steps < 1 or self.solo_after < 1 or self.finish_rounds < 0:
@@ -126,6 +129,7 @@ class RoundEngine:
         self._step = _Mean()  # this peer's seconds per inner step
         self._exchange = _Mean(span=5)  # ... and from an appointment to the end of its exchange
         self._roster: tuple[Seen, ...] = ()
+        self.standing = Standing(config.standing)
         self.trace: list[tuple] | None = [] if trace else None
 
     @property
@@ -137,7 +141,7 @@ class RoundEngine:
         """A new round starts at `now`: its appointment, or None while no round length is known."""
         self.steps = 0
         self._started = now
-        self._roster = tuple(roster)
+        self._observe(now, roster)
         seconds = self._seconds()
         self.appointment = None if seconds is None else next_appointment(now, seconds, self.config.schedule)
         self._log("begin", now, self._roster, self.appointment)
@@ -159,14 +163,19 @@ class RoundEngine:
         return fits
 
     def gather(self, now: float, roster: Iterable[Seen]) -> Plan:
-        """At the appointment: the group planned among the peers expected there (same state, same key)."""
-        self._roster = tuple(roster)
+        """At the appointment: the group planned among the peers expected there (same state, same key) whose
+        announcements this peer trusts (`averaging.standing`: proven, or past their probation, and not barred);
+        among all that are not barred when it trusts none of them (a newcomer)."""
+        self._observe(now, roster)
         if self.appointment is None:  # no step taken: gather at once, alone
             self.appointment = Appointment(seconds=max(now, 1e-3), slot=1)
         if self.phase != Phase.FINISHING:
             self.phase = Phase.GATHERING
         key = self.appointment.key
         seen = [s for s in self._roster if s.appointment == key and self._same_kind(s) and s.peer != self.peer]
+        standing = self.standing
+        trusted = [s for s in seen if standing.trusted(now, s.peer, s.address, self.appointment.seconds)]
+        seen = trusted or [s for s in seen if not standing.barred(now, s.peer, s.address)]
         clients = {s.peer for s in seen if s.client} | ({self.peer} if self.client else set())
         group = group_of(self.appointment, self.peer, [s.peer for s in seen], self.config.schedule.group_size)
         group.sort(key=lambda p: p in clients)  # client-mode peers last: they cannot lead
@@ -177,8 +186,15 @@ class RoundEngine:
         self._log("gather", now, self._roster, plan)
         return plan
 
-    def ended(self, now: float, members: int | None) -> Step:
-        """The round's exchange gave a group of `members` (this peer included), or nothing (None)."""
+    def ended(self, now: float, members: int | None, partners: Iterable[str] = (), missed: Iterable[str] = ()) -> Step:
+        """The round's exchange gave a group of `members` (this peer included), or nothing (None). `partners`
+        averaged with this peer (now proven); `missed` are the planned peers that declined, refused, could not
+        be reached or never came (faults, counted against their ids and announced hosts)."""
+        partners, missed = tuple(partners), tuple(missed)
+        self.standing.exchanged(now, partners)
+        addresses = {s.peer: s.address for s in self._roster}
+        for peer in missed:
+            self.standing.fault(now, peer, addresses.get(peer))
         self.rounds += 1
         if members is not None and members >= 2:
             self.lonely, step = 0, Step.GROUP
@@ -195,7 +211,7 @@ class RoundEngine:
                 self.phase = Phase.DONE
         else:
             self.phase = Phase.TRAINING
-        self._log("ended", now, members, step, self.phase)
+        self._log("ended", now, members, step, self.phase, partners, missed)
         return step
 
     # -- the finish --------------------------------------------------------------------------------------
@@ -216,7 +232,7 @@ class RoundEngine:
         than the shortest round the DHT coordinates; two rounds' time without a group ends the finish."""
         if self.phase != Phase.FINISHING:
             return None
-        self._roster = tuple(roster)
+        self._observe(now, roster)
         seconds = self._finish_grid  # nothing to train: finish rounds follow closely, as the DHT allows
         appointment = next_appointment(now, seconds, _NO_MIN_PHASE)
         last = self.appointment
@@ -235,6 +251,10 @@ class RoundEngine:
         return Seen(self.peer, str(self.phase), key, self.step_seconds, self._exchange.value, self.client)
 
     # -- helpers -------------------------------------------------------------------------------------------
+    def _observe(self, now: float, roster: Iterable[Seen]) -> None:
+        self._roster = tuple(roster)
+        self.standing.observe(now, (s.peer for s in self._roster if s.peer != self.peer))
+
     def _log(self, *entry) -> None:
         if self.trace is not None:
             self.trace.append(entry)
@@ -278,7 +298,7 @@ def replay(trace: Iterable[tuple], peer: str, config: RoundConfig, *, client: bo
         elif kind == "gather":
             got, want = engine.gather(now, entry[2]), entry[3]
         elif kind == "ended":
-            got, want = (engine.ended(now, entry[2]), engine.phase), (entry[3], entry[4])
+            got, want = (engine.ended(now, entry[2], *entry[5:7]), engine.phase), (entry[3], entry[4])
         elif kind == "finish":
             got, want = (engine.finish(now), engine.phase)[1], entry[2]
         elif kind == "next_finish":

@@ -35,6 +35,7 @@ from murmur.averaging.group import GroupAverager, GroupConfig, GroupPlan, GroupR
 from murmur.averaging.state_transfer import TransferConfig
 from murmur.averaging.transport import P2PTransport
 from murmur.averaging.wire import PROTOCOL_VERSION
+from murmur.dht.addresses import host_of
 from murmur.dht.heartbeat import Heartbeat, RosterWatch
 from murmur.dht.loop import LoopThread
 from murmur.dht.node import NodeConfig, start_node, stop_node, visible_addresses
@@ -299,7 +300,8 @@ class VolunteerPeer:
     def roster(self) -> list[Seen]:
         """The live peers as the last read of the DHT shows them (never waits)."""
         return [
-            Seen(pid, str(a.state), a.appointment, a.step_seconds, a.exchange_seconds, a.client_mode)
+            Seen(pid, str(a.state), a.appointment, a.step_seconds, a.exchange_seconds, a.client_mode,
+                 host_of(a.addresses))  # fmt: skip
             for pid, a in self.watch.peers.items()
             if a.version == PROTOCOL_VERSION
         ]
@@ -353,7 +355,7 @@ class VolunteerPeer:
             blocked = time.monotonic() - waiting  # no compute while gathering and exchanging
             self.verdict.finite_round()
             self.verdict.check_layout(self.averager, rounds + 1)
-            step = self.engine.ended(time.time(), result.size if result is not None else None)
+            step = self._ended(self.averager, result)
             trainer.finish_round(offer, result, alone=step == Step.ALONE)
             self.sharing.publish(trainer)
             elapsed = max(1e-9, time.monotonic() - round_start)
@@ -411,6 +413,11 @@ class VolunteerPeer:
         self._announce(averager)
         return self.loop.run(_average(averager, offer, plan, self.trainer.config.group_size))
 
+    def _ended(self, averager: GroupAverager, result: GroupResult | None) -> Step:
+        """Tell the engine how the round went: who averaged with us, and whom the averager planned in vain."""
+        partners = () if result is None else [m for m in result.members if m != self.peer_id]
+        return self.engine.ended(time.time(), None if result is None else result.size, partners, averager.missed)
+
     def finish(self, stop: threading.Event) -> int:
         """The run config's finish rounds, once training is over: the work still pending becomes one outer
         step alone (nothing trained is lost), then the engine's finish rounds pull this peer's anchor together
@@ -430,7 +437,7 @@ class VolunteerPeer:
             offer = trainer.outer.finish_offer()
             result = self._exchange(self.finisher, offer)
             done += trainer.outer.apply_finish(offer, result)
-            engine.ended(time.time(), result.size if result is not None else None)
+            self._ended(self.finisher, result)
         self.heartbeat.poke()
         self.sharing.publish(trainer)
         self._log(logging.INFO, f"finished: {done} finish exchanges")

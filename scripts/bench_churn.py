@@ -43,14 +43,19 @@ import time
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
 
-import psutil
-
 from murmur.averaging.group import GroupConfig
 from murmur.dht.node import stop_node
 from murmur.peer.anchorfile import ANCHOR, read_anchor
 from murmur.peer.config import TrainConfig
 from murmur.peer.metrics import PeerReport, consensus_distance, read_metrics
-from murmur.peer.sim.simulate import group_leaders_below, join_command, launch, start_bootstrap, stop_processes
+from murmur.peer.sim.simulate import (
+    TreeMeter,
+    group_leaders_below,
+    join_command,
+    launch,
+    start_bootstrap,
+    stop_processes,
+)
 from murmur.peer.supervise import RESTARTED
 
 RESULTS = Path(__file__).resolve().parent / "results"
@@ -75,36 +80,6 @@ class BenchConfig:
     stop_grace: float = 15.0
     seed: int = 0
     restarts: tuple[str, ...] = ("warm", "cold")  # a churn phase each, against the same no-churn phase
-
-
-class CpuMeter:
-    """CPU-seconds used by the peers' process trees (each peer, its DHT worker and its p2pd), killed ones too.
-
-    Sampled once a second, keeping the last reading per process: a killed process's CPU up to its
-    last sample still counts (a victim is sampled just before its kill; one that exits by itself
-    loses at most its last second).
-    """
-
-    def __init__(self) -> None:
-        self.seen: dict[tuple[int, float], float] = {}  # (pid, create time): user + system seconds
-
-    def sample(self, pids: list[int]) -> None:
-        for pid in pids:
-            try:
-                root = psutil.Process(pid)
-                tree = [root, *root.children(recursive=True)]
-            except psutil.Error:
-                continue
-            for proc in tree:
-                try:
-                    with proc.oneshot():
-                        times = proc.cpu_times()
-                        self.seen[(proc.pid, proc.create_time())] = times.user + times.system
-                except psutil.Error:
-                    continue
-
-    def total(self) -> float:
-        return sum(self.seen.values())
 
 
 @dataclass
@@ -201,7 +176,7 @@ class Phase:
                     raise RuntimeError(f"{self.name}: peers did not start ({self.crashed or 'too slow'})")
                 time.sleep(0.5)
             start = time.time()
-            meter = CpuMeter()
+            meter = TreeMeter()
             meter.sample([s.proc.pid for s in self.slots])
             cpu_before = meter.total()
             kills, ticks, next_kill = 0, 0, time.monotonic() + c.kill_every

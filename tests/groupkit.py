@@ -7,7 +7,7 @@ import torch
 from murmur.averaging.compression import LowRankCompressor, LowRankConfig
 from murmur.averaging.group import GroupAverager, GroupConfig, GroupPlan, Offer
 from murmur.averaging.groups import Appointment, plan_groups
-from murmur.averaging.transport import InMemoryNetwork
+from murmur.averaging.transport import Admission, InMemoryNetwork
 
 SHAPES = {"delta/w": (24, 16), "delta/b": (16,), "anchor/w": (24, 16), "anchor/b": (16,)}
 MODES = {"delta/w": "mean", "delta/b": "mean", "anchor/w": "diff", "anchor/b": "diff"}
@@ -32,9 +32,10 @@ def make_offer(seed: int, step: int = 0, *, anchor_seed: int | None = None) -> O
 
 
 def make_averager(network: InMemoryNetwork, name: str, config: GroupConfig = FAST, *, run_id: str = "r",
-                  rank: int = 4, codec: str = "sign", diff_codec: str = "int8") -> GroupAverager:  # fmt: skip
+                  rank: int = 4, codec: str = "sign", diff_codec: str = "int8",
+                  admission: Admission = Admission()) -> GroupAverager:  # fmt: skip
     return GroupAverager(
-        network.transport(name),
+        network.transport(name, admission),
         LowRankCompressor(LowRankConfig(rank=rank, mean_codec=codec, diff_codec=diff_codec)),
         shapes=SHAPES,
         modes=MODES,

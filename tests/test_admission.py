@@ -33,9 +33,9 @@ async def held_streams(admission: Admission, opens: list[str]):
     return network, server, release, handled, streams
 
 
-async def closed(stream) -> bool:
+async def closed(stream, within: float = 0.2) -> bool:
     try:
-        await asyncio.wait_for(stream.recv(100), 0.2)
+        await asyncio.wait_for(stream.recv(100), within)
     except StreamClosed:
         return True
     except TimeoutError:
@@ -45,7 +45,9 @@ async def closed(stream) -> bool:
 
 def test_one_remote_gets_at_most_per_peer_streams_and_the_rest_are_closed_unread() -> None:
     async def main() -> None:
-        _, server, release, handled, streams = await held_streams(Admission(per_peer=3, total=10), ["a"] * 5 + ["b"])
+        _, server, release, handled, streams = await held_streams(
+            Admission(per_peer=3, total=10, tarpit=0), ["a"] * 5 + ["b"]
+        )
         assert handled.count("a") == 3 and handled.count("b") == 1  # b is not starved by a's flood
         assert [await closed(s) for s in streams] == [False] * 3 + [True] * 2 + [False]
         assert server.gate.refused == 2 and server.gate.open == {"a": 3, "b": 1}
@@ -72,11 +74,27 @@ def test_the_total_cap_holds_against_many_remotes_and_a_freed_slot_is_reused() -
     run(main())
 
 
+def test_streams_turned_away_are_held_a_while_but_never_more_than_tarpit_max_at_once() -> None:
+    async def main() -> None:
+        admission = Admission(per_peer=1, total=1, tarpit=0.6, tarpit_max=2)
+        _, server, release, handled, streams = await held_streams(admission, ["a"] * 5)
+        assert handled == ["a"] and server.gate.refused == 4 and server.gate.held == 2
+        held = await asyncio.gather(*(closed(s, 0.3) for s in streams[1:]))
+        assert held == [False, False, True, True]  # two in the tarpit; the others closed at once
+        assert await asyncio.gather(*(closed(s, 0.6) for s in streams[1:3])) == [True, True]
+        assert server.gate.held == 0
+        release.set()
+
+    run(main())
+
+
 def test_admission_is_checked() -> None:
     with pytest.raises(ValueError, match="per_peer <= total"):
         Admission(per_peer=10, total=5)
     with pytest.raises(ValueError, match="1 <= per_peer"):
         Admission(per_peer=0)
+    with pytest.raises(ValueError, match="tarpit"):
+        Admission(tarpit=-1.0)
 
 
 def test_a_donor_reads_no_more_than_a_request_before_the_joiner_is_known(caplog) -> None:
@@ -92,3 +110,68 @@ def test_a_donor_reads_no_more_than_a_request_before_the_joiner_is_known(caplog)
     caplog.set_level(logging.WARNING)
     run(main())
     assert f"exceeds the {REQUEST_BYTES}-byte cap" in caplog.text
+
+
+def test_a_flooding_remote_is_struck_twice_then_turned_away_at_the_gate_unread_and_unlogged(caplog) -> None:
+    async def main() -> None:
+        network = InMemoryNetwork()
+        donor = StateDonor(network.transport("donor"), TransferConfig())
+        await donor.start()
+        flooder, honest = network.transport("flooder"), network.transport("honest")
+        for k in range(6):  # oversized requests, again and again
+            stream = await flooder.open("donor")
+            await stream.send(b"\x00" * (REQUEST_BYTES + 1))
+            if k < 2:
+                assert await closed(stream)
+            else:  # after the second strike: turned away before a byte is read, and held a while first
+                assert not await closed(stream, 0.5) and await closed(stream, 1.0)
+        assert donor.cooldown.cooling("flooder") and not donor.cooldown.cooling("honest")
+        assert donor.transport.gate.refused == 4
+        stream = await honest.open("donor")  # another remote is still read (and told there is no state)
+        await stream.send(b"\x00" * 10)
+        assert await closed(stream)
+        assert donor.transport.gate.refused == 4
+
+    caplog.set_level(logging.WARNING)
+    run(main())
+    assert caplog.text.count("bad state request from") == 3  # the flooder's two, the honest garbage's one
+
+
+@pytest.mark.slow
+def test_an_oversized_frame_on_a_real_libp2p_stream_is_frame_too_large_not_a_closed_link() -> None:
+    from murmur.averaging.transport import HEADER_LEN, FrameTooLarge, P2PTransport
+    from murmur.dht.loop import LoopThread
+    from murmur.dht.node import NodeConfig, start_node, stop_node, visible_addresses
+
+    nodes = [start_node(NodeConfig())]
+    loop = LoopThread()
+    try:
+        nodes.append(start_node(NodeConfig(initial_peers=tuple(visible_addresses(nodes[0])))))
+        errors: list[BaseException] = []
+
+        async def main() -> None:
+            server = P2PTransport(await nodes[0].replicate_p2p(), "murmur/test/frames")
+            client = P2PTransport(await nodes[1].replicate_p2p(), "murmur/test/frames")
+            done = asyncio.Event()
+
+            async def handler(remote, stream) -> None:
+                try:
+                    await stream.recv(1024)
+                except BaseException as e:  # what the transport raised is the point
+                    errors.append(e)
+                done.set()
+
+            await server.serve(handler)
+            stream = await client.open(server.peer_id)
+            writer = stream._writer  # a raw header claiming 256 MiB, as a flooder writes it
+            writer.write((256 * 2**20).to_bytes(HEADER_LEN, "big") + b"\x00" * 64)
+            await writer.drain()
+            await asyncio.wait_for(done.wait(), 10)
+            await server.close()
+
+        loop.run(main(), timeout=30)
+        assert len(errors) == 1 and type(errors[0]) is FrameTooLarge, errors
+    finally:
+        loop.stop()
+        for node in reversed(nodes):
+            stop_node(node)

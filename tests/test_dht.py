@@ -659,3 +659,24 @@ def test_stop_node_leaves_no_processes_or_sockets() -> None:
     assert not any(process.is_running() for process in processes)
     assert not any(path.exists() for path in sockets)
     assert descendants() <= before
+
+
+@pytest.mark.slow
+def test_an_announcement_is_validated_once_per_store_not_once_per_read(swarm: list[Any], monkeypatch) -> None:
+    from murmur.dht import records as records_module
+
+    boot, a, b = swarm
+    run = new_run()
+    writer, reader = RunRecords(a, run), RunRecords(b, run)
+    decoded = []
+    real = records_module._decode
+    monkeypatch.setattr(records_module, "_decode", lambda *args, **kw: decoded.append(1) or real(*args, **kw))
+    assert writer.announce(live_announcement(a, step=1))
+    wait_for(reader.peers, lambda peers: a.peer_id.to_base58() in peers)
+    first = len(decoded)
+    for _ in range(5):
+        assert reader.peers()[a.peer_id.to_base58()].step == 1
+    assert len(decoded) == first  # five more reads of the same store: nothing decoded again
+    assert writer.announce(live_announcement(a, step=2))  # a new store (a later expiration) is decoded
+    wait_for(reader.peers, lambda peers: peers[a.peer_id.to_base58()].step == 2)
+    assert len(decoded) > first

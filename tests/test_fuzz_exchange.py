@@ -23,7 +23,7 @@ from hypothesis import strategies as st
 from murmur.averaging import wire
 from murmur.averaging.exchange import bits, state_digest
 from murmur.averaging.mixing import GroupRound
-from murmur.averaging.transport import InMemoryNetwork
+from murmur.averaging.transport import Admission, InMemoryNetwork
 from tests.groupkit import APPOINTMENT, FAST, led_by, make_averager, make_offer, one_round, started
 from tests.test_wire import mutate_bytes
 
@@ -31,6 +31,7 @@ Kind = wire.Kind
 EXAMPLES = int(os.environ.get("MURMUR_FUZZ_EXAMPLES", "150"))
 QUICK = replace(FAST, message_timeout=0.1, exchange_timeout=0.2)  # an honest round here takes ~5 ms
 WINDOW = 0.05  # a leader whose planned member never joins seals after this
+NO_TARPIT = Admission(tarpit=0)  # the fuzzer, once on cool-down, is turned away at once (the bound is ours)
 BOUND = 1.0  # seconds: longer than any wait of a round or a handler (window + exchange timeout + slack)
 STAGES = (Kind.JOIN, Kind.HELLO, Kind.PHASE1)
 LEADER, FUZZ, MEMBER = "Lea", "Fuz", "Bob"  # in roster order
@@ -142,7 +143,7 @@ async def scripted_member(net: InMemoryNetwork, stage: Kind, rewrite) -> None:
 async def live(net: InMemoryNetwork):
     """LEADER and MEMBER, started, with every exception that escapes their stream handlers recorded (and re-raised
     as before)."""
-    peers = await started(make_averager(net, LEADER, QUICK), make_averager(net, MEMBER, QUICK))
+    peers = await started(*(make_averager(net, n, QUICK, admission=NO_TARPIT) for n in (LEADER, MEMBER)))
     escaped: list[BaseException] = []
     for name in (LEADER, MEMBER):
         transport, handler = net.handlers[name]

@@ -63,6 +63,18 @@ def test_own_records_are_accepted_and_forged_ones_refused(signed_swarm) -> None:
 
 
 @pytest.mark.slow
+def test_an_announcement_that_would_outlive_its_signer_for_an_hour_is_refused(signed_swarm) -> None:
+    mallory, reader = signed_swarm["mallory"], RunRecords(signed_swarm["boot"], RUN)
+    own = live_announcement(mallory)  # her own, validly signed: only its expiration is out of bounds
+    key = RunRecords(mallory, RUN).peers_key
+    assert not mallory.store(key, own.model_dump(mode="json"), get_dht_time() + 3600, subkey=own.peer_id)
+    assert own.peer_id not in reader.peers()
+    assert mallory.store(key, own.model_dump(mode="json"), get_dht_time() + 60, subkey=own.peer_id)
+    wait_for(reader.peers, lambda peers: own.peer_id in peers)
+    RunRecords(mallory, RUN).withdraw(own.peer_id)
+
+
+@pytest.mark.slow
 def test_only_the_creator_writes_the_run_config(signed_swarm) -> None:
     boot, peer, mallory = signed_swarm["boot"], signed_swarm["peer"], signed_swarm["mallory"]
     creator = boot.peer_id.to_base58()

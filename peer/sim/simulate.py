@@ -129,6 +129,41 @@ def stop_processes(procs: list[subprocess.Popen], grace: float) -> None:
             proc.wait(timeout=5)
 
 
+class TreeMeter:
+    """CPU-seconds and peak RSS of process trees (a peer, its DHT worker and its p2pd), killed ones too.
+
+    Sampled by the caller (once a second, say), keeping the last CPU reading per process: a killed
+    process's CPU up to its last sample still counts (a victim is sampled just before its kill; one that
+    exits by itself loses at most its last second). `peak[pid]` is the largest RSS (MiB) seen of the tree
+    under root `pid`.
+    """
+
+    def __init__(self) -> None:
+        self.seen: dict[tuple[int, float], float] = {}  # (pid, create time): user + system seconds
+        self.peak: dict[int, float] = {}  # root pid -> MiB
+
+    def sample(self, pids: list[int]) -> None:
+        for pid in pids:
+            try:
+                root = psutil.Process(pid)
+                tree = [root, *root.children(recursive=True)]
+            except psutil.Error:
+                continue
+            rss = 0
+            for proc in tree:
+                try:
+                    with proc.oneshot():
+                        times = proc.cpu_times()
+                        self.seen[(proc.pid, proc.create_time())] = times.user + times.system
+                        rss += proc.memory_info().rss
+                except psutil.Error:
+                    continue
+            self.peak[pid] = max(self.peak.get(pid, 0.0), rss / 2**20)
+
+    def total(self) -> float:
+        return sum(self.seen.values())
+
+
 def group_leaders_below(pid: int) -> list[int]:
     """Live descendants of `pid` that lead their own process group (the peer of `murmur join --restart`)."""
     try:

@@ -351,7 +351,8 @@ class VirtualSwarm:
     def _done(self, peer: VirtualPeer, result: GroupResult | None, offer: Offer | None) -> None:
         engine, trainer = peer.engine, peer.trainer
         finishing = engine.phase == Phase.FINISHING
-        step = engine.ended(self.now, result.size if result is not None else None)
+        partners = () if result is None else [m for m in result.members if m != peer.id]
+        step = engine.ended(self.now, None if result is None else result.size, partners, peer.averager.missed)
         self.peer_rounds += 1
         self.lonely += result is None
         if finishing:

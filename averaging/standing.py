@@ -1,0 +1,131 @@
+"""Whose announcements are trusted for partner choice: probation, proof, and faults per id and per address.
+
+Peer ids are free to mint, so an announcement alone is worth little: a stranger can publish a thousand
+READY records and have honest peers plan groups around peers that never come. `Standing` is the round
+engine's memory of each peer it has seen (pure: the caller passes the time; no I/O):
+
+* **proven**: the peer completed an authenticated exchange with us (it was a member of a group we averaged
+  with). A proof lasts `memory` seconds from the last exchange.
+* **on probation**: the peer has been announcing for less than `probation` rounds, counted from when this
+  peer first saw it, and is not proven. It is not planned into our groups; it may still join them, or
+  lead a group we are planned into by others' rosters.
+* **faults**: a planned leader that declined us, refused us access, or could not be reached, and a planned
+  member that never joined the group we led. An unproven peer is barred from our plans after `faults_unproven`
+  faults within `memory` seconds, a proven one after `faults_proven` (honest peers miss now and then), and
+  a host whose ids ran up `address_faults` faults bars every unproven id it announces: minting ids is free,
+  addresses are not.
+
+Every table is bounded (`max_peers` entries, oldest dropped first), so a flood of fresh ids cannot grow
+memory. A peer with no trusted peer at an appointment (a newcomer: everybody is new to it) plans among the
+peers not barred, as before, since the alternative is a lonely round.
+"""
+
+from __future__ import annotations
+
+import collections
+from collections.abc import Iterable
+from dataclasses import dataclass
+from typing import Generic, TypeVar
+
+K = TypeVar("K")
+
+
+@dataclass(frozen=True, kw_only=True)
+class StandingConfig:
+    probation: float = 1.0  # rounds a peer must have been announcing before an unproven one is planned
+    memory: float = 300.0  # seconds a fault counts, and a proof lasts after the last exchange
+    faults_unproven: int = 1  # faults within memory that bar a peer never exchanged with from our plans...
+    faults_proven: int = 3  # ...and one we exchanged with
+    address_faults: int = 8  # faults within memory, from the ids a host announces, that bar its unproven ids
+    max_peers: int = 4096  # bound on every table
+
+    def __post_init__(self) -> None:
+        if self.probation < 0 or self.memory <= 0 or self.max_peers < 1:
+            raise ValueError("standing needs probation >= 0, memory > 0 and max_peers >= 1")
+        if min(self.faults_unproven, self.faults_proven, self.address_faults) < 1:
+            raise ValueError("fault limits must be at least 1")
+
+
+class _Bounded(Generic[K]):
+    """Insertion-ordered times per key, at most `size` keys (the least recently touched dropped first)."""
+
+    def __init__(self, size: int) -> None:
+        self.size = size
+        self.items: collections.OrderedDict[K, list[float]] = collections.OrderedDict()
+
+    def add(self, key: K, now: float, memory: float) -> int:
+        times = [t for t in self.items.pop(key, []) if now - t < memory] + [now]
+        self.items[key] = times
+        while len(self.items) > self.size:
+            self.items.popitem(last=False)
+        return len(times)
+
+    def count(self, key: K, now: float, memory: float) -> int:
+        return sum(now - t < memory for t in self.items.get(key, ()))
+
+    def pop(self, key: K) -> None:
+        self.items.pop(key, None)
+
+
+class Standing:
+    def __init__(self, config: StandingConfig = StandingConfig()) -> None:
+        self.config = config
+        self._first: collections.OrderedDict[str, float] = collections.OrderedDict()  # peer -> first seen
+        self._proven: collections.OrderedDict[str, float] = collections.OrderedDict()  # peer -> last exchange
+        self._faults: _Bounded[str] = _Bounded(config.max_peers)
+        self._address_faults: _Bounded[str] = _Bounded(config.max_peers)
+
+    def observe(self, now: float, peers: Iterable[str]) -> None:
+        """The roster at `now`: peers seen for the first time start their probation; peers gone from it are
+        forgotten (an id that comes back starts over)."""
+        live = set(peers)
+        for peer in [p for p in self._first if p not in live]:
+            del self._first[peer]
+        for peer in live:
+            if peer not in self._first and len(self._first) < self.config.max_peers:
+                self._first[peer] = now
+
+    def exchanged(self, now: float, peers: Iterable[str]) -> None:
+        """`peers` completed an exchange with us: proven, and their faults forgiven."""
+        for peer in peers:
+            self._proven.pop(peer, None)
+            self._proven[peer] = now
+            self._faults.pop(peer)
+        while len(self._proven) > self.config.max_peers:
+            self._proven.popitem(last=False)
+
+    def fault(self, now: float, peer: str, address: str | None = None) -> None:
+        """`peer` (announcing `address`) declined, refused, could not be reached, or did not come."""
+        self._faults.add(peer, now, self.config.memory)
+        if address is not None and not self.proven(now, peer):
+            self._address_faults.add(address, now, self.config.memory)
+
+    def proven(self, now: float, peer: str) -> bool:
+        last = self._proven.get(peer)
+        return last is not None and now - last < self.config.memory
+
+    def barred(self, now: float, peer: str, address: str | None = None) -> bool:
+        """Too many recent faults of its own, or (unproven) of its host's."""
+        c = self.config
+        proven = self.proven(now, peer)
+        if self._faults.count(peer, now, c.memory) >= (c.faults_proven if proven else c.faults_unproven):
+            return True
+        return (
+            not proven
+            and address is not None
+            and self._address_faults.count(address, now, c.memory) >= c.address_faults
+        )
+
+    def trusted(self, now: float, peer: str, address: str | None, round_seconds: float) -> bool:
+        """Plannable: not barred, and proven or past its probation."""
+        if self.barred(now, peer, address):
+            return False
+        if self.proven(now, peer):
+            return True
+        first = self._first.get(peer)
+        return first is not None and now - first >= self.config.probation * round_seconds - 1e-9
+
+    @property
+    def size(self) -> int:
+        """Entries held over all tables (for tests of the bound)."""
+        return len(self._first) + len(self._proven) + len(self._faults.items) + len(self._address_faults.items)
