@@ -17,7 +17,8 @@
   ``encode_parts``, ``Assembler`` (checks each part and fills tensors allocated once)
 * ``lazy``         ``Lazy``: a mapping whose values are computed when read (offers, contributions, projections)
 * ``transport``    framed byte streams: ``P2PTransport`` over hivemind's libp2p daemon, and the
-  ``InMemoryNetwork`` twin with fault hooks for tests
+  ``InMemoryNetwork`` twin with fault hooks for tests; ``Admission``/``Gate``: inbound streams capped per remote and
+  in all before a byte is read, barred remotes turned away, and what is turned away held a while (a tarpit)
 * ``state_transfer``  the state-download protocol for a late joiner: ``TransferConfig`` (sizes, bounds that scale
   with the state), ``Manifest``, the messages, and ``StateDonor``, which serves a pinned ``StateSnapshot`` in
   hashed chunks (at most ``max_uploads`` joiners at once)
@@ -29,4 +30,7 @@
 * ``access``       private runs: ``AccessPolicy`` (a shared secret proven by HMAC, an allowlist of peer ids),
   checked before any model data moves; ``load_policy`` reads the CLI flags
 * ``cooldown``     ``Cooldown``: a peer that keeps sending bad messages is neither asked nor answered for a while
+  (its streams are turned away at the transport's gate, unread)
+* ``standing``     ``Standing``: whose announcements plan our groups: proven by an exchange, or past a probation, and
+  not barred by faults (declines, refusals, no-shows) counted per id and per announced host, in bounded memory. Pure
 """

@@ -173,7 +173,7 @@ class GroupAverager:
         return self.transport.peer_id
 
     async def start(self) -> None:
-        self.transport.gate.barred = self.cooldown.cooling  # a peer on cool-down is not even read
+        self.transport.gate.barred = self._barred  # a peer on cool-down is not even read...
         await self.transport.serve(self._handle)
 
     async def stop(self) -> None:
@@ -184,6 +184,12 @@ class GroupAverager:
             with contextlib.suppress(TimeoutError):
                 await asyncio.wait_for(self._exchange.over.wait(), self.config.exchange_timeout)
         await self.transport.close()
+
+    def _barred(self, remote: str) -> bool:
+        """...unless it is a member of the exchange under way (another member's leader took it): its pair stream
+        is then answered, so that the group learns at once whether it has that link."""
+        exchange = self._exchange
+        return self.cooldown.cooling(remote) and (exchange is None or remote not in exchange.members)
 
     def expect(self, key: str | None) -> None:
         """Set the appointment this peer trains toward (on the event loop): joins for it wait until it gathers."""
@@ -265,6 +271,7 @@ class GroupAverager:
         if gathering is None:
             self._release(self._gathering, "not gathering for that appointment")
             gathering = self._gathering = _Gathering(plan.key)
+        cooling = {p for p in plan.planned if self.cooldown.cooling(p)}
         while True:
             gathering.changed.clear()
             joined = [p for p, j in gathering.joins.items() if not j.released.done()]
@@ -277,14 +284,14 @@ class GroupAverager:
                 planned=plan.planned,
                 arrived=arrived,
                 group_size=plan.group_size,
-                declined=gathering.refused,
-            ):  # fmt: skip  (a declined member won't come)
+                declined=gathering.refused | cooling,
+            ):  # fmt: skip  (a declined member won't come, nor one on cool-down: the gate turns it away)
                 break
-            until = plan.not_before if set(plan.planned) <= {*arrived, *gathering.refused} else plan.deadline
+            until = plan.not_before if set(plan.planned) <= {*arrived, *gathering.refused, *cooling} else plan.deadline
             with contextlib.suppress(TimeoutError):
                 await asyncio.wait_for(gathering.changed.wait(), max(0.0, until - now))
         gathering.sealed = True
-        missed += [p for p in plan.planned if p not in gathering.joins and p not in gathering.refused]
+        missed += [p for p in plan.planned if p not in gathering.joins and p not in gathering.refused | cooling]
         for p in joined:  # a member whose outer step is insane (checked now that ours is known) is declined
             if abs(gathering.joins[p].step - offer.step) > self.config.max_step_gap:
                 why = f"outer step {gathering.joins[p].step} is not within {self.config.max_step_gap} of ours"
