@@ -166,7 +166,8 @@ class GroupAverager:
         self._exchange_changed = asyncio.Event()
         self._unreachable: dict[str, float] = {}  # peer -> loop time until which it is not asked
         self.missed: tuple[str, ...] = ()  # the last round's planned peers that declined, refused, were not
-        # reachable or never came (the round engine counts them as faults: `averaging.standing`)
+        # reachable or never came (the round engine counts them as faults: `averaging.standing`)...
+        self.shunned: tuple[str, ...] = ()  # ...and those on our cool-down (the engine stops planning them)
 
     @property
     def peer_id(self) -> str:
@@ -215,6 +216,7 @@ class GroupAverager:
         digest = state_digest(offer)
         result = None
         missed: list[str] = []
+        self.shunned = tuple(p for p in {*plan.candidates, *plan.planned} if self.cooldown.cooling(p))
         try:
             for leader in plan.candidates:
                 if self._closed:

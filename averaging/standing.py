@@ -100,6 +100,11 @@ class Standing:
         if address is not None and not self.proven(now, peer):
             self._address_faults.add(address, now, self.config.memory)
 
+    def shun(self, now: float, peer: str) -> None:
+        """`peer` is on our cool-down (it sent bad messages): barred from our plans at once, proven or not."""
+        for _ in range(self.config.faults_proven):
+            self._faults.add(peer, now, self.config.memory)
+
     def proven(self, now: float, peer: str) -> bool:
         last = self._proven.get(peer)
         return last is not None and now - last < self.config.memory

@@ -186,15 +186,19 @@ class RoundEngine:
         self._log("gather", now, self._roster, plan)
         return plan
 
-    def ended(self, now: float, members: int | None, partners: Iterable[str] = (), missed: Iterable[str] = ()) -> Step:
+    def ended(self, now: float, members: int | None, partners: Iterable[str] = (), missed: Iterable[str] = (),
+              shunned: Iterable[str] = ()) -> Step:  # fmt: skip
         """The round's exchange gave a group of `members` (this peer included), or nothing (None). `partners`
         averaged with this peer (now proven); `missed` are the planned peers that declined, refused, could not
-        be reached or never came (faults, counted against their ids and announced hosts)."""
-        partners, missed = tuple(partners), tuple(missed)
+        be reached or never came (faults, counted against their ids and announced hosts); `shunned` the planned
+        peers on the averager's cool-down (barred from the plans at once)."""
+        partners, missed, shunned = tuple(partners), tuple(missed), tuple(shunned)
         self.standing.exchanged(now, partners)
         addresses = {s.peer: s.address for s in self._roster}
         for peer in missed:
             self.standing.fault(now, peer, addresses.get(peer))
+        for peer in shunned:
+            self.standing.shun(now, peer)
         self.rounds += 1
         if members is not None and members >= 2:
             self.lonely, step = 0, Step.GROUP
@@ -211,7 +215,7 @@ class RoundEngine:
                 self.phase = Phase.DONE
         else:
             self.phase = Phase.TRAINING
-        self._log("ended", now, members, step, self.phase, partners, missed)
+        self._log("ended", now, members, step, self.phase, partners, missed, shunned)
         return step
 
     # -- the finish --------------------------------------------------------------------------------------
@@ -298,7 +302,7 @@ def replay(trace: Iterable[tuple], peer: str, config: RoundConfig, *, client: bo
         elif kind == "gather":
             got, want = engine.gather(now, entry[2]), entry[3]
         elif kind == "ended":
-            got, want = (engine.ended(now, entry[2], *entry[5:7]), engine.phase), (entry[3], entry[4])
+            got, want = (engine.ended(now, entry[2], *entry[5:8]), engine.phase), (entry[3], entry[4])
         elif kind == "finish":
             got, want = (engine.finish(now), engine.phase)[1], entry[2]
         elif kind == "next_finish":

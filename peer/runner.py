@@ -300,8 +300,15 @@ class VolunteerPeer:
     def roster(self) -> list[Seen]:
         """The live peers as the last read of the DHT shows them (never waits)."""
         return [
-            Seen(pid, str(a.state), a.appointment, a.step_seconds, a.exchange_seconds, a.client_mode,
-                 host_of(a.addresses))  # fmt: skip
+            Seen(
+                pid,
+                str(a.state),
+                a.appointment,
+                a.step_seconds,
+                a.exchange_seconds,
+                a.client_mode,
+                host_of(a.addresses),
+            )  # fmt: skip
             for pid, a in self.watch.peers.items()
             if a.version == PROTOCOL_VERSION
         ]
@@ -416,7 +423,8 @@ class VolunteerPeer:
     def _ended(self, averager: GroupAverager, result: GroupResult | None) -> Step:
         """Tell the engine how the round went: who averaged with us, and whom the averager planned in vain."""
         partners = () if result is None else [m for m in result.members if m != self.peer_id]
-        return self.engine.ended(time.time(), None if result is None else result.size, partners, averager.missed)
+        return self.engine.ended(time.time(), None if result is None else result.size, partners, averager.missed,
+                                 averager.shunned)  # fmt: skip
 
     def finish(self, stop: threading.Event) -> int:
         """The run config's finish rounds, once training is over: the work still pending becomes one outer

@@ -101,7 +101,7 @@ def test_the_engine_drops_a_peer_that_missed_and_plans_a_partner_it_just_met():
     planned = set(plan.candidates + plan.planned)
     assert "p1" not in planned  # never exchanged with, and it missed: barred
     assert {"p0", "late"} <= planned  # "late" is new to the roster, but proven by the exchange
-    assert engine.trace[2][0] == "ended" and engine.trace[2][5:] == (("p0", "late"), ("p1",))
+    assert engine.trace[2][0] == "ended" and engine.trace[2][5:] == (("p0", "late"), ("p1",), ())
 
 
 @pytest.mark.timeout(30)
@@ -119,3 +119,12 @@ def test_the_averager_reports_whom_it_planned_in_vain():
 
     result, missed = asyncio.run(main())
     assert result is None and missed == ("gone", "never-came")
+
+
+def test_a_peer_on_cool_down_is_barred_from_the_plans_at_once_even_if_proven():
+    s = Standing(CONFIG)
+    s.observe(0.0, ["bad"])
+    s.exchanged(1.0, ["bad"])
+    assert s.trusted(11.0, "bad", None, R)
+    s.shun(11.0, "bad")
+    assert s.barred(11.0, "bad") and not s.trusted(11.0, "bad", None, R)

@@ -294,6 +294,8 @@ class VirtualSwarm:
             other = self._peer(leader)
             if other is None or other.seen is None or other.seen.appointment != key:
                 continue  # gone (unreachable), or not gathering for this appointment (declined)
+            if peer.averager.cooldown.cooling(leader):
+                continue  # on our cool-down: not asked
             group = self._groups.setdefault((key, leader), _Group(leader, key))
             if group.sealed:
                 continue
@@ -356,7 +358,8 @@ class VirtualSwarm:
         engine, trainer = peer.engine, peer.trainer
         finishing = engine.phase == Phase.FINISHING
         partners = () if result is None else [m for m in result.members if m != peer.id]
-        step = engine.ended(self.now, None if result is None else result.size, partners, peer.averager.missed)
+        step = engine.ended(self.now, None if result is None else result.size, partners, peer.averager.missed,
+                            peer.averager.shunned)  # fmt: skip
         self.peer_rounds += 1
         self.lonely += result is None
         if finishing:
