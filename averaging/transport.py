@@ -45,7 +45,7 @@ class Admission:
     # a stream turned away is held, unread, this long before it is closed (at most `tarpit_max` at once, the rest
     # closed at once): a flooder that reopens whatever is closed then opens a few streams a second, not hundreds
     tarpit: float = 1.0
-    tarpit_max: int = 256
+    tarpit_max: int = 32
 
     def __post_init__(self) -> None:
         if not 1 <= self.per_peer <= self.total:
