@@ -15,6 +15,7 @@ its ``p2pd`` and itself.
 from __future__ import annotations
 
 import ipaddress
+import logging
 import math
 import os
 import signal
@@ -38,6 +39,17 @@ _SOCKET_FLAG = "-listen=/unix"  # p2pd's control socket; hivemind names the clie
 _ORPHAN_POLL = 0.25  # seconds between a DHT worker's looks at its parent
 _forking_worker_of: int | None = None  # the pid that is forking a DHT worker right now (see _guard_worker)
 _guard_registered = False
+_shm_manager_started = False
+
+
+def _not_shutdown_noise(record: logging.LogRecord) -> bool:
+    """p2pd, stopped while it accepts a control connection, logs that accept's failure as an ERROR: a stopping
+    node's artifact, not news, and it would come before a stopped command's one line. (The DHT worker, forked
+    from this process, inherits the filter.)"""
+    return "use of closed network connection" not in record.getMessage()
+
+
+logging.getLogger("hivemind.p2p.p2p_daemon").addFilter(_not_shutdown_noise)
 
 
 class NodeError(RuntimeError):
@@ -108,6 +120,7 @@ def start_node(config: NodeConfig) -> hivemind.DHT:
 
 
 def _start(config: NodeConfig, validators: list) -> hivemind.DHT:
+    _start_shm_manager()
     dht = hivemind.DHT(
         initial_peers=list(config.initial_peers) or None,
         start=False,
@@ -143,6 +156,31 @@ def _start(config: NodeConfig, validators: list) -> hivemind.DHT:
         if not started:
             _reap(_processes_of(dht), timeout=5.0)
     return dht
+
+
+def _start_shm_manager() -> None:
+    """Start torch's shared-memory manager (which hivemind's futures use) with SIGINT and SIGTERM restarting
+    system calls (SA_RESTART) rather than interrupting them.
+
+    torch 2.13 reads the manager's handshake in a loop that retries a read interrupted by a signal without
+    reading again: a Ctrl-C in that window spins forever in C, holding the GIL, so neither a handler nor the
+    startup watcher (`murmur.peer.cli`) can run. With SA_RESTART the kernel resumes the read, and the handler
+    runs as soon as the manager is up. Once up, the manager serves the whole process. (Blocking the signals
+    instead would leave them blocked in the manager, which inherits the mask through exec.)"""
+    global _shm_manager_started
+    if _shm_manager_started:
+        return
+    signums = (signal.SIGINT, signal.SIGTERM)
+    for signum in signums:
+        signal.siginterrupt(signum, False)
+    try:
+        import torch
+
+        torch.empty(1).share_memory_()
+        _shm_manager_started = True
+    finally:
+        for signum in signums:
+            signal.siginterrupt(signum, True)
 
 
 def _unreachable(config: NodeConfig, when: str = "") -> str:

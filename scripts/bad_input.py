@@ -165,7 +165,7 @@ class Lab:
         """Start `murmur ARGV` in its own process group, output to files (a pipe would outlive it)."""
         self._n += 1
         out, err = self.folder / f"cmd-{self._n}.out", self.folder / f"cmd-{self._n}.err"
-        env = {**os.environ, **ENV, "PYTHONPATH": os.pathsep.join([str(ROOT), str(self.code[width])])}
+        env = {**_user_env(), **ENV, "PYTHONPATH": os.pathsep.join([str(ROOT), str(self.code[width])])}
         with out.open("w") as o, err.open("w") as e:
             proc = subprocess.Popen([sys.executable, "-m", "murmur.peer.cli", *argv], stdout=o, stderr=e, env=env,
                                     cwd=self.folder, start_new_session=True)  # fmt: skip
@@ -214,12 +214,18 @@ def wait_gone(processes: list[psutil.Process], timeout: float) -> list[str]:
         time.sleep(0.05)
 
 
-def wait_for(probe: Callable[[], object], timeout: float, what: str):
+def _user_env() -> dict[str, str]:
+    """This environment less what the test suite sets for its own process (conftest: hivemind's file_descriptor
+    sharing), so that `murmur` runs as a user's would: hivemind's default, torch's shared-memory manager."""
+    return {k: v for k, v in os.environ.items() if k != "HIVEMIND_MEMORY_SHARING_STRATEGY"}
+
+
+def wait_for(probe: Callable[[], object], timeout: float, what: str, poll: float = 0.1):
     deadline = time.monotonic() + timeout
     while not (found := probe()):
         if time.monotonic() > deadline:
             raise TimeoutError(f"{what} did not happen within {timeout:.0f} s")
-        time.sleep(0.1)
+        time.sleep(poll)
     return found
 
 
@@ -372,13 +378,17 @@ def nan_later(lab: Lab) -> Outcome:
 
 
 def interrupted(when: str) -> Callable[[Lab], Outcome]:
-    """Ctrl-C during a join's startup (while it imports, or once its DHT node is up): one line, within a
-    second, no join line, no round."""
+    """Ctrl-C during a join's startup (while it imports, while it starts torch's shared-memory manager, or once
+    its DHT node is up): one line, within a second, no join line, no round."""
 
     def run(lab: Lab) -> Outcome:
         proc, out, err = lab.spawn([*lab.join("open-run"), "--duration", "30"])
-        if when == "importing":
-            time.sleep(0.5)
+        if when == "importing":  # the program's own handler is in (Python itself catches no SIGTERM): imports run
+            wait_for(lambda: _catches(proc.pid, signal.SIGTERM), 60, "the program's signal handler", poll=0.005)
+            time.sleep(0.3)
+        elif when == "shm manager":  # the window in which torch's manager handshake once spun forever on a signal
+            wait_for(lambda: any(p.name().startswith("torch_shm") for p in psutil.Process(proc.pid).children()),
+                     60, "torch's shared-memory manager", poll=0.002)  # fmt: skip
         else:  # its p2pd is running: it is joining the DHT, reading the run config, loading its data
             wait_for(lambda: any(p.name() == "p2pd" for p in psutil.Process(proc.pid).children(recursive=True)),
                      60, "the DHT node")  # fmt: skip
@@ -390,9 +400,21 @@ def interrupted(when: str) -> Callable[[Lab], Outcome]:
         stop(proc)
         printed = out.read_text()
         intact = seconds < lab.answer_within and "murmur join --initial-peers" not in printed and "round" not in printed
-        return Outcome(proc.returncode, first_line(err.read_text()), intact, f"stopped in {seconds:.2f} s")
+        # killed by the SIGINT itself (CPython does so when an interrupt once went unhandled inside C code, such as
+        # a pybind11 exec): a shell reports that as 130 too
+        code = 130 if proc.returncode == -signal.SIGINT else proc.returncode
+        return Outcome(code, first_line(err.read_text()), intact, f"stopped in {seconds:.2f} s")
 
     return run
+
+
+def _catches(pid: int, signum: int) -> bool:
+    """Whether process `pid` has a handler installed for `signum` (its SigCgt mask in /proc)."""
+    with contextlib.suppress(OSError):
+        for line in Path(f"/proc/{pid}/status").read_text().splitlines():
+            if line.startswith("SigCgt:"):
+                return bool(int(line.split()[1], 16) >> (signum - 1) & 1)
+    return False
 
 
 def printed_join_line(flags: list[str]) -> Callable[[Lab], Outcome]:
@@ -555,6 +577,8 @@ def cases() -> list[Case]:
              command(lambda lab: ["join", "--initial-peers", wrong_id(lab), "--run", "open-run"]), 1,
              lambda lab: _e(f"murmur join: error: could not reach the initial peer {wrong_id(lab)}: {reach}")),
         Case("Ctrl-C while a join imports", words, interrupted("importing"), 130,
+             lambda lab: _e("murmur join: interrupted")),
+        Case("Ctrl-C while a join starts torch's shm manager", words, interrupted("shm manager"), 130,
              lambda lab: _e("murmur join: interrupted")),
         Case("Ctrl-C once a join's DHT node is up", words, interrupted("node up"), 130,
              lambda lab: _e("murmur join: interrupted")),
