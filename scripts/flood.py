@@ -60,15 +60,36 @@ class FloodConfig:
     train: TrainConfig = field(default_factory=TrainConfig)
     startup_grace: float = 120.0
     stop_grace: float = 15.0
+    # the attackers on their own CPUs, as on their own machines: the honest side (the peers, the bootstrap node,
+    # this process) on the first half of this machine's CPUs in both phases, the attackers on the other half
+    pin: bool = False  # (off in the committed figures; tried on 2 CPUs: the ratio was 0.56, see docs/attack.md)
 
     @classmethod
     def of(cls, quick: bool) -> FloodConfig:
         return cls(peers=2, duration=30.0, announcements=200, quick=True) if quick else cls()
 
 
+def _cpu_split(config: FloodConfig) -> tuple[set[int], set[int]] | None:
+    """(the honest side's CPUs, the attackers'), or None where the machine has one CPU or pinning is off."""
+    cpus = sorted(os.sched_getaffinity(0))
+    if not config.pin or len(cpus) < 2:
+        return None
+    return set(cpus[: len(cpus) // 2]), set(cpus[len(cpus) // 2 :])
+
+
 def _phase(config: FloodConfig, name: str, out: Path, flood: bool) -> dict:
     shutil.rmtree(out, ignore_errors=True)
     out.mkdir(parents=True)
+    split, mine = _cpu_split(config), os.sched_getaffinity(0)
+    if split:
+        os.sched_setaffinity(0, split[0])  # what this process starts from now on inherits it
+    try:
+        return _measure(config, name, out, flood, split)
+    finally:
+        os.sched_setaffinity(0, mine)
+
+
+def _measure(config: FloodConfig, name: str, out: Path, flood: bool, split) -> dict:
     run_id = f"bench-{name}"
     boot, maddrs = start_bootstrap(run_id, config.train)
     procs, attackers = [], []
@@ -88,6 +109,8 @@ def _phase(config: FloodConfig, name: str, out: Path, flood: bool) -> dict:
                            "--connections", str(config.connections), "--announcements", str(config.announcements),
                            "--fake-host", config.fake_host, "--stats", str(out / f"attacker-{part}.json")]  # fmt: skip
                 attackers.append(launch(command, out / f"attacker-{part}.log"))
+                if split:  # before it forks its DHT worker and p2pd, which inherit it
+                    os.sched_setaffinity(attackers[-1].pid, split[1])
             ready = [out / "attacker-streams.json", out / "attacker-announcements.json"]
             wait_for(lambda: all(f.exists() for f in ready) or any(a.poll() is not None for a in attackers), 120)
             if any(a.poll() is not None for a in attackers):
@@ -96,7 +119,7 @@ def _phase(config: FloodConfig, name: str, out: Path, flood: bool) -> dict:
         pids = [p.pid for p in procs]
         meter.sample(pids)
         attack_meter.sample([a.pid for a in attackers])
-        cpu0, attack_cpu0 = meter.total(), attack_meter.total()
+        cpu0, attack_cpu0, roles0 = meter.total(), attack_meter.total(), meter.by_role()
         start = time.time()
         crashed = []
         while time.time() < start + config.duration:
@@ -108,6 +131,7 @@ def _phase(config: FloodConfig, name: str, out: Path, flood: bool) -> dict:
             time.sleep(1.0)
         end = time.time()
         cpu, attack_cpu = meter.total() - cpu0, attack_meter.total() - attack_cpu0
+        roles = {role: round(seconds - roles0.get(role, 0.0), 1) for role, seconds in meter.by_role().items()}
         stop_processes(procs, config.stop_grace)
         crashed += [i for i, p in enumerate(procs) if p.returncode not in (0, None) and i not in crashed]
     finally:
@@ -132,8 +156,10 @@ def _phase(config: FloodConfig, name: str, out: Path, flood: bool) -> dict:
         "peak_rss_mb": [round(meter.peak.get(pid, 0.0), 1) for pid in pids],
         "crashed": [f"peer{i}" for i in crashed],
         "honest_cpu_seconds": round(cpu, 1),  # the peers' process trees, over the window
+        "honest_cpu_seconds_by_process": roles,
         "samples_per_honest_cpu_second": round(rounds * train.batch_size * train.inner_steps / max(cpu, 1e-9), 2),
-        "attacker_cpu_seconds": round(attack_cpu, 1),  # on the same 2 cores: taken from the honest peers
+        "attacker_cpu_seconds": round(attack_cpu, 1),  # on its own CPUs when pinned, else taken from the honest
+        "cpus": {"honest": sorted(split[0]), "attackers": sorted(split[1])} if split else "shared",
     }
     if flood:
         row["attacker"] = {}

@@ -92,7 +92,7 @@ def test_peers_outlive_the_bootstrap_node_and_a_newcomer_joins_through_a_peer():
         newcomer = Running(run, [listed[0]], seed=3)  # needs the run config, which only the peers still hold
         peers.append(newcomer)
         assert newcomer.peer.trainer.outer.step > 0  # it started from a live peer's state
-        wait_for(lambda: newcomer.ok >= 1, 90, "the newcomer's first exchange")
+        wait_for(lambda: newcomer.ok >= 1, 180, "the newcomer's first exchange")
     finally:
         for p in peers:
             p.close()

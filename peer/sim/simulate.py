@@ -135,11 +135,13 @@ class TreeMeter:
     Sampled by the caller (once a second, say), keeping the last CPU reading per process: a killed
     process's CPU up to its last sample still counts (a victim is sampled just before its kill; one that
     exits by itself loses at most its last second). `peak[pid]` is the largest RSS (MiB) seen of the tree
-    under root `pid`.
+    under root `pid`. `by_role()` splits the CPU among the roots ("peer"), their python children ("dht worker")
+    and the rest by name ("p2pd").
     """
 
     def __init__(self) -> None:
         self.seen: dict[tuple[int, float], float] = {}  # (pid, create time): user + system seconds
+        self.role: dict[tuple[int, float], str] = {}
         self.peak: dict[int, float] = {}  # root pid -> MiB
 
     def sample(self, pids: list[int]) -> None:
@@ -153,15 +155,24 @@ class TreeMeter:
             for proc in tree:
                 try:
                     with proc.oneshot():
-                        times = proc.cpu_times()
-                        self.seen[(proc.pid, proc.create_time())] = times.user + times.system
+                        times, key = proc.cpu_times(), (proc.pid, proc.create_time())
+                        self.seen[key] = times.user + times.system
                         rss += proc.memory_info().rss
+                        if key not in self.role:
+                            name = proc.name()
+                            self.role[key] = "peer" if proc is root else "dht worker" if "python" in name else name
                 except psutil.Error:
                     continue
             self.peak[pid] = max(self.peak.get(pid, 0.0), rss / 2**20)
 
     def total(self) -> float:
         return sum(self.seen.values())
+
+    def by_role(self) -> dict[str, float]:
+        roles: dict[str, float] = {}
+        for key, seconds in self.seen.items():
+            roles[self.role.get(key, "?")] = roles.get(self.role.get(key, "?"), 0.0) + seconds
+        return roles
 
 
 def group_leaders_below(pid: int) -> list[int]:
