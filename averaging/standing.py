@@ -17,7 +17,10 @@ engine's memory of each peer it has seen (pure: the caller passes the time; no I
 
 Every table is bounded (`max_peers` entries, oldest dropped first), so a flood of fresh ids cannot grow
 memory. A peer with no trusted peer at an appointment (a newcomer: everybody is new to it) plans among the
-peers not barred, as before, since the alternative is a lonely round.
+peers it may retry (`retryable`), since the alternative is a lonely round: those not barred, and barred ones
+whose last fault (of their own, or of their host's) is `retry_rounds` rounds old, doubling with each fault
+beyond the bar. Without that, two honest peers that missed each other once before either was proven would
+bar each other for `memory` seconds, and a two-peer swarm would not average for five minutes.
 """
 
 from __future__ import annotations
@@ -38,33 +41,43 @@ class StandingConfig:
     faults_proven: int = 3  # ...and one we exchanged with
     address_faults: int = 8  # faults within memory, from the ids a host announces, that bar its unproven ids
     max_peers: int = 4096  # bound on every table
+    retry_rounds: float = 2.0  # a peer that trusts nobody retries a barred one after this many rounds (doubling)
 
     def __post_init__(self) -> None:
-        if self.probation < 0 or self.memory <= 0 or self.max_peers < 1:
-            raise ValueError("standing needs probation >= 0, memory > 0 and max_peers >= 1")
+        if self.probation < 0 or self.memory <= 0 or self.max_peers < 1 or self.retry_rounds < 0:
+            raise ValueError("standing needs probation >= 0, memory > 0, max_peers >= 1 and retry_rounds >= 0")
         if min(self.faults_unproven, self.faults_proven, self.address_faults) < 1:
             raise ValueError("fault limits must be at least 1")
 
 
 class _Bounded(Generic[K]):
-    """Insertion-ordered times per key, at most `size` keys (the least recently touched dropped first)."""
+    """Insertion-ordered (time, by) entries per key, at most `size` keys (the least recently touched dropped
+    first). `by` names whom an entry is charged to, so that it can be forgiven (`forgive`)."""
 
     def __init__(self, size: int) -> None:
         self.size = size
-        self.items: collections.OrderedDict[K, list[float]] = collections.OrderedDict()
+        self.items: collections.OrderedDict[K, list[tuple[float, str | None]]] = collections.OrderedDict()
 
-    def add(self, key: K, now: float, memory: float) -> int:
-        times = [t for t in self.items.pop(key, []) if now - t < memory] + [now]
-        self.items[key] = times
+    def add(self, key: K, now: float, memory: float, by: str | None = None) -> int:
+        entries = [e for e in self.items.pop(key, []) if now - e[0] < memory] + [(now, by)]
+        self.items[key] = entries
         while len(self.items) > self.size:
             self.items.popitem(last=False)
-        return len(times)
+        return len(entries)
 
     def count(self, key: K, now: float, memory: float) -> int:
-        return sum(now - t < memory for t in self.items.get(key, ()))
+        return len(self.recent(key, now, memory))
+
+    def recent(self, key: K, now: float, memory: float) -> list[float]:
+        return [t for t, _ in self.items.get(key, ()) if now - t < memory]
 
     def pop(self, key: K) -> None:
         self.items.pop(key, None)
+
+    def forgive(self, key: K, by: str) -> None:
+        """Drop the entries of `key` charged to `by`."""
+        if key in self.items:
+            self.items[key] = [e for e in self.items[key] if e[1] != by]
 
 
 class Standing:
@@ -85,12 +98,16 @@ class Standing:
             if peer not in self._first and len(self._first) < self.config.max_peers:
                 self._first[peer] = now
 
-    def exchanged(self, now: float, peers: Iterable[str]) -> None:
-        """`peers` completed an exchange with us: proven, and their faults forgiven."""
+    def exchanged(self, now: float, peers: Iterable[str], addresses: dict[str, str | None] | None = None) -> None:
+        """`peers` completed an exchange with us: proven, and their faults forgiven, those they ran up against
+        their host's address too (`addresses`: where each announced itself), so that an honest host's early
+        misses do not bar the next newcomer on it."""
         for peer in peers:
             self._proven.pop(peer, None)
             self._proven[peer] = now
             self._faults.pop(peer)
+            if address := (addresses or {}).get(peer):
+                self._address_faults.forgive(address, peer)
         while len(self._proven) > self.config.max_peers:
             self._proven.popitem(last=False)
 
@@ -98,7 +115,7 @@ class Standing:
         """`peer` (announcing `address`) declined, refused, could not be reached, or did not come."""
         self._faults.add(peer, now, self.config.memory)
         if address is not None and not self.proven(now, peer):
-            self._address_faults.add(address, now, self.config.memory)
+            self._address_faults.add(address, now, self.config.memory, by=peer)
 
     def shun(self, now: float, peer: str) -> None:
         """`peer` is on our cool-down (it sent bad messages): barred from our plans at once, proven or not."""
@@ -120,6 +137,22 @@ class Standing:
             and address is not None
             and self._address_faults.count(address, now, c.memory) >= c.address_faults
         )
+
+    def retryable(self, now: float, peer: str, address: str | None, round_seconds: float) -> bool:
+        """For a peer that trusts nobody: not barred, or barred with its last fault (its own, or its host's
+        when that is what bars it) `retry_rounds` rounds old, doubling with each fault beyond the bar."""
+        c = self.config
+
+        def waited(times: list[float], bar: int) -> bool:
+            if len(times) < bar:
+                return True
+            return now - max(times) >= c.retry_rounds * round_seconds * 2 ** (len(times) - bar) - 1e-9
+
+        proven = self.proven(now, peer)
+        own = waited(self._faults.recent(peer, now, c.memory), c.faults_proven if proven else c.faults_unproven)
+        if proven or address is None:
+            return own
+        return own and waited(self._address_faults.recent(address, now, c.memory), c.address_faults)
 
     def trusted(self, now: float, peer: str, address: str | None, round_seconds: float) -> bool:
         """Plannable: not barred, and proven or past its probation."""

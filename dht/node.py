@@ -14,6 +14,7 @@ its ``p2pd`` and itself.
 
 from __future__ import annotations
 
+import functools
 import ipaddress
 import logging
 import math
@@ -39,7 +40,6 @@ _SOCKET_FLAG = "-listen=/unix"  # p2pd's control socket; hivemind names the clie
 _ORPHAN_POLL = 0.25  # seconds between a DHT worker's looks at its parent
 _forking_worker_of: int | None = None  # the pid that is forking a DHT worker right now (see _guard_worker)
 _guard_registered = False
-_shm_manager_started = False
 
 
 def _not_shutdown_noise(record: logging.LogRecord) -> bool:
@@ -158,6 +158,7 @@ def _start(config: NodeConfig, validators: list) -> hivemind.DHT:
     return dht
 
 
+@functools.cache  # once it has returned: a failed start is tried again by the next node
 def _start_shm_manager() -> None:
     """Start torch's shared-memory manager (which hivemind's futures use) with SIGINT and SIGTERM restarting
     system calls (SA_RESTART) rather than interrupting them.
@@ -167,9 +168,6 @@ def _start_shm_manager() -> None:
     startup watcher (`murmur.peer.cli`) can run. With SA_RESTART the kernel resumes the read, and the handler
     runs as soon as the manager is up. Once up, the manager serves the whole process. (Blocking the signals
     instead would leave them blocked in the manager, which inherits the mask through exec.)"""
-    global _shm_manager_started
-    if _shm_manager_started:
-        return
     signums = (signal.SIGINT, signal.SIGTERM)
     for signum in signums:
         signal.siginterrupt(signum, False)
@@ -177,7 +175,6 @@ def _start_shm_manager() -> None:
         import torch
 
         torch.empty(1).share_memory_()
-        _shm_manager_started = True
     finally:
         for signum in signums:
             signal.siginterrupt(signum, True)

@@ -165,7 +165,7 @@ class RoundEngine:
     def gather(self, now: float, roster: Iterable[Seen]) -> Plan:
         """At the appointment: the group planned among the peers expected there (same state, same key) whose
         announcements this peer trusts (`averaging.standing`: proven, or past their probation, and not barred);
-        among all that are not barred when it trusts none of them (a newcomer)."""
+        among those it may retry when it trusts none of them (a newcomer, or a peer whose partners all missed)."""
         self._observe(now, roster)
         if self.appointment is None:  # no step taken: gather at once, alone
             self.appointment = Appointment(seconds=max(now, 1e-3), slot=1)
@@ -175,7 +175,7 @@ class RoundEngine:
         seen = [s for s in self._roster if s.appointment == key and self._same_kind(s) and s.peer != self.peer]
         standing = self.standing
         trusted = [s for s in seen if standing.trusted(now, s.peer, s.address, self.appointment.seconds)]
-        seen = trusted or [s for s in seen if not standing.barred(now, s.peer, s.address)]
+        seen = trusted or [s for s in seen if standing.retryable(now, s.peer, s.address, self.appointment.seconds)]
         clients = {s.peer for s in seen if s.client} | ({self.peer} if self.client else set())
         group = group_of(self.appointment, self.peer, [s.peer for s in seen], self.config.schedule.group_size)
         group.sort(key=lambda p: p in clients)  # client-mode peers last: they cannot lead
@@ -193,8 +193,8 @@ class RoundEngine:
         be reached or never came (faults, counted against their ids and announced hosts); `shunned` the planned
         peers on the averager's cool-down (barred from the plans at once)."""
         partners, missed, shunned = tuple(partners), tuple(missed), tuple(shunned)
-        self.standing.exchanged(now, partners)
         addresses = {s.peer: s.address for s in self._roster}
+        self.standing.exchanged(now, partners, addresses)
         for peer in missed:
             self.standing.fault(now, peer, addresses.get(peer))
         for peer in shunned:

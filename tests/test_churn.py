@@ -20,6 +20,7 @@ from murmur.peer.anchorfile import ANCHOR, read_anchor
 from murmur.peer.config import TrainConfig
 from murmur.peer.metrics import read_metrics
 from murmur.peer.runner import PeerOptions, VolunteerPeer
+from tests.test_rounds import story
 from tests.test_swarm import tagged_processes
 
 pytestmark = pytest.mark.slow
@@ -29,10 +30,11 @@ BOOT_CONFIG_TTL = 8.0
 EXCHANGE = GroupConfig(exchange_timeout=4.0, message_timeout=2.0)
 
 
-def wait_for(condition, timeout: float, what: str) -> None:
+def wait_for(condition, timeout: float, what: str, peers: "list[Running]" = ()) -> None:
+    """Poll `condition`; on a timeout, the message tells each of `peers`' rounds (`tests.test_rounds.story`)."""
     deadline = time.monotonic() + timeout
     while not condition():
-        assert time.monotonic() < deadline, f"timed out waiting for {what}"
+        assert time.monotonic() < deadline, f"timed out waiting for {what}: " + "; ".join(story(p.peer) for p in peers)
         time.sleep(0.1)
 
 
@@ -49,7 +51,10 @@ class Running:
 
     def __init__(self, run: str, initial_peers: list[str], seed: int) -> None:
         node = NodeConfig(initial_peers=tuple(initial_peers), run_id=run)  # signs its records, as `murmur join` does
-        options = PeerOptions(run_id=run, node=node, exchange=EXCHANGE, data_seed=seed, eval_every=1000)
+        # trace_rounds: a wait that times out tells the rounds
+        options = PeerOptions(
+            run_id=run, node=node, exchange=EXCHANGE, data_seed=seed, eval_every=1000, trace_rounds=True
+        )
         self.peer = VolunteerPeer.create(options)
         self.stop = threading.Event()
         self.thread = threading.Thread(target=self.peer.run, args=(self.stop,), daemon=True)
@@ -76,11 +81,12 @@ def test_peers_outlive_the_bootstrap_node_and_a_newcomer_joins_through_a_peer():
         )
         expired = time.monotonic() + BOOT_CONFIG_TTL + 1
         peers += [Running(run, visible_addresses(boot), seed) for seed in (1, 2)]
-        wait_for(lambda: all(p.ok >= 1 for p in peers), 90, "a first exchange")
+        wait_for(lambda: all(p.ok >= 1 for p in peers), 90, "a first exchange", peers)
         line = peers[0].peer.join_line()
         kill_node(boot)
         before = [p.ok for p in peers]
-        wait_for(lambda: all(p.ok >= b + 2 for p, b in zip(peers, before, strict=True)), 90, "exchanges without boot")
+        more = lambda: all(p.ok >= b + 2 for p, b in zip(peers, before, strict=True))  # noqa: E731
+        wait_for(more, 90, "exchanges without boot", peers)
         # the line lists the peer's own address and the other live peer's, not the dead bootstrap's
         argv = line.split()
         assert argv[:3] == ["murmur", "join", "--initial-peers"]
@@ -92,7 +98,7 @@ def test_peers_outlive_the_bootstrap_node_and_a_newcomer_joins_through_a_peer():
         newcomer = Running(run, [listed[0]], seed=3)  # needs the run config, which only the peers still hold
         peers.append(newcomer)
         assert newcomer.peer.trainer.outer.step > 0  # it started from a live peer's state
-        wait_for(lambda: newcomer.ok >= 1, 180, "the newcomer's first exchange")
+        wait_for(lambda: newcomer.ok >= 1, 90, "the newcomer's first exchange", peers)
     finally:
         for p in peers:
             p.close()

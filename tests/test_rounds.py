@@ -32,6 +32,16 @@ from murmur.peer.sim.virtual import Scenario, _trainers
 CONFIG = RoundConfig(inner_steps=10, solo_after=3, finish_rounds=2, shortest_round=0.0)
 
 
+def story(peer: VolunteerPeer) -> str:
+    """A real peer's rounds in one line, for a failing test's message: per round, when it ended (seconds since
+    its first), its group's size and whom it planned in vain; then its averager's counters."""
+    ended = [e for e in peer.engine.trace or () if e[0] == "ended"]
+    t0 = ended[0][1] if ended else 0.0
+    rounds = " ".join(f"{e[1] - t0:.1f}s:{e[2]}{'/missed ' + ','.join(m[-6:] for m in e[6]) if e[6] else ''}"
+                      for e in ended)  # fmt: skip
+    return f"{peer.peer_id[-6:]} [{rounds}] {peer.averager.stats}"
+
+
 def seen(peer, key=None, step=0.1, state="training", exchange=None, client=False):
     return Seen(peer, state, key, step, exchange, client)
 
@@ -218,7 +228,7 @@ def test_real_loopback_peers_run_the_same_engine_and_their_traces_replay():
         finally:
             for peer in peers:
                 peer.close()
-    assert all(r is not None and r.exchanges_ok >= 2 for r in reports)
+    assert all(r is not None and r.exchanges_ok >= 2 for r in reports), "; ".join(map(story, peers))
     for peer in peers:
         trace = peer.engine.trace
         assert sum(1 for e in trace if e[0] == "ended" and e[3] == Step.GROUP) >= 2

@@ -2,6 +2,7 @@
 real group exchange)."""
 
 import asyncio
+import dataclasses
 
 import pytest
 
@@ -56,6 +57,22 @@ def test_a_host_whose_ids_keep_failing_has_its_unproven_ids_barred_but_not_its_p
     assert s.barred(20.0, fresh, "198.51.100.7") and not s.trusted(20.0, fresh, "198.51.100.7", R)
     assert s.trusted(20.0, fresh, "203.0.113.9", R)  # another host
     assert s.trusted(20.0, "honest-nat-neighbour", "198.51.100.7", R)
+
+
+def test_a_host_faults_its_ids_ran_up_before_proving_themselves_are_forgiven():
+    """Honest peers sharing an address (one machine, one NAT) miss each other before their first exchange: once
+    they prove themselves, those misses no longer bar the next newcomer on that address. Unproven ids' stay."""
+    s = Standing(CONFIG)
+    early = [f"honest{i}" for i in range(4)]
+    s.observe(0.0, [*early, "sybil", "newcomer"])
+    for peer in early:
+        s.fault(10.0, peer, "127.0.0.1")
+    assert s.barred(20.0, "newcomer", "127.0.0.1")
+    s.exchanged(20.0, early[:3], {p: "127.0.0.1" for p in early})
+    assert s.trusted(20.0, "newcomer", "127.0.0.1", R)
+    for _ in range(3):
+        s.fault(21.0, "sybil", "127.0.0.1")  # an id that never proves itself: its faults still count
+    assert s.barred(21.0, "newcomer", "127.0.0.1")
 
 
 def test_memory_stays_bounded_under_a_flood_of_fresh_ids():
@@ -128,3 +145,42 @@ def test_a_peer_on_cool_down_is_barred_from_the_plans_at_once_even_if_proven():
     assert s.trusted(11.0, "bad", None, R)
     s.shun(11.0, "bad")
     assert s.barred(11.0, "bad") and not s.trusted(11.0, "bad", None, R)
+
+
+def test_a_peer_that_trusts_nobody_retries_a_barred_one_after_a_backoff_that_doubles():
+    s = Standing(dataclasses.replace(CONFIG, memory=600.0))
+    s.observe(0.0, ["stranger"])
+    s.fault(10.0, "stranger", "198.51.100.7")
+    assert s.barred(10.0, "stranger") and not s.retryable(10.0 + 2 * R - 0.1, "stranger", None, R)
+    assert s.retryable(10.0 + 2 * R, "stranger", "198.51.100.7", R)  # two rounds after its fault...
+    s.fault(30.0, "stranger", "198.51.100.7")
+    assert not s.retryable(30.0 + 4 * R - 0.1, "stranger", None, R) and s.retryable(30.0 + 4 * R, "stranger", None, R)
+    for i in range(4):  # ...and its host's faults (six now, the bar at four) back off the same way
+        s.fault(40.0, f"sybil{i}", "198.51.100.7")
+    assert not s.retryable(40.0 + 8 * R - 0.1, "fresh", "198.51.100.7", R) and s.retryable(41.0, "fresh", None, R)
+    assert s.retryable(40.0 + 8 * R, "fresh", "198.51.100.7", R)
+
+
+def test_two_new_peers_that_missed_each_other_meet_again_rounds_later_not_after_the_memory():
+    """Both unproven, each one fault from the other (one missed the other's group at their first appointment):
+    barred for the memory's 300 s, they would never average; a peer that trusts nobody retries them instead.
+    A peer with trusted partners does not retry the barred (a flood of ids that never come stays out)."""
+    config = RoundConfig(inner_steps=10, round_seconds=R, shortest_round=0.0, standing=CONFIG)
+    a, b = RoundEngine("a", config), RoundEngine("b", config)
+    first = a.begin(0.0, [_seen("b", None)])
+    b.begin(0.0, [_seen("a", None)])
+    for engine, other in ((a, "b"), (b, "a")):
+        engine.gather(first.at, [_seen(other, first.key, "127.0.0.1")])
+        engine.ended(first.at + 1, None, missed=[other])
+    plans = []
+    for _ in range(3):
+        nxt = a.begin(a.appointment.at + 1, [_seen("b", None, "127.0.0.1")])
+        plans.append(set(a.gather(nxt.at, [_seen("b", nxt.key, "127.0.0.1")]).candidates))
+        a.ended(nxt.at + 0.5, None)
+    assert plans[0] == {"a"} and "b" in set().union(*plans[1:])
+    friend = RoundEngine("c", config)
+    friend.begin(0.0, [_seen("b", None), _seen("d", None)])
+    friend.ended(5.0, 2, partners=["d"], missed=["b"])
+    later = friend.begin(5.0 + 5 * R, [_seen("b", None), _seen("d", None)])
+    plan = friend.gather(later.at, [_seen("b", later.key), _seen("d", later.key)])
+    assert set(plan.candidates + plan.planned) == {"c", "d"}

@@ -10,6 +10,7 @@ goes to the next free `RUN-2`, `RUN-3` ... (`peer.rundir.fresh_folder`), and say
 
 from __future__ import annotations
 
+import collections
 import contextlib
 import dataclasses
 import math
@@ -156,11 +157,11 @@ class TreeMeter:
                 try:
                     with proc.oneshot():
                         times, key = proc.cpu_times(), (proc.pid, proc.create_time())
-                        self.seen[key] = times.user + times.system
-                        rss += proc.memory_info().rss
                         if key not in self.role:
                             name = proc.name()
                             self.role[key] = "peer" if proc is root else "dht worker" if "python" in name else name
+                        self.seen[key] = times.user + times.system
+                        rss += proc.memory_info().rss
                 except psutil.Error:
                     continue
             self.peak[pid] = max(self.peak.get(pid, 0.0), rss / 2**20)
@@ -169,10 +170,10 @@ class TreeMeter:
         return sum(self.seen.values())
 
     def by_role(self) -> dict[str, float]:
-        roles: dict[str, float] = {}
-        for key, seconds in self.seen.items():
-            roles[self.role.get(key, "?")] = roles.get(self.role.get(key, "?"), 0.0) + seconds
-        return roles
+        roles: dict[str, float] = collections.defaultdict(float)
+        for key, seconds in self.seen.items():  # every key of `seen` has its role: it is set first
+            roles[self.role[key]] += seconds
+        return dict(roles)
 
 
 def group_leaders_below(pid: int) -> list[int]:
