@@ -330,17 +330,37 @@ class ErrorFeedback:
         """tensor + the residual kept for `name` (a new tensor)."""
         return self.add_residual_(name, tensor.clone())
 
-    def add_residual_(self, name: str, tensor: torch.Tensor) -> torch.Tensor:
-        """Add the residual kept for `name` to `tensor`, in place; returns it."""
+    def add_residual_(self, name: str, tensor: torch.Tensor, rows: slice | None = None) -> torch.Tensor:
+        """Add the residual kept for `name` (its `rows` only, if given) to `tensor`, in place; returns it."""
         residual = self.residuals.get(name)
-        return tensor if residual is None else tensor.add_(residual.to(tensor.device))
+        if residual is None:
+            return tensor
+        return tensor.add_((residual if rows is None else residual[rows]).to(tensor.device))
 
-    def keep(self, name: str, residual: torch.Tensor | None, *, owned: bool = False) -> None:
-        """Keep `residual` for `name` (None: forget it); a copy, unless the caller hands it over (`owned`)."""
+    def keep(self, name: str, residual: torch.Tensor | None, *, owned: bool = False, rows: slice | None = None,
+             shape: tuple[int, ...] | torch.Size | None = None) -> None:  # fmt: skip
+        """Keep `residual` for `name` (None: forget it); with `rows`, it is those rows of a residual of `shape`
+        (the other rows stay, zeros at first). A residual already kept with that shape is written over in place:
+        long-lived memory stays where it is, round after round, and the round's temporaries come and go around
+        it (a new tensor each round would leave the allocator's heap in holes). Else a copy is kept, or the
+        tensor itself if the caller hands it over (`owned`)."""
         if residual is None:
             self.residuals.pop(name, None)
-        else:
+            return
+        full = tuple(residual.shape) if rows is None else tuple(shape)
+        whole = self.residuals.get(name)
+        if whole is not None and tuple(whole.shape) == full and whole.dtype == residual.dtype:
+            (whole if rows is None else whole[rows]).copy_(residual)
+        elif rows is None:
             self.residuals[name] = residual.detach() if owned else residual.detach().clone()
+        else:
+            whole = self.residuals[name] = residual.new_zeros(full)
+            whole[rows] = residual.detach()
+
+    def reset(self, name: str) -> None:
+        """The residual of `name` is spent (the peer stepped alone with it): zeros, in place if one is kept."""
+        if (whole := self.residuals.get(name)) is not None:
+            whole.zero_()
 
     def norm(self) -> float:
         return math.sqrt(sum(float(r.float().pow(2).sum()) for r in self.residuals.values()))

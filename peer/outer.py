@@ -27,6 +27,8 @@ paired by its difference, and no inner steps), so that the peers' final models a
 
 from __future__ import annotations
 
+import itertools
+import math
 import threading
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass
@@ -48,13 +50,50 @@ class OuterConfig:
     momentum: float = 0.9
     consensus: bool = True  # pull anchors and momenta together in every exchange
     error_feedback: bool = True
+    block_elements: int = 2**22  # a larger parameter is offered as row blocks of at most about this many (16 MiB)
 
     def __post_init__(self) -> None:
         if not self.lr > 0 or not 0 <= self.momentum < 1:
             raise ValueError(f"outer lr must be > 0 and momentum in [0, 1), got {self.lr} and {self.momentum}")
+        if self.block_elements < 1:
+            raise ValueError(f"block_elements must be at least 1, got {self.block_elements}")
 
 
-def offer_layout(model: nn.Module, config: OuterConfig) -> tuple[dict[str, tuple[int, ...]], dict[str, Mode]]:
+def row_blocks(shape: tuple[int, ...], limit: int) -> list[slice | None]:
+    """How one parameter is offered: whole (`[None]`), or, with 2+ dims and more than `limit` elements, as
+    near-equal runs of whole rows, each of at most `limit` elements (or `2 * MIN_BLOCK_ROWS` rows, if that is
+    more) and at least `MIN_BLOCK_ROWS` rows. The
+    codecs code each row on its own (one scale per row, the tensor viewed as (shape[0], rest)), and a block of
+    that many rows keeps the whole tensor's codec, so a block's codes are exactly its rows' share of the whole
+    tensor's: what changes is only that no step of an exchange holds more than a block."""
+    rows = shape[0] if shape else 0
+    if len(shape) < 2 or math.prod(shape) <= limit or rows < 2 * MIN_BLOCK_ROWS:
+        return [None]
+    count = math.ceil(rows / max(2 * MIN_BLOCK_ROWS, limit // math.prod(shape[1:])))
+    bounds = [rows * i // count for i in range(count + 1)]  # runs of ⌊rows/count⌋ or one more
+    return [slice(start, stop) for start, stop in itertools.pairwise(bounds)]
+
+
+MIN_BLOCK_ROWS = 8  # fewer rows could make a block "tiny" and dense (`averaging.compression.plan`)
+
+
+def pieces(model: nn.Module, config: OuterConfig) -> list[tuple[str, str, slice | None, tuple[int, ...]]]:
+    """What an offer is made of, in order: (piece name, parameter name, rows or None for the whole, shape).
+    A piece of a parameter split by `row_blocks` is named NAME@FIRST_ROW."""
+    out = []
+    for name, p in model.named_parameters():
+        for rows in row_blocks(tuple(p.shape), config.block_elements):
+            if rows is None:
+                out.append((name, name, None, tuple(p.shape)))
+            else:
+                out.append((f"{name}@{rows.start}", name, rows, (rows.stop - rows.start, *p.shape[1:])))
+    return out
+
+
+Layout = tuple[dict[str, tuple[int, ...]], dict[str, Mode]]  # names to shapes, names to pairing modes
+
+
+def offer_layout(model: nn.Module, config: OuterConfig) -> Layout:
     """Names, shapes and pairing modes of every tensor a round offers."""
     shapes: dict[str, tuple[int, ...]] = {}
     modes: dict[str, Mode] = {}
@@ -63,17 +102,27 @@ def offer_layout(model: nn.Module, config: OuterConfig) -> tuple[dict[str, tuple
         groups.append(("anchor", "diff"))
         if config.momentum > 0:  # with no momentum, m is just this round's d: nothing to agree on
             groups.append(("momentum", "diff"))
-    for name, p in model.named_parameters():
+    for piece, _, _, shape in pieces(model, config):
         for group, mode in groups:
-            shapes[f"{group}/{name}"] = tuple(p.shape)
-            modes[f"{group}/{name}"] = mode
+            shapes[f"{group}/{piece}"] = shape
+            modes[f"{group}/{piece}"] = mode
     return shapes, modes
 
 
-def finish_layout(model: nn.Module) -> tuple[dict[str, tuple[int, ...]], dict[str, Mode]]:
+def finish_layout(model: nn.Module, config: OuterConfig = OuterConfig()) -> Layout:
     """Names, shapes and pairing modes of a finish round's offer: the anchors only."""
-    shapes = {f"anchor/{name}": tuple(p.shape) for name, p in model.named_parameters()}
+    shapes = {f"anchor/{piece}": shape for piece, _, _, shape in pieces(model, config)}
     return shapes, dict.fromkeys(shapes, "diff")
+
+
+def _fp16_if_in_range(tensor: torch.Tensor) -> torch.Tensor:
+    """`tensor` in fp16 if every value stays finite in it, else in fp32."""
+    half = tensor.to(torch.float16)
+    return half if bool(torch.isfinite(half).all()) else tensor.clone()
+
+
+def _rows(tensor: torch.Tensor, rows: slice | None) -> torch.Tensor:
+    return tensor if rows is None else tensor[rows]
 
 
 class OuterOptimizer:
@@ -83,11 +132,15 @@ class OuterOptimizer:
         self.params = dict(model.named_parameters())
         self.anchor = {n: p.detach().clone().float() for n, p in self.params.items()}
         # the run's initial model, the same on every peer: anchors are offered relative to it, which changes
-        # nothing for their difference but lets a quantized anchor spend its precision on what training moved
-        self.origin = {n: a.clone() for n, a in self.anchor.items()}
+        # nothing for their difference but lets a quantized anchor spend its precision on what training moved.
+        # Kept in fp16 (half a copy; fp32 for a tensor out of fp16's range): every peer rounds it the same way,
+        # and what the rounding leaves in an offered anchor (under 2^-11 of each weight) is far below an int8
+        # code's step (1/127 of a row's largest move)
+        self.origin = {n: _fp16_if_in_range(a) for n, a in self.anchor.items()}
         # the outer momentum, only with momentum > 0 (with none, m is just this round's d: nothing to keep)
         self.momentum = {n: torch.zeros_like(a) for n, a in self.anchor.items()} if config.momentum > 0 else {}
         self.error_feedback = ErrorFeedback()
+        self.pieces = [(piece, name, rows) for piece, name, rows, _ in pieces(model, config)]
         self.shapes, self.modes = offer_layout(model, config)
         self.step = 0  # outer steps taken
         # held while the anchor and momentum change, so that another thread (a state donor's) copies them whole
@@ -98,22 +151,26 @@ class OuterOptimizer:
         the model. It stands for the state at the time of reading, so the model, anchor and residual must not
         change between the offer and its `apply` (the round's exchange runs between the two)."""
         makers: dict[str, Callable[[], torch.Tensor]] = {}
-        for name, p in self.params.items():
-            makers[f"delta/{name}"] = partial(self._delta, name, p)
-            if f"anchor/{name}" in self.modes:
-                makers[f"anchor/{name}"] = partial(self._relative_anchor, name)
-            if f"momentum/{name}" in self.modes:
-                makers[f"momentum/{name}"] = partial(self.momentum.__getitem__, name)
+        for piece, name, rows in self.pieces:
+            makers[f"delta/{piece}"] = partial(self._delta, name, rows)
+            if f"anchor/{piece}" in self.modes:
+                makers[f"anchor/{piece}"] = partial(self._relative_anchor, name, rows)
+            if f"momentum/{piece}" in self.modes:
+                makers[f"momentum/{piece}"] = partial(self._momentum, name, rows)
         return Offer(step=self.step, tensors=Lazy(makers), modes=dict(self.modes))
 
     @torch.no_grad()
-    def _delta(self, name: str, p: torch.Tensor) -> torch.Tensor:
-        """M = (φ − θ) + e for one parameter (a new tensor)."""
-        return self.error_feedback.add_residual_(name, self.anchor[name] - p.detach().float())
+    def _delta(self, name: str, rows: slice | None) -> torch.Tensor:
+        """M = (φ − θ) + e for one piece of a parameter (a new tensor)."""
+        own = _rows(self.anchor[name], rows) - _rows(self.params[name].detach(), rows).float()
+        return self.error_feedback.add_residual_(name, own, rows)
 
     @torch.no_grad()
-    def _relative_anchor(self, name: str) -> torch.Tensor:
-        return self.anchor[name] - self.origin[name]
+    def _relative_anchor(self, name: str, rows: slice | None = None) -> torch.Tensor:
+        return _rows(self.anchor[name], rows) - _rows(self.origin[name], rows)  # fp32 (an fp16 origin is promoted)
+
+    def _momentum(self, name: str, rows: slice | None) -> torch.Tensor:
+        return _rows(self.momentum[name], rows)
 
     @torch.no_grad()
     def apply(self, offer: Offer, result: GroupResult | None, *, alone: bool = False) -> bool:
@@ -126,26 +183,30 @@ class OuterOptimizer:
             if result is None and not alone:
                 return False
             mu, lr = self.config.momentum, self.config.lr
-            for name, p in self.params.items():
-                delta = offer.tensors[f"delta/{name}"]
+            for piece, name, rows in self.pieces:
+                delta = offer.tensors[f"delta/{piece}"]
                 if result is None:
                     d = delta
-                    self.error_feedback.keep(name, None)
+                    self.error_feedback.reset(name)  # e ← 0: in place (see ErrorFeedback.keep)
                 else:
-                    proj = result.projections[f"delta/{name}"]
+                    proj = result.projections[f"delta/{piece}"]
                     d = proj.mean
-                    residual = delta - proj.own if self.config.error_feedback else None  # a new tensor: kept as is
-                    self.error_feedback.keep(name, residual, owned=True)
+                    if self.config.error_feedback:
+                        residual = delta - proj.own  # a new tensor: handed over, or copied into the kept one
+                        self.error_feedback.keep(name, residual, owned=True, rows=rows, shape=self.anchor[name].shape)
+                    else:
+                        self.error_feedback.keep(name, None)
                     for group in ("anchor", "momentum"):
-                        if f"{group}/{name}" in offer.tensors:
-                            self._pull(group, name, result.projections[f"{group}/{name}"])
+                        if f"{group}/{piece}" in offer.tensors:
+                            self._pull(group, name, rows, result.projections[f"{group}/{piece}"])
+                anchor = _rows(self.anchor[name], rows)
                 if mu > 0:
-                    m = self.momentum[name]
+                    m = _rows(self.momentum[name], rows)
                     m.mul_(mu).add_(d)
-                    self.anchor[name] -= lr * (mu * m + d)
+                    anchor -= lr * (mu * m + d)
                 else:
-                    self.anchor[name].sub_(d, alpha=lr)
-                p.copy_(self.anchor[name])
+                    anchor.sub_(d, alpha=lr)
+                _rows(self.params[name], rows).copy_(anchor)
             self.step += 1
             return True
 
@@ -160,7 +221,7 @@ class OuterOptimizer:
     @torch.no_grad()
     def finish_offer(self) -> Offer:
         """A finish round's offer: each anchor relative to the run's initial model (see `finish_layout`)."""
-        tensors = Lazy({f"anchor/{n}": partial(self._relative_anchor, n) for n in self.params})
+        tensors = Lazy({f"anchor/{piece}": partial(self._relative_anchor, n, rows) for piece, n, rows in self.pieces})
         return Offer(step=self.step, tensors=tensors, modes=dict.fromkeys(tensors, "diff"))
 
     @torch.no_grad()
@@ -169,28 +230,35 @@ class OuterOptimizer:
         with self.lock:
             if result is None:
                 return False
-            for name, p in self.params.items():
-                self._pull("anchor", name, result.projections[f"anchor/{name}"])
-                p.copy_(self.anchor[name])
+            for piece, name, rows in self.pieces:
+                self._pull("anchor", name, rows, result.projections[f"anchor/{piece}"])
+                _rows(self.params[name], rows).copy_(_rows(self.anchor[name], rows))
             return True
 
     def held_bytes(self, exchange_copies: int = 6) -> int:
         """Bytes this optimizer will hold at most: its state (anchor, origin, momentum, and once it has
         exchanged, the error-feedback residual) and an exchange's working set, which goes tensor by tensor (an
-        offer's, the decoded contributions' and the projection's copies of the largest tensor)."""
+        offer's, the decoded contributions' and the projection's copies of the largest piece: `pieces`)."""
         sizes = [4 * a.numel() for a in self.anchor.values()]
-        copies = 2 + bool(self.momentum) + self.config.error_feedback  # anchor, origin, momentum, residual
-        return copies * sum(sizes) + exchange_copies * max(sizes, default=0)
+        largest = max((4 * math.prod(shape) for *_, shape in pieces(self.model, self.config)), default=0)
+        copies = 1 + bool(self.momentum) + self.config.error_feedback  # anchor, momentum, residual
+        origin = sum(o.numel() * o.element_size() for o in self.origin.values())
+        return copies * sum(sizes) + origin + exchange_copies * largest
 
-    def _pull(self, group: str, name: str, projection: Projection) -> None:
-        """Move a state to the round's agreement: exactly to its mean (adopt: the same bits on every member), or
-        by mean − own (its part in a shared subspace). Anchors are offered relative to the run's start."""
+    def _pull(self, group: str, name: str, rows: slice | None, projection: Projection) -> None:
+        """Move a state's piece to the round's agreement: exactly to its mean (adopt: the same bits on every
+        member), or by mean − own (its part in a shared subspace). Anchors are offered relative to the run's
+        start."""
         state = self.anchor if group == "anchor" else self.momentum
         if projection.adopt:
-            base = self.origin[name] if group == "anchor" else 0.0
-            state[name] = (base + projection.mean).to(state[name].dtype)
+            base = _rows(self.origin[name], rows).float() if group == "anchor" else 0.0
+            value = (base + projection.mean).to(state[name].dtype)
+            if rows is None:
+                state[name] = value
+            else:
+                state[name][rows] = value
         else:
-            state[name] += projection.mean - projection.own
+            _rows(state[name], rows).add_(projection.mean - projection.own)
 
     def state_dict(self) -> dict:
         return {

@@ -230,7 +230,7 @@ class VolunteerPeer:
         protocol name, so a training peer that joins a finishing one is declined (another layout), not lost."""
         p2p = await self.dht.replicate_p2p()
         config, outer = self.trainer.config, self.trainer.outer
-        shapes, modes = finish_layout(self.trainer.model) if finish else (outer.shapes, outer.modes)
+        shapes, modes = finish_layout(self.trainer.model, outer.config) if finish else (outer.shapes, outer.modes)
         averager = GroupAverager(
             P2PTransport(p2p, f"murmur/{self.options.run_id}/avg/{PROTOCOL_VERSION}"),
             LowRankCompressor(config.finish_compression() if finish else config.compression()),

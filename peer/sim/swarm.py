@@ -59,7 +59,8 @@ def virtual_averager(network: InMemoryNetwork, i: int, trainer: Trainer, config:
                      finish: bool = False) -> GroupAverager:  # fmt: skip
     """Peer `i`'s real averager on the in-memory network (peer id `p{i}`): the training layout, or with
     `finish` a finish round's (the anchors only, `peer.outer.finish_layout`), as a finishing real peer's."""
-    shapes, modes = finish_layout(trainer.model) if finish else (trainer.outer.shapes, trainer.outer.modes)
+    outer = trainer.outer
+    shapes, modes = finish_layout(trainer.model, outer.config) if finish else (outer.shapes, outer.modes)
     compression = config.finish_compression() if finish else config.compression()
     return GroupAverager(
         network.transport(f"p{i}", VIRTUAL_ADMISSION), LowRankCompressor(compression), shapes=shapes, modes=modes,

@@ -1,0 +1,149 @@
+"""The outer optimizer's pieces: a parameter larger than `OuterConfig.block_elements` is offered as row blocks,
+so that no step of an exchange holds more than a block of it, and the rounds come out the same bits."""
+
+import asyncio
+
+import pytest
+import torch
+from torch import nn
+
+from murmur.averaging.compression import ErrorFeedback, LowRankCompressor
+from murmur.averaging.group import GroupAverager
+from murmur.averaging.transport import InMemoryNetwork
+from murmur.peer.config import TrainConfig
+from murmur.peer.outer import MIN_BLOCK_ROWS, OuterConfig, OuterOptimizer, finish_layout, row_blocks
+from tests.groupkit import APPOINTMENT, FAST, plans
+
+BLOCK = 1024  # elements: Linear(64, 48)'s weight (48 × 64 = 3072) goes in 3 blocks of 16 rows; the rest whole
+
+
+def test_row_blocks_cover_every_row_once_within_the_limit():
+    assert row_blocks((48, 64), 10_000) == [None] and row_blocks((5000,), 10) == [None]  # small, or 1-D: whole
+    assert row_blocks((15, 1000), 10) == [None]  # too few rows to cut into blocks of 8
+    for shape, limit in [((48, 64), 1000), ((50257, 768), 2**22), ((100, 3), 1), ((40, 100), 250), ((97, 50), 400)]:
+        blocks = row_blocks(shape, limit)
+        assert [r for b in blocks for r in range(b.start, b.stop)] == list(range(shape[0]))
+        sizes = [b.stop - b.start for b in blocks]
+        assert all(n * shape[1] <= limit or n <= 2 * MIN_BLOCK_ROWS for n in sizes) and min(sizes) >= MIN_BLOCK_ROWS
+        assert max(sizes) - min(sizes) <= 1  # near-equal runs: no sliver at the end
+    assert [b.stop - b.start for b in row_blocks((50257, 768), 2**22)] == [5025, 5026, 5026] * 3 + [5026]
+
+
+def peers(block: int, momentum: float) -> list[OuterOptimizer]:
+    """Three peers on one initial model, their anchors apart (so that anchors travel) and a round trained."""
+    out = []
+    for seed in (1, 2, 3):
+        torch.manual_seed(0)
+        model = nn.Sequential(nn.Linear(64, 48), nn.Linear(48, 16))
+        opt = OuterOptimizer(model, OuterConfig(lr=0.7, momentum=momentum, block_elements=block))
+        g = torch.Generator().manual_seed(seed)
+        with torch.no_grad():
+            for name, p in opt.params.items():
+                opt.anchor[name] += 0.1 * torch.randn(p.shape, generator=g)
+                p.copy_(opt.anchor[name] + 0.05 * torch.randn(p.shape, generator=g))
+        out.append(opt)
+    return out
+
+
+def averagers(net: InMemoryNetwork, opts: list[OuterOptimizer], *, finish: bool = False) -> list[GroupAverager]:
+    config = TrainConfig()  # the run's default codecs: signs for the update, int8 for the anchors
+    out = []
+    for i, opt in enumerate(opts):
+        shapes, modes = finish_layout(opt.model, opt.config) if finish else (opt.shapes, opt.modes)
+        compression = config.finish_compression() if finish else config.compression()
+        out.append(GroupAverager(net.transport(f"P{i}"), LowRankCompressor(compression), shapes=shapes, modes=modes,
+                                 run_id="r", config=FAST, seed=i))  # fmt: skip
+    return out
+
+
+def rounds(opts: list[OuterOptimizer]) -> list[int]:
+    """Two training rounds (the second starts from the first's residuals and pulled anchors) and a finish round,
+    every peer in one group; the bytes the first member sent in each."""
+
+    async def main():
+        net = InMemoryNetwork()
+        sent = []
+        for finish in (False, False, True):
+            group = averagers(net, opts, finish=finish)
+            for averager in group:
+                await averager.start()
+                averager.expect(APPOINTMENT.key)
+            offers = [o.finish_offer() if finish else o.offer() for o in opts]
+            plan_of = plans([a.peer_id for a in group])
+            pairs = zip(group, offers, strict=True)
+            results = await asyncio.gather(*(a.average(o, plan_of[a.peer_id]) for a, o in pairs))
+            assert all(r is not None and r.size == 3 for r in results)
+            for opt, offer, result in zip(opts, offers, results, strict=True):
+                assert (opt.apply_finish if finish else opt.apply)(offer, result) is True
+                if not finish:
+                    with torch.no_grad():
+                        for p in opt.params.values():
+                            p.add_(0.01 * torch.randn(p.shape, generator=torch.Generator().manual_seed(7)))
+            sent.append(results[0].bytes_sent)
+            for averager in group:
+                await averager.stop()
+        return sent
+
+    return asyncio.run(main())
+
+
+@pytest.mark.parametrize("momentum", [0.0, 0.9])
+def test_a_parameter_offered_in_row_blocks_gives_the_same_rounds_bit_for_bit(momentum):
+    whole, blocked = peers(2**22, momentum), peers(BLOCK, momentum)
+    names = set(blocked[0].shapes)
+    assert "delta/0.weight@16" in names and "delta/0.weight" not in names and "delta/1.weight" in names
+    assert max(torch.Size(s).numel() for s in blocked[0].shapes.values()) <= BLOCK
+    assert set(finish_layout(blocked[0].model, blocked[0].config)[0]) == {n for n in names if n.startswith("anchor/")}
+    sent_whole, sent_blocked = rounds(whole), rounds(blocked)
+    extra = 2 * (len(blocked[0].shapes) - len(whole[0].shapes))  # tensors more on the wire: codes and scales
+    assert all(w <= b <= w + 200 * extra for w, b in zip(sent_whole, sent_blocked, strict=True))  # headers only
+    for a, b in zip(whole, blocked, strict=True):
+        for name, p in a.params.items():
+            assert torch.equal(p, b.params[name]) and torch.equal(a.anchor[name], b.anchor[name])
+            assert torch.equal(a.error_feedback.residuals[name], b.error_feedback.residuals[name])
+            if momentum:
+                assert torch.equal(a.momentum[name], b.momentum[name])
+    assert a.step == b.step == 2
+
+
+def test_a_blocked_lonely_round_keeps_its_work_and_a_flush_takes_it():
+    opt = peers(BLOCK, 0.0)[0]
+    trained = {n: p.detach().clone() for n, p in opt.params.items()}
+    assert opt.apply(opt.offer(), None) is False
+    assert opt.flush() is True
+    for name, p in opt.params.items():
+        torch.testing.assert_close(p.detach(), opt.anchor[name])
+        assert not torch.equal(p.detach(), trained[name])  # lr 0.7: moved most of the way to the trained model
+    numel = sum(p.numel() for p in opt.params.values())
+    assert opt.held_bytes(exchange_copies=1) == (4 + 4 + 2) * numel + 4 * 16 * 64  # anchor, residual, fp16 origin
+
+
+def test_the_origin_is_kept_in_fp16_unless_a_value_leaves_its_range_and_costs_the_anchors_next_to_nothing():
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(64, 48), nn.Linear(48, 16))
+    with torch.no_grad():
+        model[1].bias[0] = 1e5  # beyond fp16's 65,504
+    opt = OuterOptimizer(model, OuterConfig(momentum=0.0))
+    assert opt.origin["0.weight"].dtype == torch.float16 and opt.origin["1.bias"].dtype == torch.float32
+    assert torch.equal(opt.origin["1.bias"], opt.anchor["1.bias"])
+    for name, relative in opt.finish_offer().tensors.items():  # the anchor against the origin, before training
+        anchor = opt.anchor[name.removeprefix("anchor/")]
+        assert relative.dtype == torch.float32
+        assert bool((relative.abs() <= anchor.abs() * 2**-11 + 2**-24).all())
+    fp32 = 4 * sum(p.numel() for p in opt.params.values())
+    assert opt.held_bytes(exchange_copies=0) == 2 * fp32 + fp32 // 2 + 2 * 16  # anchor, residual; the origin in half
+
+
+def test_a_kept_residual_is_written_over_in_place_and_a_spent_one_zeroed():
+    ef = ErrorFeedback()
+    ef.keep("w", torch.ones(6, 4), owned=True)
+    kept = ef.residuals["w"]
+    ef.keep("w", torch.full((6, 4), 2.0), owned=True)  # the next round's: into the same memory
+    ef.keep("w", torch.full((3, 4), 5.0), rows=slice(3, 6), shape=(6, 4))  # a block's rows
+    assert ef.residuals["w"] is kept and kept[:3].eq(2.0).all() and kept[3:].eq(5.0).all()
+    ef.keep("b", torch.full((2, 4), 1.0), rows=slice(0, 2), shape=(4, 4))  # a first block: zeros elsewhere
+    assert ef.residuals["b"].sum() == 8.0
+    ef.reset("w")
+    assert ef.residuals["w"] is kept and not kept.any()
+    ef.keep("w", None)
+    assert "w" not in ef.residuals
