@@ -170,9 +170,14 @@ class GroupRound:
 
 def group_mean(contributions: Sequence[torch.Tensor], weights: Sequence[float] | None = None) -> torch.Tensor:
     """(Σ w_j·c_j) / G in member order: the same bits on every member that holds the same contributions."""
-    total = torch.zeros_like(contributions[0])
-    for j, c in enumerate(contributions):
-        total.add_(c if weights is None or weights[j] == 1.0 else weights[j] * c)
+
+    def weighted(j: int) -> torch.Tensor:
+        c = contributions[j]
+        return c if weights is None or weights[j] == 1.0 else weights[j] * c
+
+    total = weighted(0).clone()  # (not zeros plus the first: one pass less, the same sum)
+    for j in range(1, len(contributions)):
+        total.add_(weighted(j))
     return total.div_(len(contributions))
 
 

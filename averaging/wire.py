@@ -107,7 +107,7 @@ def encode(message: Message) -> bytes:
             raise WireError(f"tensor {_show(name)} is a {type(tensor).__name__}, not a torch.Tensor")
         if tensor.dtype not in Limits().dtypes:
             raise WireError(f"tensor {_show(name)} has dtype {_dtype_str(tensor.dtype)}, not allowed")
-        if not bool(torch.isfinite(tensor).all()):
+        if tensor.is_floating_point() and not bool(torch.isfinite(tensor).all()):  # (codes are integers)
             raise WireError(f"tensor {_show(name)} holds non-finite values")
         packed[name] = [_DTYPE_NAMES[tensor.dtype], list(tensor.shape), tensor_to_bytes(tensor)]
     body = {"v": PROTOCOL_VERSION, "k": int(kind), "s": message.session, "t": message.step}
@@ -202,7 +202,7 @@ def _decode_tensors(
         if expected is not None:
             _check_spec(label, tuple(shape), dtype, expected[name])
         tensor = tensor_from_bytes(raw, dtype, shape)
-        if not bool(torch.isfinite(tensor).all()):
+        if tensor.is_floating_point() and not bool(torch.isfinite(tensor).all()):  # (codes are integers)
             raise WireError(f"{label} holds non-finite values")
         tensors[name] = tensor
     return tensors
