@@ -214,11 +214,13 @@ class Phase:
 
     def _failed_stop(self, slot: Slot) -> bool:
         """Whether a peer told to stop at the phase's end did not stop cleanly. One still starting then (a
-        restart or a new peer just before the end) stops at once, in one line, with 130: that is no crash."""
+        restart or a new peer just before the end) stops at once, in one line, with 130, or dies of SIGINT
+        after that line (what CPython does when an interrupt arrived inside C code): that is no crash."""
         if not slot.proc.returncode:
             return False
         lines = (self.out / f"{slot.folder.name}.log").read_text().strip().splitlines()
-        return not (slot.proc.returncode == 130 and lines and lines[-1] == "murmur join: interrupted")
+        interrupted = slot.proc.returncode in (130, -signal.SIGINT)
+        return not (interrupted and lines and lines[-1] == "murmur join: interrupted")
 
     def _measure(self, start: float, end: float, live: list[Slot], cpu_seconds: float) -> dict:
         c = self.config
