@@ -115,12 +115,6 @@ def finish_layout(model: nn.Module, config: OuterConfig = OuterConfig()) -> Layo
     return shapes, dict.fromkeys(shapes, "diff")
 
 
-def _fp16_if_in_range(tensor: torch.Tensor) -> torch.Tensor:
-    """`tensor` in fp16 if every value stays finite in it, else in fp32."""
-    half = tensor.to(torch.float16)
-    return half if bool(torch.isfinite(half).all()) else tensor.clone()
-
-
 def _rows(tensor: torch.Tensor, rows: slice | None) -> torch.Tensor:
     return tensor if rows is None else tensor[rows]
 
@@ -133,10 +127,9 @@ class OuterOptimizer:
         self.anchor = {n: p.detach().clone().float() for n, p in self.params.items()}
         # the run's initial model, the same on every peer: anchors are offered relative to it, which changes
         # nothing for their difference but lets a quantized anchor spend its precision on what training moved.
-        # Kept in fp16 (half a copy; fp32 for a tensor out of fp16's range): every peer rounds it the same way,
-        # and what the rounding leaves in an offered anchor (under 2^-11 of each weight) is far below an int8
-        # code's step (1/127 of a row's largest move)
-        self.origin = {n: _fp16_if_in_range(a) for n, a in self.anchor.items()}
+        # (Kept in fp32: an fp16 copy left its rounding in a fresh peer's offered anchor, which then no longer
+        # reads as exactly zero, and robust aggregation rejected a partner's first steps as "opposing" it.)
+        self.origin = {n: a.clone() for n, a in self.anchor.items()}
         # the outer momentum, only with momentum > 0 (with none, m is just this round's d: nothing to keep)
         self.momentum = {n: torch.zeros_like(a) for n, a in self.anchor.items()} if config.momentum > 0 else {}
         self.error_feedback = ErrorFeedback()
@@ -167,7 +160,7 @@ class OuterOptimizer:
 
     @torch.no_grad()
     def _relative_anchor(self, name: str, rows: slice | None = None) -> torch.Tensor:
-        return _rows(self.anchor[name], rows) - _rows(self.origin[name], rows)  # fp32 (an fp16 origin is promoted)
+        return _rows(self.anchor[name], rows) - _rows(self.origin[name], rows)
 
     def _momentum(self, name: str, rows: slice | None) -> torch.Tensor:
         return _rows(self.momentum[name], rows)
@@ -251,7 +244,7 @@ class OuterOptimizer:
         start."""
         state = self.anchor if group == "anchor" else self.momentum
         if projection.adopt:
-            base = _rows(self.origin[name], rows).float() if group == "anchor" else 0.0
+            base = _rows(self.origin[name], rows) if group == "anchor" else 0.0
             value = (base + projection.mean).to(state[name].dtype)
             if rows is None:
                 state[name] = value
