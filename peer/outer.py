@@ -59,22 +59,22 @@ class OuterConfig:
             raise ValueError(f"block_elements must be at least 1, got {self.block_elements}")
 
 
+MIN_BLOCK_ROWS = 8  # fewer rows could make a block "tiny" and dense (`averaging.compression.plan`)
+
+
 def row_blocks(shape: tuple[int, ...], limit: int) -> list[slice | None]:
     """How one parameter is offered: whole (`[None]`), or, with 2+ dims and more than `limit` elements, as
     near-equal runs of whole rows, each of at most `limit` elements (or `2 * MIN_BLOCK_ROWS` rows, if that is
-    more) and at least `MIN_BLOCK_ROWS` rows. The
-    codecs code each row on its own (one scale per row, the tensor viewed as (shape[0], rest)), and a block of
-    that many rows keeps the whole tensor's codec, so a block's codes are exactly its rows' share of the whole
-    tensor's: what changes is only that no step of an exchange holds more than a block."""
+    more) and at least `MIN_BLOCK_ROWS` rows. The codecs code each row on its own (one scale per row, the
+    tensor viewed as (shape[0], rest)), and a block of that many rows keeps the whole tensor's codec, so a
+    block's codes are exactly its rows' share of the whole tensor's: what changes is only that no step of an
+    exchange holds more than a block."""
     rows = shape[0] if shape else 0
     if len(shape) < 2 or math.prod(shape) <= limit or rows < 2 * MIN_BLOCK_ROWS:
         return [None]
     count = math.ceil(rows / max(2 * MIN_BLOCK_ROWS, limit // math.prod(shape[1:])))
     bounds = [rows * i // count for i in range(count + 1)]  # runs of ⌊rows/count⌋ or one more
     return [slice(start, stop) for start, stop in itertools.pairwise(bounds)]
-
-
-MIN_BLOCK_ROWS = 8  # fewer rows could make a block "tiny" and dense (`averaging.compression.plan`)
 
 
 def pieces(model: nn.Module, config: OuterConfig) -> list[tuple[str, str, slice | None, tuple[int, ...]]]:
@@ -159,7 +159,7 @@ class OuterOptimizer:
         return self.error_feedback.add_residual_(name, own, rows)
 
     @torch.no_grad()
-    def _relative_anchor(self, name: str, rows: slice | None = None) -> torch.Tensor:
+    def _relative_anchor(self, name: str, rows: slice | None) -> torch.Tensor:
         return _rows(self.anchor[name], rows) - _rows(self.origin[name], rows)
 
     def _momentum(self, name: str, rows: slice | None) -> torch.Tensor:
@@ -233,10 +233,9 @@ class OuterOptimizer:
         exchanged, the error-feedback residual) and an exchange's working set, which goes tensor by tensor (an
         offer's, the decoded contributions' and the projection's copies of the largest piece: `pieces`)."""
         sizes = [4 * a.numel() for a in self.anchor.values()]
-        largest = max((4 * math.prod(shape) for *_, shape in pieces(self.model, self.config)), default=0)
-        copies = 1 + bool(self.momentum) + self.config.error_feedback  # anchor, momentum, residual
-        origin = sum(o.numel() * o.element_size() for o in self.origin.values())
-        return copies * sum(sizes) + origin + exchange_copies * largest
+        largest = max((4 * math.prod(shape) for shape in self.shapes.values()), default=0)
+        copies = 2 + bool(self.momentum) + self.config.error_feedback  # anchor, origin, momentum, residual
+        return copies * sum(sizes) + exchange_copies * largest
 
     def _pull(self, group: str, name: str, rows: slice | None, projection: Projection) -> None:
         """Move a state's piece to the round's agreement: exactly to its mean (adopt: the same bits on every
@@ -245,11 +244,7 @@ class OuterOptimizer:
         state = self.anchor if group == "anchor" else self.momentum
         if projection.adopt:
             base = _rows(self.origin[name], rows) if group == "anchor" else 0.0
-            value = (base + projection.mean).to(state[name].dtype)
-            if rows is None:
-                state[name] = value
-            else:
-                state[name][rows] = value
+            _rows(state[name], rows).copy_(base + projection.mean)  # in place, as the rest of the state
         else:
             _rows(state[name], rows).add_(projection.mean - projection.own)
 
