@@ -231,9 +231,7 @@ class Phase:
             records = read_metrics(slot.folder / "metrics.jsonl")
             rounds += sum(start <= r["t"] <= end for r in records)
             max_blocked = max([max_blocked, *(r["blocked"] for r in records if start <= r["t"] <= end)])
-            # each process's log restarts at round 1; its last line holds its totals
-            after = [*records[1:], None]
-            ends = [r for r, nxt in zip(records, after, strict=True) if nxt is None or nxt["round"] == 1]
+            ends = process_totals(records)
             exchanges_ok += sum(r["exchanges_ok"] for r in ends)
             exchanges_failed += sum(r["exchanges_failed"] for r in ends)
             unreachable += sum(r["exchanges_unreachable"] for r in ends)
@@ -268,6 +266,13 @@ class Phase:
             "crashes": self.crashed,
             "new_peer_first_exchange_seconds": first_exchange,
         }
+
+
+def process_totals(records: list[dict]) -> list[dict]:
+    """The line that holds each process's totals in one slot's metrics: every process's log restarts at round 1,
+    so its last line is the one before the next round 1, or the log's last. A peer added just before the end may
+    have written none."""
+    return [r for i, r in enumerate(records) if i + 1 == len(records) or records[i + 1]["round"] == 1]
 
 
 def bench(config: BenchConfig, runs: Path) -> dict:
