@@ -321,10 +321,15 @@ class Projection:
 
 
 class ErrorFeedback:
-    """Per-tensor residuals that compression left out, added back into the next round."""
+    """Per-tensor residuals that compression left out, added back into the next round; kept in `dtype` (None:
+    the residual's own)."""
 
-    def __init__(self) -> None:
+    def __init__(self, dtype: torch.dtype | None = None) -> None:
         self.residuals: dict[str, torch.Tensor] = {}
+        self.dtype = dtype
+
+    def _kept(self, residual: torch.Tensor) -> torch.Tensor:
+        return residual.detach() if self.dtype is None else residual.detach().to(self.dtype)
 
     def with_residual(self, name: str, tensor: torch.Tensor) -> torch.Tensor:
         """tensor + the residual kept for `name` (a new tensor)."""
@@ -349,12 +354,13 @@ class ErrorFeedback:
             return
         full = tuple(residual.shape) if rows is None else tuple(shape)
         whole = self.residuals.get(name)
-        if whole is not None and tuple(whole.shape) == full and whole.dtype == residual.dtype:
+        if whole is not None and tuple(whole.shape) == full and whole.dtype == (self.dtype or residual.dtype):
             (whole if rows is None else whole[rows]).copy_(residual)
         elif rows is None:
-            self.residuals[name] = residual.detach() if owned else residual.detach().clone()
+            converts = self.dtype is not None and residual.dtype != self.dtype  # .to() makes a new tensor then
+            self.residuals[name] = self._kept(residual) if owned or converts else residual.detach().clone()
         else:
-            whole = self.residuals[name] = residual.new_zeros(full)
+            whole = self.residuals[name] = residual.new_zeros(full, dtype=self.dtype or residual.dtype)
             whole[rows] = residual.detach()
 
     def reset(self, name: str) -> None:
@@ -369,4 +375,4 @@ class ErrorFeedback:
         return {name: r.clone() for name, r in self.residuals.items()}
 
     def load_state_dict(self, state: Mapping[str, torch.Tensor]) -> None:
-        self.residuals = {name: r.detach().clone() for name, r in state.items()}
+        self.residuals = {name: self._kept(r).clone() for name, r in state.items()}

@@ -42,16 +42,28 @@ class Admission:
 
     per_peer: int = 8  # a group member keeps 1-2 open to one remote; a joiner 1 per donor
     total: int = 64
-    # a stream turned away is held, unread, this long before it is closed (at most `tarpit_max` at once, the rest
-    # closed at once): a flooder that reopens whatever is closed then opens a few streams a second, not hundreds
+    # a stream turned away is held, unread, this long before it is closed (at most `tarpit_max` at once and
+    # `tarpit_per_peer` of one remote, the rest closed at once): a flooder that reopens whatever is closed then
+    # opens a few streams a second, not hundreds. A remote that already has more than `per_peer` streams held
+    # (more than a member ever opens: a flood) has the next ones held `tarpit_flood`; an honest peer that is
+    # barred gets its few streams back closed after `tarpit`, and does not wait out its own timeout.
     tarpit: float = 1.0
-    tarpit_max: int = 32
+    tarpit_flood: float = 10.0
+    tarpit_max: int = 128
+    tarpit_per_peer: int = 64
 
     def __post_init__(self) -> None:
         if not 1 <= self.per_peer <= self.total:
             raise ValueError(f"need 1 <= per_peer <= total, got {self.per_peer} and {self.total}")
-        if self.tarpit < 0 or self.tarpit_max < 0:
-            raise ValueError(f"tarpit and tarpit_max must be >= 0, got {self.tarpit} and {self.tarpit_max}")
+        if min(self.tarpit, self.tarpit_flood, self.tarpit_max, self.tarpit_per_peer) < 0:
+            raise ValueError(f"tarpit times and counts must be >= 0, got {self.tarpit}, {self.tarpit_flood}, "
+                             f"{self.tarpit_max} and {self.tarpit_per_peer}")  # fmt: skip
+
+    def hold(self, held: int, held_by_remote: int) -> float:
+        """How long a turned-away stream is held, with `held` in the tarpit now, `held_by_remote` of its remote."""
+        if held >= self.tarpit_max or held_by_remote >= self.tarpit_per_peer:
+            return 0.0
+        return self.tarpit_flood if held_by_remote >= self.per_peer else self.tarpit
 
 
 class Gate:
@@ -65,6 +77,7 @@ class Gate:
         self.total = 0
         self.refused = 0
         self.held = 0  # refused streams in the tarpit now
+        self.held_by: dict[str, int] = {}  # ... by remote
         self.barred: Callable[[str], bool] = _nobody
 
     def enter(self, remote: str) -> bool:
@@ -86,12 +99,17 @@ class Gate:
     async def run(self, remote: str, stream: Stream, handler: Handler) -> None:
         """`handler(remote, stream)` if the stream is admitted, then close it either way."""
         if not self.enter(remote):
-            if self.held < self.admission.tarpit_max and self.admission.tarpit > 0:
+            if (hold := self.admission.hold(self.held, self.held_by.get(remote, 0))) > 0:
                 self.held += 1
+                self.held_by[remote] = self.held_by.get(remote, 0) + 1
                 try:
-                    await asyncio.sleep(self.admission.tarpit)
+                    await asyncio.sleep(hold)
                 finally:
                     self.held -= 1
+                    if (left := self.held_by[remote] - 1) > 0:
+                        self.held_by[remote] = left
+                    else:
+                        del self.held_by[remote]
             await stream.close()
             return
         try:

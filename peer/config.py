@@ -70,6 +70,9 @@ class TrainConfig(BaseModel):
     )
     consensus: bool = _flag(True, "pull the group's anchors together as well as averaging their updates")
     error_feedback: bool = _flag(True, "keep what compression dropped and send it in later rounds")
+    residual_precision: Literal["bf16", "fp32"] = _flag(
+        "bf16", "precision of the kept error-feedback residual: bf16 holds half a model copy less than fp32"
+    )
     solo_after: int = _flag(4, "rounds without a group before a peer takes an outer step alone", "ROUNDS", ge=1)
     # rounds on a shared clock (averaging.groups)
     round_seconds: float = _flag(0.0, "length of a round; 0: H steps and an exchange at the swarm's pace", "SECONDS",
@@ -114,6 +117,7 @@ class TrainConfig(BaseModel):
             momentum=self.outer_momentum,
             consensus=self.consensus,
             error_feedback=self.error_feedback,
+            residual_precision=self.residual_precision,
         )
 
     def rounds(self) -> RoundConfig:

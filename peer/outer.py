@@ -33,7 +33,7 @@ import threading
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass
 from functools import partial
-from typing import Any
+from typing import Any, Literal
 
 import torch
 from torch import nn
@@ -50,6 +50,9 @@ class OuterConfig:
     momentum: float = 0.9
     consensus: bool = True  # pull anchors and momenta together in every exchange
     error_feedback: bool = True
+    # the error-feedback residual's precision: bf16 is half a model copy less (what compression left out is
+    # an error term, re-derived every round: bf16's rounding of it is not carried on)
+    residual_precision: Literal["bf16", "fp32"] = "bf16"
     block_elements: int = 2**22  # a larger parameter is offered as row blocks of at most about this many (16 MiB)
 
     def __post_init__(self) -> None:
@@ -57,8 +60,11 @@ class OuterConfig:
             raise ValueError(f"outer lr must be > 0 and momentum in [0, 1), got {self.lr} and {self.momentum}")
         if self.block_elements < 1:
             raise ValueError(f"block_elements must be at least 1, got {self.block_elements}")
+        if self.residual_precision not in ("bf16", "fp32"):
+            raise ValueError(f"residual_precision must be bf16 or fp32, got {self.residual_precision!r}")
 
 
+RESIDUAL_DTYPES = {"bf16": torch.bfloat16, "fp32": torch.float32}
 MIN_BLOCK_ROWS = 8  # fewer rows could make a block "tiny" and dense (`averaging.compression.plan`)
 
 
@@ -115,6 +121,13 @@ def finish_layout(model: nn.Module, config: OuterConfig = OuterConfig()) -> Layo
     return shapes, dict.fromkeys(shapes, "diff")
 
 
+@torch.no_grad()
+def _origin(param: torch.Tensor) -> torch.Tensor:
+    """A parameter's start as the origin keeps it: in fp16 if that holds it (finite), else in fp32."""
+    half = param.detach().to(torch.float16)
+    return half if bool(torch.isfinite(half).all()) else param.detach().float()
+
+
 def _rows(tensor: torch.Tensor, rows: slice | None) -> torch.Tensor:
     return tensor if rows is None else tensor[rows]
 
@@ -124,15 +137,19 @@ class OuterOptimizer:
         self.model = model
         self.config = config
         self.params = dict(model.named_parameters())
-        self.anchor = {n: p.detach().clone().float() for n, p in self.params.items()}
         # the run's initial model, the same on every peer: anchors are offered relative to it, which changes
         # nothing for their difference but lets a quantized anchor spend its precision on what training moved.
-        # (Kept in fp32: an fp16 copy left its rounding in a fresh peer's offered anchor, which then no longer
-        # reads as exactly zero, and robust aggregation rejected a partner's first steps as "opposing" it.)
-        self.origin = {n: a.clone() for n, a in self.anchor.items()}
+        # It is kept in fp16 (half a copy of the model less), and the model starts from it, rounded: a fresh
+        # peer's offered anchor is then exactly zero, as robust aggregation expects of a peer that has not
+        # moved (with the rounding left in it, a partner's first steps read as "opposing" it). A tensor that
+        # fp16 cannot hold (beyond its range) stays in fp32.
+        self.origin = {n: _origin(p) for n, p in self.params.items()}
+        self.anchor = {n: o.float() for n, o in self.origin.items()}
+        for name, param in self.params.items():
+            param.detach().copy_(self.anchor[name])
         # the outer momentum, only with momentum > 0 (with none, m is just this round's d: nothing to keep)
         self.momentum = {n: torch.zeros_like(a) for n, a in self.anchor.items()} if config.momentum > 0 else {}
-        self.error_feedback = ErrorFeedback()
+        self.error_feedback = ErrorFeedback(RESIDUAL_DTYPES[config.residual_precision])
         self.pieces = [(piece, name, rows) for piece, name, rows, _ in pieces(model, config)]
         self.shapes, self.modes = offer_layout(model, config)
         self.step = 0  # outer steps taken
@@ -229,13 +246,15 @@ class OuterOptimizer:
             return True
 
     def held_bytes(self, exchange_copies: int = 6) -> int:
-        """Bytes this optimizer will hold at most: its state (anchor, origin, momentum, and once it has
+        """Bytes this optimizer will hold at most: its state (anchor, the fp16 origin, momentum, and once it has
         exchanged, the error-feedback residual) and an exchange's working set, which goes tensor by tensor (an
         offer's, the decoded contributions' and the projection's copies of the largest piece: `pieces`)."""
         sizes = [4 * a.numel() for a in self.anchor.values()]
         largest = max((4 * math.prod(shape) for shape in self.shapes.values()), default=0)
-        copies = 2 + bool(self.momentum) + self.config.error_feedback  # anchor, origin, momentum, residual
-        return copies * sum(sizes) + exchange_copies * largest
+        copies = 1 + bool(self.momentum)  # anchor, momentum
+        residual = self.config.error_feedback * RESIDUAL_DTYPES[self.config.residual_precision].itemsize / 4
+        origin = sum(o.numel() * o.element_size() for o in self.origin.values())
+        return int((copies + residual) * sum(sizes)) + origin + exchange_copies * largest
 
     def _pull(self, group: str, name: str, rows: slice | None, projection: Projection) -> None:
         """Move a state's piece to the round's agreement: exactly to its mean (adopt: the same bits on every

@@ -34,6 +34,7 @@ def variants(base: TrainConfig) -> dict[str, TrainConfig]:
         "murmur-g4": base.with_overrides(group_size=4),
         "murmur-g2": base.with_overrides(group_size=2),  # pairs: one partner a round
         "murmur-no-ef": base.with_overrides(error_feedback=False),
+        "murmur-fp32-residual": base.with_overrides(residual_precision="fp32"),  # the residual's bf16, measured
         "murmur-lowrank-cons": base.with_overrides(consensus_codec="lowrank"),
         "murmur-lowrank-r4": base.with_overrides(codec="lowrank", rank=4),  # the pseudo-gradient by PowerSGD
     }
@@ -102,7 +103,7 @@ def main() -> None:
             peers=peers, speeds=(1 / 3,) + (1.0,) * (peers - 1), sample_budget=budget, link=link, eval_points=rounds
         ),
     }
-    gossip = ["murmur", "murmur-exact", "murmur-g2"] if args.quick else list(variants(base))
+    gossip = ["murmur", "murmur-exact", "murmur-g2", "murmur-fp32-residual"] if args.quick else list(variants(base))
     methods = {"equal": ["ddp", "diloco", *gossip], "heterogeneous": ["ddp", "diloco", "murmur", "murmur-exact"],
                "straggler": ["ddp", "diloco", "murmur"]}  # fmt: skip
     corpus = load_corpus()

@@ -76,13 +76,31 @@ def test_the_total_cap_holds_against_many_remotes_and_a_freed_slot_is_reused() -
 
 def test_streams_turned_away_are_held_a_while_but_never_more_than_tarpit_max_at_once() -> None:
     async def main() -> None:
-        admission = Admission(per_peer=1, total=1, tarpit=0.6, tarpit_max=2)
+        admission = Admission(per_peer=1, total=1, tarpit=0.6, tarpit_flood=0.6, tarpit_max=2)
         _, server, release, handled, streams = await held_streams(admission, ["a"] * 5)
         assert handled == ["a"] and server.gate.refused == 4 and server.gate.held == 2
         held = await asyncio.gather(*(closed(s, 0.3) for s in streams[1:]))
         assert held == [False, False, True, True]  # two in the tarpit; the others closed at once
         assert await asyncio.gather(*(closed(s, 0.6) for s in streams[1:3])) == [True, True]
         assert server.gate.held == 0
+        release.set()
+
+    run(main())
+
+
+def test_a_flooding_remote_is_held_longer_and_never_fills_the_tarpit_alone() -> None:
+    async def main() -> None:
+        admission = Admission(per_peer=1, total=1, tarpit=0.3, tarpit_flood=1.5, tarpit_max=5, tarpit_per_peer=3)
+        _, server, release, handled, streams = await held_streams(admission, ["a", "b", *["f"] * 5, "c", "d"])
+        assert handled == ["a"] and server.gate.refused == 8
+        assert server.gate.held == 5 and server.gate.held_by == {"b": 1, "f": 3, "c": 1}  # d: the tarpit was full
+        # b's, c's and f's first: the short hold; f's next two: the flood's; f's last two (over its share) and d's
+        # closed at once
+        early = await asyncio.gather(*(closed(s, 0.15) for s in streams[1:]))
+        assert early == [False, False, False, False, True, True, False, True]
+        assert await asyncio.gather(*(closed(s, 0.5) for s in streams[1:5])) == [True, True, False, False]
+        assert await asyncio.gather(*(closed(s, 1.5) for s in streams[3:5])) == [True, True]
+        assert server.gate.held == 0 and server.gate.held_by == {}
         release.set()
 
     run(main())
@@ -95,6 +113,8 @@ def test_admission_is_checked() -> None:
         Admission(per_peer=0)
     with pytest.raises(ValueError, match="tarpit"):
         Admission(tarpit=-1.0)
+    with pytest.raises(ValueError, match="tarpit"):
+        Admission(tarpit_per_peer=-1)
 
 
 def test_a_donor_reads_no_more_than_a_request_before_the_joiner_is_known(caplog) -> None:

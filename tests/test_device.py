@@ -147,7 +147,7 @@ def test_fit_memory_uses_the_measured_peaks(corpus) -> None:
     trainer = Trainer(CONFIG.with_overrides(batch_size=64), corpus, data_seed=1)
     dense = trainer.dense_model_bytes
     largest = max(4 * p.numel() for p in trainer.model.parameters())
-    outer = 3 * dense + 6 * largest  # anchor, origin, residual and an exchange's copies of the largest tensor
+    outer = 2 * dense + 6 * largest  # anchor, the bf16 residual and fp16 origin, an exchange's largest tensors
     assert trainer.outer.held_bytes() == outer
     # gradients + moments + the outer optimizer's, and room for 10 samples of 1000 bytes
     free = int((3 * dense + outer + 10 * 1_000) / 0.8)

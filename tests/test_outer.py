@@ -115,7 +115,40 @@ def test_a_blocked_lonely_round_keeps_its_work_and_a_flush_takes_it():
         torch.testing.assert_close(p.detach(), opt.anchor[name])
         assert not torch.equal(p.detach(), trained[name])  # lr 0.7: moved most of the way to the trained model
     numel = sum(p.numel() for p in opt.params.values())
-    assert opt.held_bytes(exchange_copies=1) == (4 + 4 + 4) * numel + 4 * 16 * 64  # anchor, residual, origin
+    assert opt.held_bytes(exchange_copies=1) == (4 + 2 + 2) * numel + 4 * 16 * 64  # anchor, bf16 residual and origin
+
+
+def test_a_fresh_peer_starts_from_its_fp16_origin_and_offers_an_anchor_of_exactly_zero():
+    torch.manual_seed(3)
+    model = torch.nn.Sequential(torch.nn.Linear(7, 5), torch.nn.Linear(5, 2))
+    with torch.no_grad():
+        model[1].bias.fill_(1e6)  # beyond fp16's range: kept in fp32
+    before = {n: p.detach().clone() for n, p in model.named_parameters()}
+    opt = OuterOptimizer(model, OuterConfig())
+    assert opt.origin["0.weight"].dtype == torch.float16 and opt.origin["1.bias"].dtype == torch.float32
+    for name, p in model.named_parameters():
+        assert torch.equal(p.detach(), opt.origin[name].float())  # the model was rounded to its origin
+        torch.testing.assert_close(p.detach(), before[name], rtol=1e-3, atol=1e-4)
+        relative = opt.offer().tensors[f"anchor/{name}"]
+        assert not relative.any()  # exactly zero, so a partner's first steps read as steps, not as opposition
+
+
+def test_the_residual_is_kept_in_its_precision_and_restored_in_it():
+    ef = ErrorFeedback(torch.bfloat16)
+    ef.keep("w", torch.full((4, 3), 1 / 3), owned=True)
+    ef.keep("b", torch.ones(2, 2), rows=slice(0, 2), shape=(5, 2))
+    assert ef.residuals["w"].dtype == ef.residuals["b"].dtype == torch.bfloat16
+    kept = ef.residuals["w"]
+    ef.keep("w", torch.full((4, 3), 0.5))
+    assert ef.residuals["w"] is kept and bool((kept == 0.5).all())  # written over in place, in bf16
+    total = ef.add_residual_("w", torch.zeros(4, 3))
+    assert total.dtype == torch.float32 and bool((total == 0.5).all())  # added into the fp32 offer
+    restored = ErrorFeedback(torch.bfloat16)
+    restored.load_state_dict({"w": torch.full((4, 3), 1 / 3)})  # an fp32 checkpoint's
+    assert restored.residuals["w"].dtype == torch.bfloat16
+    assert OuterOptimizer(nn.Linear(3, 2), OuterConfig(residual_precision="fp32")).error_feedback.dtype == torch.float32
+    with pytest.raises(ValueError, match="residual_precision"):
+        OuterConfig(residual_precision="fp8")
 
 
 def test_a_kept_residual_is_written_over_in_place_and_a_spent_one_zeroed():
