@@ -26,13 +26,16 @@ def test_each_process_totals_are_its_last_line_and_a_peer_with_no_line_has_none(
 def test_quick_churn_bench_writes_every_field_and_reaps_everything(tmp_path):
     tag = f"bench-churn-{uuid.uuid4()}"
     env = {**os.environ, "MURMUR_TEST_TAG": tag, "PYTHONPATH": str(SCRIPT.parent.parent)}
-    cmd = [sys.executable, str(SCRIPT), "--quick", "--out", str(tmp_path), "--runs", str(tmp_path / "runs")]
+    # warm restarts only (the supervisor's, the user's path; the cold phase is the same bench code with the chaos
+    # loop relaunching `murmur join --resume`, which test_checkpoint runs on a real peer): a phase less to wait for
+    cmd = [sys.executable, str(SCRIPT), "--quick", "--restart", "warm", "--out", str(tmp_path),
+           "--runs", str(tmp_path / "runs")]  # fmt: skip
     done = subprocess.run(cmd, capture_output=True, text=True, timeout=400, env=env)
     assert done.returncode == 0, done.stdout[-2000:] + done.stderr[-2000:]
     result = json.loads((tmp_path / "bench_churn.json").read_text())
-    cold = result["churn_cold_restart"]
-    assert result["churn"]["restart"] == "warm" and cold["restart"] == "cold" and result["no_churn"]["restart"] is None
-    for p in (result["no_churn"], result["churn"], cold):
+    assert result["churn"]["restart"] == "warm" and result["no_churn"]["restart"] is None
+    assert "churn_cold_restart" not in result
+    for p in (result["no_churn"], result["churn"]):
         assert p["rounds"] > 0 and p["samples_per_second"] > 0 and p["exchanges_ok"] > 0
         assert p["exchanges_failed"] >= 0 and p["partners_unreachable"] >= 0
         assert 0 < p["max_blocked_seconds"] <= result["config"]["exchange_timeout"] + 3  # a gather, an exchange
@@ -41,15 +44,15 @@ def test_quick_churn_bench_writes_every_field_and_reaps_everything(tmp_path):
         assert p["crashed_without_kill"] == 0, p["crashes"]
         assert p["cpu_seconds"] > 0 and 0 < p["cpu_seconds_per_round"] < 60
     assert result["no_churn"]["kills"] == 0
-    for churn, verdict in ((result["churn"], result), (cold, cold)):
-        assert churn["kills"] >= 2
-        assert churn["new_peers"] == 1 and len(churn["new_peer_first_exchange_seconds"]) == 1
-        assert churn["departures"] == 1 and churn["peers_live_at_end"] == result["config"]["peers"]  # one replaced
-        assert verdict["samples_per_second_ratio"] > 0 and verdict["final_eval_loss_ratio"] > 0
-        assert set(verdict["targets"]) == {
-            "throughput ratio >= 0.8", "final loss within 3%", "no peer blocked > 11 s", "no crash without a kill",
-            "new peers exchange within 30 s",
-        }  # fmt: skip
+    churn = result["churn"]
+    assert churn["kills"] >= 2
+    assert churn["new_peers"] == 1 and len(churn["new_peer_first_exchange_seconds"]) == 1
+    assert churn["departures"] == 1 and churn["peers_live_at_end"] == result["config"]["peers"]  # one replaced
+    assert result["samples_per_second_ratio"] > 0 and result["final_eval_loss_ratio"] > 0
+    assert set(result["targets"]) == {
+        "throughput ratio >= 0.8", "final loss within 3%", "no peer blocked > 11 s", "no crash without a kill",
+        "new peers exchange within 30 s",
+    }  # fmt: skip
     logs = (tmp_path / "runs" / "churn-warm").glob("*.log")
     restarts = [line for log in logs for line in log.read_text().splitlines() if "restarting with --resume" in line]
     assert len(restarts) == result["churn"]["kills"] - 1  # the supervisors brought back every victim but the leaver
