@@ -100,7 +100,6 @@ class Gate:
         """`handler(remote, stream)` if the stream is admitted, then close it either way."""
         if not self.enter(remote):
             if (hold := self.admission.hold(self.held, self.held_by.get(remote, 0))) > 0:
-                stream.stop_reading()
                 self.held += 1
                 self.held_by[remote] = self.held_by.get(remote, 0) + 1
                 try:
@@ -156,9 +155,6 @@ class Stream(ABC):
     @abstractmethod
     async def close(self) -> None: ...
 
-    def stop_reading(self) -> None:  # noqa: B027 (a stream that buffers nothing has nothing to stop)
-        """Take nothing more from the other side until closed (a stream held in the tarpit buffers no junk)."""
-
 
 Handler = Callable[[str, Stream], Awaitable[None]]
 
@@ -210,10 +206,6 @@ class P2PStream(Stream):
             raise
         except OSError as e:
             raise StreamClosed(f"receive failed: {e}") from e
-
-    def stop_reading(self) -> None:
-        with contextlib.suppress(Exception):  # a transport already closing
-            self._writer.transport.pause_reading()
 
     async def close(self) -> None:
         with contextlib.suppress(Exception):
