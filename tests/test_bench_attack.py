@@ -25,7 +25,7 @@ def test_quick_attack_benchmark_meets_its_targets(tmp_path: Path):
     report = json.loads((tmp_path / "bench_attack.json").read_text())
     budget = report["budgets"]["2"]
     assert budget["clean"]["events"]["aborted"] == 0 and budget["clean"]["events"]["withheld"] == 0
-    assert set(budget) == {"clean", "coalition"}
+    assert budget["single"] == {} and set(budget) == {"clean", "single", "coalition"}  # no single-attacker run
     rows = budget["coalition"]
     assert set(rows) == set(ATTACKS)
     for name, row in rows.items():
