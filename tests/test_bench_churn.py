@@ -28,8 +28,9 @@ def test_quick_churn_bench_writes_every_field_and_reaps_everything(tmp_path):
     env = {**os.environ, "MURMUR_TEST_TAG": tag, "PYTHONPATH": str(SCRIPT.parent.parent)}
     # warm restarts only (the supervisor's, the user's path; the cold phase is the same bench code with the chaos
     # loop relaunching `murmur join --resume`, which test_checkpoint runs on a real peer): a phase less to wait for
-    # 22 s a phase: kills at 6 and 12 s (none in the last 8), the second one replaced by a new peer
-    cmd = [sys.executable, str(SCRIPT), "--quick", "--restart", "warm", "--duration", "22", "--out", str(tmp_path),
+    # (not shorter phases: at 22 s the new peer, joining at 12 s, was still starting at the end, and once did not
+    # stop within the grace)
+    cmd = [sys.executable, str(SCRIPT), "--quick", "--restart", "warm", "--out", str(tmp_path),
            "--runs", str(tmp_path / "runs")]  # fmt: skip
     done = subprocess.run(cmd, capture_output=True, text=True, timeout=400, env=env)
     assert done.returncode == 0, done.stdout[-2000:] + done.stderr[-2000:]
