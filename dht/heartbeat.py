@@ -170,21 +170,15 @@ class ConfigKeeper(_Background):
 
 class RosterWatch(_Background):
     """Read the run's live announcements every ``period`` seconds on a daemon thread; ``peers`` is the latest
-    read (an empty dict before the first), so a training loop reads the roster without waiting on the DHT.
-
-    One read in ``search_every`` searches the DHT for every copy (the others take this node's own copy, as a
-    replica of the key or from the last search's cache): a search pulls the whole roster from every node that
-    holds it, which a flood of fake announcements makes a megabyte a node, twice a second."""
+    read (an empty dict before the first), so a training loop reads the roster without waiting on the DHT."""
 
     thread_name = "murmur-roster"
 
-    def __init__(self, records: RunRecords, period: float = 0.5, search_every: int = 4) -> None:
+    def __init__(self, records: RunRecords, period: float = 0.5) -> None:
         super().__init__()
         if not period > 0:
             raise ValueError(f"period must be positive, got {period!r}")
-        if search_every < 1:
-            raise ValueError(f"search_every must be at least 1, got {search_every!r}")
-        self.records, self.period, self.search_every = records, period, search_every
+        self.records, self.period = records, period
         self.peers: dict[str, Announcement] = {}
         self.reads = 0
 
@@ -199,7 +193,7 @@ class RosterWatch(_Background):
     def _run(self) -> None:
         while not self._stopping.is_set():
             try:
-                self.peers = self.records.peers(latest=self.reads % self.search_every == 0)
+                self.peers = self.records.peers()
                 self.reads += 1
             except Exception as e:
                 logger.warning("could not read the live peers: %s", " ".join(str(e).split()))

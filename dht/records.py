@@ -220,11 +220,9 @@ class RunRecords:
 
         return _Request(start, bool, self.request_timeout)
 
-    def _get(self, key: str, finish: Callable[[Any], T], latest: bool = True) -> _Request[T]:
-        # latest=True keeps searching past the first copy found, so subkeys held by different nodes merge;
-        # latest=False takes the first copy, this node's own if it holds one (a replica, or its cache of the
-        # last search): no traffic.
-        return _Request(lambda: self.dht.get(key, latest=latest, return_future=True), finish, self.request_timeout)
+    def _get(self, key: str, finish: Callable[[Any], T]) -> _Request[T]:
+        # latest=True keeps searching past the first copy found, so subkeys held by different nodes merge.
+        return _Request(lambda: self.dht.get(key, latest=True, return_future=True), finish, self.request_timeout)
 
     def _announce(self, a: Announcement) -> _Request[bool]:
         return self._store(self.peers_key, a.model_dump(mode="json"), self.announce_ttl, subkey=a.peer_id)
@@ -234,8 +232,8 @@ class RunRecords:
         # later than that of any announcement made before now with the same ttl.
         return self._store(self.peers_key, None, self.announce_ttl, subkey=peer_id)
 
-    def _peers(self, latest: bool = True) -> _Request[dict[str, Announcement]]:
-        return self._get(self.peers_key, lambda found: self._by_peer(found, Announcement), latest)
+    def _peers(self) -> _Request[dict[str, Announcement]]:
+        return self._get(self.peers_key, lambda found: self._by_peer(found, Announcement))
 
     def _peers_with_expiration(self) -> _Request[dict[str, tuple[Announcement, float]]]:
         def finish(found: ValueWithExpiration | None) -> dict[str, tuple[Announcement, float]]:
@@ -270,9 +268,8 @@ class RunRecords:
     async def a_withdraw(self, peer_id: str) -> bool:
         return await self._withdraw(peer_id).wait_async()
 
-    def peers(self, latest: bool = True) -> dict[str, Announcement]:
-        """The live announcements; with `latest=False` the first copy found (see `_get`): cheaper, maybe older."""
-        return self._peers(latest).wait()
+    def peers(self) -> dict[str, Announcement]:
+        return self._peers().wait()
 
     async def a_peers(self) -> dict[str, Announcement]:
         return await self._peers().wait_async()

@@ -35,7 +35,6 @@ from murmur.dht import (
     NodeConfig,
     NodeError,
     PeerState,
-    RosterWatch,
     RunRecord,
     RunRecords,
     ensure_identity,
@@ -308,11 +307,9 @@ def test_run_record_schema() -> None:
 class FakeDHT:
     """Stands in for hivemind.DHT: answers get() from a dict and records store() calls."""
 
-    def __init__(self, found: dict[str, Any] | None = None, *, cheap_reads: bool = False) -> None:
+    def __init__(self, found: dict[str, Any] | None = None) -> None:
         self.found = found or {}
         self.stores: list[tuple[str, Any, float, str | None]] = []
-        self.cheap_reads = cheap_reads  # whether a reader may take the first copy (the roster watch, between searches)
-        self.latest: list[bool] = []
 
     def store(self, key: str, value: Any, expiration_time: float, subkey: str | None = None, **_: Any) -> MPFuture:
         msgpack.packb(value)  # what hivemind would do with it
@@ -320,8 +317,7 @@ class FakeDHT:
         return self._done(True)
 
     def get(self, key: str, latest: bool = False, **_: Any) -> MPFuture:
-        assert latest or self.cheap_reads, "RunRecords must ask for the latest value so subkeys from all nodes merge"
-        self.latest.append(latest)
+        assert latest, "RunRecords must ask for the latest value so subkeys from all nodes merge"
         return self._done(self.found.get(key))
 
     @staticmethod
@@ -395,20 +391,6 @@ def test_heartbeat_beats_and_withdraws() -> None:
         wait_for(lambda: heartbeat.beats, lambda beats: beats >= 3, timeout=5.0)
     assert dht.stores[-1][1] is None and dht.stores[-1][3] == PEER
     assert heartbeat.period == 0.02 and Heartbeat(records, announcement).period == pytest.approx(0.1)
-
-
-def test_the_roster_watch_searches_every_copy_one_read_in_search_every() -> None:
-    found = {"r:peers": entry({PEER: entry(announcement().model_dump(mode="json"))})}
-    dht = FakeDHT(found, cheap_reads=True)
-    watch = RosterWatch(RunRecords(dht, "r"), period=0.01, search_every=3).start()  # type: ignore[arg-type]
-    try:
-        wait_for(lambda: watch.reads, lambda reads: reads >= 7, timeout=5.0)
-    finally:
-        watch.stop()
-    assert watch.peers == {PEER: announcement()}
-    assert dht.latest[:7] == [True, False, False, True, False, False, True]  # the first read searches
-    with pytest.raises(ValueError, match="search_every"):
-        RosterWatch(RunRecords(dht, "r"), search_every=0)  # type: ignore[arg-type]
 
 
 def test_config_keeper_stores_at_once_then_every_third_of_the_ttl_and_refuses_a_dht_that_drops_it() -> None:
