@@ -357,8 +357,8 @@ class ErrorFeedback:
         if whole is not None and tuple(whole.shape) == full and whole.dtype == (self.dtype or residual.dtype):
             (whole if rows is None else whole[rows]).copy_(residual)
         elif rows is None:
-            converts = self.dtype is not None and residual.dtype != self.dtype  # .to() makes a new tensor then
-            self.residuals[name] = self._kept(residual) if owned or converts else residual.detach().clone()
+            kept = self._kept(residual)
+            self.residuals[name] = kept if owned else kept.clone()
         else:
             whole = self.residuals[name] = residual.new_zeros(full, dtype=self.dtype or residual.dtype)
             whole[rows] = residual.detach()

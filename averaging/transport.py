@@ -91,10 +91,7 @@ class Gate:
 
     def leave(self, remote: str) -> None:
         self.total -= 1
-        if (left := self.open[remote] - 1) > 0:
-            self.open[remote] = left
-        else:
-            del self.open[remote]
+        _decrement(self.open, remote)
 
     async def run(self, remote: str, stream: Stream, handler: Handler) -> None:
         """`handler(remote, stream)` if the stream is admitted, then close it either way."""
@@ -106,10 +103,7 @@ class Gate:
                     await asyncio.sleep(hold)
                 finally:
                     self.held -= 1
-                    if (left := self.held_by[remote] - 1) > 0:
-                        self.held_by[remote] = left
-                    else:
-                        del self.held_by[remote]
+                    _decrement(self.held_by, remote)
             await stream.close()
             return
         try:
@@ -121,6 +115,14 @@ class Gate:
 
 def _nobody(remote: str) -> bool:
     return False
+
+
+def _decrement(counts: dict[str, int], remote: str) -> None:
+    """One fewer for `remote`; a count that reaches zero is dropped (the tables stay as small as what is open)."""
+    if (left := counts[remote] - 1) > 0:
+        counts[remote] = left
+    else:
+        del counts[remote]
 
 
 @dataclass

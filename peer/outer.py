@@ -43,6 +43,8 @@ from murmur.averaging.group import GroupResult, Offer
 from murmur.averaging.lazy import Lazy
 from murmur.peer.checkpoint import CheckpointError, check_count, check_tensors
 
+RESIDUAL_DTYPES = {"bf16": torch.bfloat16, "fp32": torch.float32}  # OuterConfig.residual_precision
+
 
 @dataclass(frozen=True, kw_only=True)
 class OuterConfig:
@@ -60,11 +62,10 @@ class OuterConfig:
             raise ValueError(f"outer lr must be > 0 and momentum in [0, 1), got {self.lr} and {self.momentum}")
         if self.block_elements < 1:
             raise ValueError(f"block_elements must be at least 1, got {self.block_elements}")
-        if self.residual_precision not in ("bf16", "fp32"):
+        if self.residual_precision not in RESIDUAL_DTYPES:
             raise ValueError(f"residual_precision must be bf16 or fp32, got {self.residual_precision!r}")
 
 
-RESIDUAL_DTYPES = {"bf16": torch.bfloat16, "fp32": torch.float32}
 MIN_BLOCK_ROWS = 8  # fewer rows could make a block "tiny" and dense (`averaging.compression.plan`)
 
 
@@ -249,12 +250,12 @@ class OuterOptimizer:
         """Bytes this optimizer will hold at most: its state (anchor, the fp16 origin, momentum, and once it has
         exchanged, the error-feedback residual) and an exchange's working set, which goes tensor by tensor (an
         offer's, the decoded contributions' and the projection's copies of the largest piece: `pieces`)."""
-        sizes = [4 * a.numel() for a in self.anchor.values()]
+        numel = sum(a.numel() for a in self.anchor.values())
         largest = max((4 * math.prod(shape) for shape in self.shapes.values()), default=0)
-        copies = 1 + bool(self.momentum)  # anchor, momentum
-        residual = self.config.error_feedback * RESIDUAL_DTYPES[self.config.residual_precision].itemsize / 4
+        residual = self.config.error_feedback * RESIDUAL_DTYPES[self.config.residual_precision].itemsize
+        state = (4 * (1 + bool(self.momentum)) + residual) * numel  # anchor, momentum, residual
         origin = sum(o.numel() * o.element_size() for o in self.origin.values())
-        return int((copies + residual) * sum(sizes)) + origin + exchange_copies * largest
+        return state + origin + exchange_copies * largest
 
     def _pull(self, group: str, name: str, rows: slice | None, projection: Projection) -> None:
         """Move a state's piece to the round's agreement: exactly to its mean (adopt: the same bits on every
