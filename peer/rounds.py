@@ -221,7 +221,11 @@ class RoundEngine:
     # -- the finish --------------------------------------------------------------------------------------
     def finish(self, now: float) -> bool:
         """Training is over: True if finish rounds follow (the driver flushes pending work first)."""
-        length = self._seconds() or (self.appointment.seconds if self.appointment is not None else 1.0)
+        # the grid this peer trained on last, which its partners shared (peers stopped by one `until` end on the
+        # same round); the roster's pace would differ between peers that read it before and after the others
+        # stopped training, and finish rounds on two grids never meet
+        trained = self.appointment.seconds if self.appointment is not None else None
+        length = trained or self._seconds() or 1.0
         self._finish_grid = max(length / FINISH_GRID, min(length, self.config.shortest_round))
         self._finish_patience = max(2, math.ceil(2 * length / self._finish_grid))  # lonely rounds: two rounds' time
         self.finish_left = self.config.finish_rounds

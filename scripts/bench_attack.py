@@ -318,6 +318,7 @@ def add_flood(report: dict, quick: bool) -> None:
     print(f"flood: honest samples/s ratio {flood['samples_per_second_ratio']:.3f} (per honest CPU-second "
           f"{flood['samples_per_honest_cpu_second_ratio']:.3f}), peak RSS growth {flood['rss_growth_mb']:.1f} MB, "
           f"crashes {flood['crashes']}, met {flood['met']}", flush=True)  # fmt: skip
+    print(f"flood: RSS growth by process (MB) {flood['rss_growth_mb_by_process']}", flush=True)
 
 
 def judge_all(report: dict, expected: int) -> None:

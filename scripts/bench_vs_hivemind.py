@@ -68,9 +68,11 @@ from netlab import HUB_HOST, NetLab, is_root
 from murmur.averaging.group import GroupConfig
 from murmur.peer.config import TrainConfig
 from murmur.peer.metrics import PeerReport, read_metrics
+from murmur.peer.model import MODELS
 from murmur.peer.sim.simulate import join_command, launch, stop_processes
 
 RESULTS = Path(__file__).resolve().parent / "results"
+MIN_ROUNDS = 10  # issue 16: a model is compared where bytes matter only if Murmur trains this many rounds a peer
 WORKER = Path(__file__).resolve().parent / "hivemind_worker.py"
 STACKS = ("hivemind", "murmur")
 SCENARIOS = ("clean", "kill", "shaped")
@@ -105,6 +107,13 @@ class Trace:
     points: list[tuple[float, int, float]]
     final_loss: float | None
     eval_samples: int = 0  # samples the peer had trained when it was evaluated (it finishes its step or round)
+    rounds: list[tuple[float, int]] = field(default_factory=list)  # (wall time, rounds or hivemind epochs so far)
+
+    def rounds_within(self, start: float, end: float) -> int:
+        """Rounds (a Murmur peer's outer steps, a hivemind peer's epochs) that ended inside the window."""
+        inside = [r for when, r in self.rounds if start <= when <= end]
+        before = [r for when, r in self.rounds if when < start]
+        return max(inside, default=0) - max(before, default=0) if inside else 0
 
     def samples_at(self, t: float) -> int:
         return max((samples for when, samples, _ in self.points if when <= t), default=0)
@@ -118,14 +127,16 @@ def murmur_trace(out: Path, peer: int) -> Trace:
     report = out / f"peer-{peer}" / "report.json"
     final = PeerReport.model_validate_json(report.read_text()) if report.exists() else None
     points = [(r["t"], r["samples"], r["blocked"]) for r in records]
-    return Trace(points, final and final.final_eval_loss, final.samples if final else 0)
+    rounds = [(r["t"], r["round"]) for r in records]
+    return Trace(points, final and final.final_eval_loss, final.samples if final else 0, rounds)
 
 
 def hivemind_trace(out: Path, peer: int) -> Trace:
     records = read_metrics(out / f"peer-{peer}.jsonl")
     losses = [r["final_eval_loss"] for r in records if "final_eval_loss" in r]
     points = [(r["t"], r["samples"], r["wait"]) for r in records if "samples" in r]
-    return Trace(points, losses[-1] if losses else None, points[-1][1] if losses and points else 0)
+    epochs = [(r["t"], r["epoch"]) for r in records if "epoch" in r]
+    return Trace(points, losses[-1] if losses else None, points[-1][1] if losses and points else 0, epochs)
 
 
 class SocketMeter:
@@ -297,6 +308,8 @@ class Run:
             "eval_loss_worst": round(max(losses), 4) if losses else None,
             "peers_evaluated": len(losses),
             "samples_at_eval_mean": round(sum(t.eval_samples for t in survivors) / len(survivors)),
+            # issue 16's rule for `--model`: the largest model that still trains >= 10 rounds a peer in the budget
+            "rounds_per_peer": round(sum(t.rounds_within(start, end) for t in survivors) / len(survivors), 1),
             "bytes_sent_per_peer": [sent for sent, _ in traffic],
             "bytes_received_per_peer": [received for _, received in traffic],
             "mean_megabytes_on_wire_per_peer": round(sum(s + r for s, r in traffic) / len(traffic) / 1e6, 3),
@@ -323,6 +336,11 @@ def compare(config: BenchConfig, scenario: str, results: dict) -> dict:
     targets = {}
     if scenario in ("clean", "shaped"):
         targets = {"samples/s >= 1.5 x hivemind": ratio is not None and ratio >= 1.5, "loss no worse": bool(loss_ok)}
+        if scenario == "shaped":
+            # issue 16: where bytes matter, twice hivemind's, at the largest registry model that still trains
+            # MIN_ROUNDS rounds a peer in the budget (`--model`); the last target says whether this one does
+            targets = {"samples/s >= 2 x hivemind": ratio is not None and ratio >= 2.0} | targets
+            targets[f"Murmur trains >= {MIN_ROUNDS} rounds a peer"] = m.get("rounds_per_peer", 0) >= MIN_ROUNDS
     elif scenario == "kill":
         limit = config.exchange_timeout + 1
         targets = {f"no Murmur survivor stalls > {limit:g} s": m["longest_stall_seconds"] <= limit}
@@ -365,7 +383,7 @@ def tune(config: BenchConfig, runs: Path, names: list[str]) -> dict:
 
 def table(result: dict) -> str:
     lines = [f"{'scenario':<8} {'stack':<9} {'samples/s':>9} {'loss mean':>9} {'worst':>7} "
-             f"{'MB/peer':>8} {'stall s':>7} {'gap s':>6}"]  # fmt: skip
+             f"{'MB/peer':>8} {'stall s':>7} {'gap s':>6} {'rounds':>6}"]  # fmt: skip
     for scenario, row in result["scenarios"].items():
         if "skipped" in row:
             lines.append(f"{scenario:<8} skipped: {row['skipped']}")
@@ -375,7 +393,8 @@ def table(result: dict) -> str:
             lines.append(
                 f"{scenario:<8} {stack:<9} {r['samples_per_second']:>9.2f} {r['eval_loss_mean'] or float('nan'):>9.4f} "
                 f"{r['eval_loss_worst'] or float('nan'):>7.4f} {r['mean_megabytes_on_wire_per_peer']:>8.2f} "
-                f"{r['longest_stall_seconds']:>7.2f} {r['longest_progress_gap_seconds']:>6.2f}"
+                f"{r['longest_stall_seconds']:>7.2f} {r['longest_progress_gap_seconds']:>6.2f} "
+                f"{r.get('rounds_per_peer', float('nan')):>6.1f}"
             )
         met = ", ".join(f"{k}: {'met' if v else 'NOT met'}" for k, v in row["targets"].items())
         lines.append(f"{'':<8} Murmur/hivemind samples/s {row['samples_per_second_ratio']}x; {met}")
@@ -390,6 +409,8 @@ def main() -> None:
     parser.add_argument("--budget", type=float, help="seconds measured per stack and scenario (default 90, quick 15)")
     parser.add_argument("--scenarios", nargs="+", choices=SCENARIOS, help="default: all three (quick: clean kill)")
     parser.add_argument("--preset", choices=sorted(PRESETS), help="hivemind.Optimizer preset (default: the tuned best)")
+    parser.add_argument("--model", choices=list(MODELS), help="registry model both stacks train (default gpt-tiny); "
+                        "results go to bench_vs_hivemind_<model>.json")  # fmt: skip
     parser.add_argument("--loopback", action="store_true", help="no namespaces even as root (bytes from ss)")
     parser.add_argument("--out", type=Path, default=RESULTS, help="folder for the JSON (default: %(default)s)")
     parser.add_argument("--runs", type=Path, default=Path("runs/bench_vs_hivemind"), help="folder for peer logs")
@@ -401,6 +422,8 @@ def main() -> None:
     try:
         config = BenchConfig(**(quick if args.quick else {}) | {k: v for k, v in chosen.items() if v is not None},
                              namespaces=not args.loopback)  # fmt: skip
+        if args.model:
+            config = replace(config, train=config.train.model_copy(update={"model": args.model}))
     except ValueError as e:
         parser.error(str(e))
     signal.signal(signal.SIGTERM, lambda *_: sys.exit(143))  # unwinds through every `finally`: namespaces go
@@ -411,9 +434,14 @@ def main() -> None:
         sys.exit(f"bench_vs_hivemind: {e}")
 
 
+def suffix(config: BenchConfig) -> str:
+    """The results' file name suffix: none for the default model, `_<model>` for another."""
+    return "" if config.train.model == TrainConfig().model else f"_{config.train.model}"
+
+
 def execute(config: BenchConfig, args: argparse.Namespace) -> None:
     if args.tune:  # --preset tunes that one alone, added to the presets already in the file
-        path = args.out / "bench_vs_hivemind_tuning.json"
+        path = args.out / f"bench_vs_hivemind_tuning{suffix(config)}.json"
         result = tune(config, args.runs, [args.preset] if args.preset else list(PRESETS))
         if args.preset and path.exists():
             result["presets"] = json.loads(path.read_text())["presets"] | result["presets"]
@@ -421,7 +449,7 @@ def execute(config: BenchConfig, args: argparse.Namespace) -> None:
         print(f"written to {path}")
         return
     result = bench(config, args.runs)
-    path = args.out / "bench_vs_hivemind.json"
+    path = args.out / f"bench_vs_hivemind{suffix(config)}.json"
     path.write_text(json.dumps(result, indent=2) + "\n")
     print(f"hivemind: {result['hivemind_preset']}\nbytes: {result['bytes_method']}")
     print(table(result))

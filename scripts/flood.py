@@ -154,6 +154,10 @@ def _measure(config: FloodConfig, name: str, out: Path, flood: bool, split) -> d
         "exchanges_failed": failed,
         "partners_unreachable": unreachable,
         "peak_rss_mb": [round(meter.peak.get(pid, 0.0), 1) for pid in pids],
+        # each process's own peak, per peer: where a growth is (the peer, its DHT worker, its p2pd)
+        "peak_rss_mb_by_process": [
+            {role: round(mb, 1) for role, mb in meter.peak_by_role.get(pid, {}).items()} for pid in pids
+        ],  # fmt: skip
         "crashed": [f"peer{i}" for i in crashed],
         "honest_cpu_seconds": round(cpu, 1),  # the peers' process trees, over the window
         "honest_cpu_seconds_by_process": roles,
@@ -180,6 +184,9 @@ def run_flood(config: FloodConfig, runs: Path = Path("runs/bench_attack")) -> di
     clean = _phase(config, "flood-clean", runs / "flood-clean", flood=False)
     flooded = _phase(config, "flood", runs / "flood", flood=True)
     growth = max(f - c for f, c in zip(flooded["peak_rss_mb"], clean["peak_rss_mb"], strict=True))
+    pairs = list(zip(flooded["peak_rss_mb_by_process"], clean["peak_rss_mb_by_process"], strict=True))
+    by_process = {role: round(max(f.get(role, 0.0) - c.get(role, 0.0) for f, c in pairs), 1)
+                  for role in sorted({role for f, _ in pairs for role in f})}  # fmt: skip
     ratio = flooded["samples_per_second"] / max(clean["samples_per_second"], 1e-9)
     efficiency = flooded["samples_per_honest_cpu_second"] / max(clean["samples_per_honest_cpu_second"], 1e-9)
     crashes = len(clean["crashed"]) + len(flooded["crashed"])
@@ -192,6 +199,7 @@ def run_flood(config: FloodConfig, runs: Path = Path("runs/bench_attack")) -> di
         # itself takes on this shared machine
         "samples_per_honest_cpu_second_ratio": round(efficiency, 3),
         "rss_growth_mb": round(growth, 1),
+        "rss_growth_mb_by_process": by_process,  # each process's largest growth over the peers
         "crashes": crashes,
         "targets": {"rss_growth_mb": TARGET_RSS_MB, "samples_per_second_ratio": TARGET_RATIO, "crashes": 0},
         "met": growth <= TARGET_RSS_MB and ratio >= TARGET_RATIO and crashes == 0,

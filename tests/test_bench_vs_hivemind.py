@@ -11,6 +11,7 @@ from pathlib import Path
 
 import pytest
 
+from murmur.peer.config import TrainConfig
 from tests.test_swarm import tagged_processes
 
 SCRIPTS = Path(__file__).resolve().parent.parent / "scripts"
@@ -84,9 +85,35 @@ def test_quick_kill_scenario_trains_both_stacks_measures_bytes_and_reaps_everyth
         assert r["peers_evaluated"] == 1 and 0 < r["eval_loss_mean"] == r["eval_loss_worst"] < 6
         assert len(r["bytes_sent_per_peer"]) == 2 and min(r["bytes_sent_per_peer"] + r["bytes_received_per_peer"]) > 0
         assert 0 <= r["longest_stall_seconds"] and 0 < r["longest_progress_gap_seconds"] <= r["seconds"] + 60
+    assert kill["murmur"]["rounds_per_peer"] >= 1 and kill["hivemind"]["rounds_per_peer"] >= 0
     assert kill["samples_per_second_ratio"] > 0 and isinstance(kill["loss_no_worse"], bool)
     assert set(kill["targets"]) == {"no Murmur survivor stalls > 11 s"}
     assert "kill" in out and "Murmur/hivemind samples/s" in out
     assert namespaces(f"mvh{proc.pid}") == []
     left = tagged_processes(tag)
     assert not left, f"the bench left processes running: {left}"
+
+
+def test_the_shaped_scenario_asks_twice_hivemind_and_enough_rounds_and_another_model_has_its_own_file():
+    """Issue 16's target where bytes matter: 2x hivemind's samples/s at the largest model that still trains 10
+    rounds a peer (the shaped row says whether this one does); `--model` results do not overwrite the default's."""
+    stack = {"samples_per_second": 10.0, "eval_loss_mean": 2.0, "rounds_per_peer": 6.0}
+    results = {"hivemind": stack, "murmur": stack | {"samples_per_second": 17.0, "eval_loss_mean": 1.9}}
+    default, small = BenchConfig(), BenchConfig(train=TrainConfig(model="gpt-small"))
+    assert bench_vs_hivemind.compare(default, "clean", results)["targets"] == {
+        "samples/s >= 1.5 x hivemind": True, "loss no worse": True}  # fmt: skip
+    assert bench_vs_hivemind.compare(small, "shaped", results)["targets"] == {
+        "samples/s >= 2 x hivemind": False, "samples/s >= 1.5 x hivemind": True, "loss no worse": True,
+        "Murmur trains >= 10 rounds a peer": False}  # fmt: skip
+    results["murmur"] |= {"samples_per_second": 21.0, "rounds_per_peer": 10.0}
+    assert all(bench_vs_hivemind.compare(default, "shaped", results)["targets"].values())
+    assert bench_vs_hivemind.suffix(default) == "" and bench_vs_hivemind.suffix(small) == "_gpt-small"
+
+
+def test_rounds_per_peer_count_the_rounds_that_ended_inside_the_window():
+    """A peer that had ended 3 rounds before the window and 7 by its end trained 4 in it; one that ended none
+    inside the window trained none there, whatever it did before."""
+    trace = bench_vs_hivemind.Trace([], None, rounds=[(1.0, 1), (4.0, 3), (6.0, 4), (9.0, 7), (12.0, 8)])
+    assert trace.rounds_within(5.0, 10.0) == 4
+    assert trace.rounds_within(10.0, 11.0) == 0
+    assert trace.rounds_within(0.0, 20.0) == 8

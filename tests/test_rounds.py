@@ -149,6 +149,21 @@ def test_lonely_rounds_keep_the_work_pending_then_step_alone_and_the_finish_stop
     assert not RoundEngine("y", dataclasses.replace(CONFIG, finish_rounds=0)).finish(0.0)
 
 
+def test_peers_that_finish_a_round_apart_share_the_finish_grid_of_the_rounds_they_trained_on():
+    """The first to stop still sees its partner training on the 32 s grid; the second sees it finishing (no
+    training appointment on the roster) and its own pace (10 steps of 1 s). Both must finish on one grid, or
+    their finish rounds never meet (a 124M swarm's two peers got 0 finish exchanges that way)."""
+    grids = []
+    for partner in (seen("b", "32.0@3", 1.0), seen("b", Appointment(seconds=4.0, slot=30).key, 1.0, "finishing")):
+        engine = RoundEngine("me", CONFIG)
+        engine.appointment = Appointment(seconds=32.0, slot=3)
+        engine.step_fits(90.0, 1.0)
+        engine._observe(96.0, [partner])
+        assert engine.finish(96.0)
+        grids.append(engine.next_finish(96.0, [partner]).seconds)
+    assert grids == [32.0 / FINISH_GRID] * 2
+
+
 def test_a_lonely_finish_round_that_ends_at_its_own_instant_moves_to_the_next_one():
     """On a virtual clock a leader alone seals at the very instant; the next finish round must not be the same
     appointment again (a 1024-peer simulation spent a peer's whole patience at one instant that way)."""

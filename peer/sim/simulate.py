@@ -136,14 +136,15 @@ class TreeMeter:
     Sampled by the caller (once a second, say), keeping the last CPU reading per process: a killed
     process's CPU up to its last sample still counts (a victim is sampled just before its kill; one that
     exits by itself loses at most its last second). `peak[pid]` is the largest RSS (MiB) seen of the tree
-    under root `pid`. `by_role()` splits the CPU among the roots ("peer"), their python children ("dht worker")
-    and the rest by name ("p2pd").
+    under root `pid`, and `peak_by_role[pid][role]` each role's own largest RSS in it. `by_role()` splits the
+    CPU among the roots ("peer"), their python children ("dht worker") and the rest by name ("p2pd").
     """
 
     def __init__(self) -> None:
         self.seen: dict[tuple[int, float], float] = {}  # (pid, create time): user + system seconds
         self.role: dict[tuple[int, float], str] = {}
         self.peak: dict[int, float] = {}  # root pid -> MiB
+        self.peak_by_role: dict[int, dict[str, float]] = {}  # root pid -> role -> MiB
 
     def sample(self, pids: list[int]) -> None:
         for pid in pids:
@@ -152,7 +153,7 @@ class TreeMeter:
                 tree = [root, *root.children(recursive=True)]
             except psutil.Error:
                 continue
-            rss = 0
+            rss, roles = 0, self.peak_by_role.setdefault(pid, {})
             for proc in tree:
                 try:
                     with proc.oneshot():
@@ -161,7 +162,9 @@ class TreeMeter:
                             name = proc.name()
                             self.role[key] = "peer" if proc is root else "dht worker" if "python" in name else name
                         self.seen[key] = times.user + times.system
-                        rss += proc.memory_info().rss
+                        size = proc.memory_info().rss
+                        rss += size
+                        roles[self.role[key]] = max(roles.get(self.role[key], 0.0), size / 2**20)
                 except psutil.Error:
                     continue
             self.peak[pid] = max(self.peak.get(pid, 0.0), rss / 2**20)
