@@ -661,6 +661,19 @@ def test_stop_node_leaves_no_processes_or_sockets() -> None:
     assert descendants() <= before
 
 
+def test_every_node_s_p2pd_runs_with_a_bounded_go_heap(swarm: list[Any]) -> None:
+    """A flood of junk streams grew p2pd's Go heap by 120 MB at Go's defaults: each node's p2pd gets
+    `P2PD_GO_ENV` (or what the user set in the environment instead)."""
+    from murmur.dht.node import P2PD_GO_ENV
+
+    for node in swarm:
+        daemons = [p for p in psutil.Process(node.pid).children(recursive=True) if p.name() == "p2pd"]
+        assert daemons
+        for daemon in daemons:
+            env = daemon.environ()
+            assert {k: env.get(k) for k in P2PD_GO_ENV} == {k: os.environ.get(k, v) for k, v in P2PD_GO_ENV.items()}
+
+
 @pytest.mark.slow
 def test_an_announcement_is_validated_once_per_store_not_once_per_read(swarm: list[Any], monkeypatch) -> None:
     from murmur.dht import records as records_module
