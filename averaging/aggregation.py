@@ -141,17 +141,18 @@ class RobustAggregator:
         contributions: Mapping[str, Sequence[torch.Tensor]],
         me: int,
         modes: Mapping[str, Mode],
-        offered: Mapping[str, torch.Tensor],
+        offered: Mapping[str, float],
     ) -> tuple[Lazy[Projection], dict[int, str]]:
         """A group exchange's projections, each other member judged as a pair's partner would be.
 
-        `contributions` holds, per tensor, every member's contribution in member order (`me`'s included).
+        `contributions` holds, per tensor, every member's contribution in member order (`me`'s included);
+        `offered` the squared norm of each tensor this member offered (`GroupRound.squares`).
         A member whose contribution is absurd is left out (the returned dict maps its index to the reason);
         one that is large is clipped. With nobody clipped or left out, the mean is the plain group mean, the
         same bits on every member (`averaging.mixing.group_mean`).
 
-        Both the judging and the projections go tensor by tensor (`contributions` and `offered` may compute
-        each tensor when read, and the projections are computed when read), so no step holds a model's worth
+        Both the judging and the projections go tensor by tensor (`contributions` may compute each tensor
+        when read, and the projections are computed when read), so no step holds a model's worth
         of any member's tensors: one pass sums each member's dot products, and each projection decodes its
         tensor's contributions again."""
         if not contributions:  # nothing travelled (the group's states already agree)
@@ -163,8 +164,7 @@ class RobustAggregator:
             group = group_of(name)
             if group not in judged:
                 continue
-            state = offered[name].reshape(-1).float()
-            states[group] = states.get(group, 0.0) + float(torch.dot(state, state))
+            states[group] = states.get(group, 0.0) + offered[name]
             if name not in contributions:
                 continue
             c = contributions[name]
@@ -184,12 +184,26 @@ class RobustAggregator:
                     far[0][j] += float((stacked[j] - median).square().sum())
                 far[1] += float(median.square().sum())
                 del stacked
-            for j, cj in enumerate(c):
-                flat = cj.reshape(-1).float()
-                squares[j][group] = squares[j].get(group, 0.0) + float(torch.dot(flat, flat))
-                if j != me:
-                    base = (total - cj) / (members - 1) if total is not None else c[me]
-                    _add_dots(pairs[j].setdefault(group, [0.0, 0.0, 0.0]), base, (base + cj) / 2)
+            flats = [cj.reshape(-1).float() for cj in c]
+            norms = [float(torch.dot(f, f)) for f in flats]
+            if total is not None:
+                total = total.reshape(-1).float()
+                tt = float(torch.dot(total, total))
+            for j, flat in enumerate(flats):
+                squares[j][group] = squares[j].get(group, 0.0) + norms[j]
+                if j == me:
+                    continue
+                # the pair's dot products [‖b‖², ‖(b + c_j)/2‖², ⟨b, (b + c_j)/2⟩], b the base c_j is judged
+                # against, from ‖b‖² and ⟨b, c_j⟩ alone: one dot product a member, no temporaries
+                if total is not None:  # b = (total − c_j) / (G − 1)
+                    k, tc = members - 1, float(torch.dot(total, flat))
+                    bb, bc = max(0.0, tt - 2 * tc + norms[j]) / k**2, (tc - norms[j]) / k
+                else:  # b = our own contribution
+                    bb, bc = norms[me], float(torch.dot(flats[me], flat))
+                acc = pairs[j].setdefault(group, [0.0, 0.0, 0.0])
+                acc[0] += bb
+                acc[1] += (bb + 2 * bc + norms[j]) / 4
+                acc[2] += (bb + bc) / 2
         reference = None
         if members >= 3:  # the median member sets the scale: honest peers of unequal speed or age differ
             reference = {g: statistics.median(math.sqrt(n[g]) for n in squares) for g in squares[0]}

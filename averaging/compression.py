@@ -139,9 +139,10 @@ def int8_encode(slot: Slot, tensor: torch.Tensor, scale_dtype: torch.dtype) -> t
     """Each row rounded to int8 steps of max|row|/127; the scale is rounded to `scale_dtype` first, so
     that encoder and decoder use the same step."""
     m = tensor.detach().reshape(slot.rows, slot.cols).float()
-    scale = quantize(m.abs().amax(dim=1) / 127, scale_dtype)
+    low, high = torch.aminmax(m, dim=1)  # max|row| without a temporary |m|
+    scale = quantize(torch.maximum(high, low.neg_()) / 127, scale_dtype)
     step = scale.float().clamp_min(torch.finfo(torch.float32).tiny).reshape(-1, 1)
-    codes = torch.round(m / step).clamp_(-127, 127).to(torch.int8)
+    codes = torch.div(m, step).round_().clamp_(-127, 127).to(torch.int8)
     return codes, scale
 
 
@@ -172,7 +173,7 @@ def sign_encode(slot: Slot, tensor: torch.Tensor, scale_dtype: torch.dtype) -> t
     signSGD with error feedback (Karimireddy et al. 2019), one scale per row rather than per tensor.
     """
     m = tensor.detach().reshape(slot.rows, slot.cols).float()
-    scale = quantize(m.abs().mean(dim=1), scale_dtype)
+    scale = quantize(torch.linalg.vector_norm(m, ord=1, dim=1).div_(slot.cols), scale_dtype)  # mean |row|, no |m|
     bits = m.reshape(-1) >= 0
     if bits.numel() % 8:
         bits = torch.nn.functional.pad(bits, (0, (-bits.numel()) % 8))

@@ -56,6 +56,9 @@ class Offer:
     step: int
     tensors: Mapping[str, torch.Tensor]
     modes: dict[str, Mode]
+    # what the "diff" tensors stand for, read without computing them (an optimizer's anchors themselves, where
+    # it offers them relative to the run's start): the digest hashes these; None hashes the tensors
+    states: Mapping[str, torch.Tensor] | None = None
 
 
 @dataclass(frozen=True)
@@ -116,11 +119,13 @@ class Misbehaved(ExchangeFailed):
 
 
 def state_digest(offer: Offer) -> str:
-    """A digest of the states an offer pulls together ("diff" tensors): equal digests, nothing to pull."""
+    """A digest of the states an offer pulls together ("diff" tensors, or what `offer.states` says they stand
+    for): equal digests, nothing to pull."""
     h = hashlib.sha256()
+    states = offer.tensors if offer.states is None else offer.states
     for name in sorted(n for n, m in offer.modes.items() if m == "diff"):
         h.update(name.encode())
-        h.update(wire.tensor_buffer(offer.tensors[name].detach().float()))
+        h.update(wire.tensor_buffer(states[name].detach().float()))
     return h.hexdigest()[:32]
 
 

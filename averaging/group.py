@@ -408,7 +408,7 @@ class GroupAverager:
         going, contributions = outcome
         index = going.index(seal.me)
         ignored_before = self.aggregator.ignored
-        checked, refused = self.aggregator.check_group(contributions, index, self.modes, offer.tensors)
+        checked, refused = self.aggregator.check_group(contributions, index, self.modes, exchange.round.squares)
         ignored = self.aggregator.ignored != ignored_before  # a state left out of the pull: nobody adopts a mean
         makers = {}
         for name, slot in self.slots.items():

@@ -82,6 +82,9 @@ class GroupRound:
         self.q_init = {name: q.float() for name, q in q_init.items()}
         self.device = tensors[next(iter(self.slots))].device if self.slots else torch.device("cpu")
         self._basis: dict[str, torch.Tensor] = {}  # low-rank slot -> (n, r) float32, shared by the group
+        # ‖offered tensor‖² per slot, taken as phase 1 reads it (the judging's scale for states: the offer's
+        # tensors are computed when read, and this spares computing them once more)
+        self.squares: dict[str, float] = {}
         self._next_q: dict[str, torch.Tensor] = {}
 
     @property
@@ -97,12 +100,15 @@ class GroupRound:
         cfg = self.compressor.config
         out: dict[str, torch.Tensor] = {}
         for name, slot in self.slots.items():
+            tensor = self.tensors[name].detach()
+            flat = tensor.reshape(-1).float()
+            self.squares[name] = float(torch.dot(flat, flat))
             if slot.dense:
-                out[name] = quantize(self.tensors[name], cfg.dense_dtype)
+                out[name] = quantize(tensor, cfg.dense_dtype)
             elif slot.scaled:
-                out[name], out[name + SCALE_SUFFIX] = scaled_encode(slot, self.tensors[name], cfg.dense_dtype)
+                out[name], out[name + SCALE_SUFFIX] = scaled_encode(slot, tensor, cfg.dense_dtype)
             else:
-                m = self._matrix(name)
+                m = tensor.reshape(slot.rows, slot.cols).float()
                 out[name] = quantize(m @ self.q_init[name].to(m.device), cfg.factor_dtype)  # (n, r)
         return out
 
@@ -175,8 +181,10 @@ def group_mean(contributions: Sequence[torch.Tensor], weights: Sequence[float] |
         c = contributions[j]
         return c if weights is None or weights[j] == 1.0 else weights[j] * c
 
-    total = weighted(0).clone()  # (not zeros plus the first: one pass less, the same sum)
-    for j in range(1, len(contributions)):
+    if len(contributions) == 1:
+        return weighted(0).clone()
+    total = torch.add(weighted(0), weighted(1))  # (not a copy of the first plus the second: a pass less, same bits)
+    for j in range(2, len(contributions)):
         total.add_(weighted(j))
     return total.div_(len(contributions))
 

@@ -162,13 +162,16 @@ class OuterOptimizer:
         the model. It stands for the state at the time of reading, so the model, anchor and residual must not
         change between the offer and its `apply` (the round's exchange runs between the two)."""
         makers: dict[str, Callable[[], torch.Tensor]] = {}
+        states: dict[str, Callable[[], torch.Tensor]] = {}  # for the digest, views: the anchors themselves
+        # (equal anchors, equal relative ones: no subtraction to hash them) and the momentum
         for piece, name, rows in self.pieces:
             makers[f"delta/{piece}"] = partial(self._delta, name, rows)
             if f"anchor/{piece}" in self.modes:
                 makers[f"anchor/{piece}"] = partial(self._relative_anchor, name, rows)
+                states[f"anchor/{piece}"] = partial(self._anchor, name, rows)
             if f"momentum/{piece}" in self.modes:
-                makers[f"momentum/{piece}"] = partial(self._momentum, name, rows)
-        return Offer(step=self.step, tensors=Lazy(makers), modes=dict(self.modes))
+                makers[f"momentum/{piece}"] = states[f"momentum/{piece}"] = partial(self._momentum, name, rows)
+        return Offer(step=self.step, tensors=Lazy(makers), modes=dict(self.modes), states=Lazy(states))
 
     @torch.no_grad()
     def _delta(self, name: str, rows: slice | None) -> torch.Tensor:
@@ -179,6 +182,9 @@ class OuterOptimizer:
     @torch.no_grad()
     def _relative_anchor(self, name: str, rows: slice | None) -> torch.Tensor:
         return _rows(self.anchor[name], rows) - _rows(self.origin[name], rows)
+
+    def _anchor(self, name: str, rows: slice | None) -> torch.Tensor:
+        return _rows(self.anchor[name], rows)
 
     def _momentum(self, name: str, rows: slice | None) -> torch.Tensor:
         return _rows(self.momentum[name], rows)
@@ -203,7 +209,7 @@ class OuterOptimizer:
                     proj = result.projections[f"delta/{piece}"]
                     d = proj.mean
                     if self.config.error_feedback:
-                        residual = delta - proj.own  # a new tensor: handed over, or copied into the kept one
+                        residual = delta.sub_(proj.own)  # `delta` is this read's own tensor: handed over or copied
                         self.error_feedback.keep(name, residual, owned=True, rows=rows, shape=self.anchor[name].shape)
                     else:
                         self.error_feedback.keep(name, None)
@@ -263,8 +269,11 @@ class OuterOptimizer:
         start."""
         state = self.anchor if group == "anchor" else self.momentum
         if projection.adopt:
-            base = _rows(self.origin[name], rows) if group == "anchor" else 0.0
-            _rows(state[name], rows).copy_(base + projection.mean)  # in place, as the rest of the state
+            target = _rows(state[name], rows)  # in place, as the rest of the state
+            if group == "anchor":  # origin + mean, in float32 as the sum would be, without a temporary
+                target.copy_(_rows(self.origin[name], rows)).add_(projection.mean)
+            else:
+                target.copy_(projection.mean)
         else:
             _rows(state[name], rows).add_(projection.mean - projection.own)
 

@@ -37,10 +37,15 @@ def own_of(p):
     return {n: x.own for n, x in p.items()}
 
 
+def squares(offered):
+    """`check_group` takes the squared norm of each offered tensor, as phase 1 measured it."""
+    return {n: float(t.square().sum()) for n, t in offered.items()}
+
+
 def judge(p, offered, agg=None):
     """`check_group` on a group of two (us first): the pair's projections `p` as both members' contributions."""
     contributions = {n: [x.own, 2 * x.mean - x.own] for n, x in p.items()}
-    return (agg or RobustAggregator()).check_group(contributions, 0, MODES, offered)
+    return (agg or RobustAggregator()).check_group(contributions, 0, MODES, squares(offered))
 
 
 def refused(p, offered, match, agg=None):
@@ -87,7 +92,7 @@ def test_in_a_group_an_update_is_judged_by_the_others_direction():
         contributions = {"delta/w": [d - 1.5 * e, theirs, d.clone(), d.clone()]}
         as_a_pair = Projection(own=d - 1.5 * e, mean=(d - 1.5 * e + theirs) / 2)
         assert group_stats({"delta/w": as_a_pair})["delta"].cosine < -0.1
-        checked, out = RobustAggregator().check_group(contributions, 0, modes, {"delta/w": d - 1.5 * e})
+        checked, out = RobustAggregator().check_group(contributions, 0, modes, squares({"delta/w": d - 1.5 * e}))
         assert set(out) == left_out, out
         if not left_out:
             torch.testing.assert_close(checked["delta/w"].mean, sum(contributions["delta/w"]) / 4)

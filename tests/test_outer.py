@@ -164,3 +164,20 @@ def test_a_kept_residual_is_written_over_in_place_and_a_spent_one_zeroed():
     assert ef.residuals["w"] is kept and not kept.any()
     ef.keep("w", None)
     assert "w" not in ef.residuals
+
+
+@pytest.mark.parametrize("momentum", [0.0, 0.9])
+def test_the_state_digest_hashes_the_anchors_without_computing_the_relative_ones(momentum, monkeypatch):
+    """Equal states, equal digests (nothing to pull); one element apart, different ones; and the digest reads
+    the anchors (and momentum) as they are, not `anchor − origin` once more per round."""
+    from murmur.averaging.exchange import state_digest
+
+    a, b, _ = peers(block=512, momentum=momentum)
+    for name in a.anchor:
+        b.anchor[name].copy_(a.anchor[name])
+        b.momentum.get(name, torch.zeros(0)).copy_(a.momentum.get(name, torch.zeros(0)))
+    monkeypatch.setattr(OuterOptimizer, "_relative_anchor", lambda *_: pytest.fail("the digest computed an offer"))
+    assert state_digest(a.offer()) == state_digest(b.offer())
+    name = next(iter(b.anchor))
+    b.anchor[name].view(-1)[-1] += 1e-3
+    assert state_digest(a.offer()) != state_digest(b.offer())

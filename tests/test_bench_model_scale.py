@@ -1,0 +1,30 @@
+"""scripts/bench_model_scale.py on the smallest model: two real averagers exchange over the in-memory transport,
+and the row holds what the issue asks per size (seconds per side, ns per parameter, added copies, bytes,
+state download and checkpoint seconds), with the targets judged."""
+
+import json
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(300)
+def test_the_smallest_model_s_row_is_measured_and_its_targets_judged(tmp_path: Path):
+    out = tmp_path / "scale.json"
+    done = subprocess.run([sys.executable, "scripts/bench_model_scale.py", "--models", "gpt-tiny", "--out", str(out)],
+                          capture_output=True, text=True, timeout=240)  # fmt: skip
+    assert done.returncode == 0, done.stderr[-2000:]
+    result = json.loads(out.read_text())
+    [row] = result["rows"]
+    assert row["model"] == "gpt-tiny" and row["params"] == 437_760
+    assert set(row["seconds_per_side"]) == {"offer", "exchange", "apply"}
+    assert row["ns_per_param_per_side"] == pytest.approx(1e9 * sum(row["seconds_per_side"].values()) / 437_760)
+    assert 0.2 < row["bytes_over_fp32"] < 0.4  # signs for the update, int8 for the anchors, and headers
+    assert row["added_fp32_copies"] > 0 and row["peak_rss"] > row["plain_peak_rss"]
+    assert row["state_download_seconds"] > 0 and row["checkpoint_write_seconds"] > 0
+    # no size from 57M up: that target cannot be met by this run alone
+    assert result["targets"]["ns_per_param_at_most_25_from_57M"] is False
+    assert "gpt-tiny" in done.stdout and "target added_fp32_copies_at_most_3" in done.stdout
