@@ -16,11 +16,22 @@ engine's memory of each peer it has seen (pure: the caller passes the time; no I
   addresses are not.
 
 Every table is bounded (`max_peers` entries, oldest dropped first), so a flood of fresh ids cannot grow
-memory. A peer with no trusted peer at an appointment (a newcomer: everybody is new to it) plans among the
-peers it may retry (`retryable`), since the alternative is a lonely round: those not barred, and barred ones
-whose last fault (of their own, or of their host's) is `retry_rounds` rounds old, doubling with each fault
-beyond the bar. Without that, two honest peers that missed each other once before either was proven would
-bar each other for `memory` seconds, and a two-peer swarm would not average for five minutes.
+memory.
+
+**Retries.** A barred peer is tried again at its retry appointments: every `retry_rounds`-th slot of the
+round grid, doubling with each fault beyond the bar. Retries sit on the grid, not at a delay after each
+fault, because two peers that barred each other a round apart (one missed the other's group, then the other
+missed the first's) would retry at alternate appointments, each planning the other while the other plans
+alone, for ever (seen in real two-peer swarms); on the grid, both retry at the same appointments and meet.
+
+* An unproven peer barred by fewer than `faults_proven` faults of its own is planned at its retry
+  appointments even by a peer that trusts others (`trusted` given the slot): else an honest newcomer that
+  missed one appointment (its first round is slow) stays out of a swarm whose peers all trust each other,
+  for `memory` seconds. An id that never comes costs at most `faults_proven` planned slots per `memory`,
+  and none once its host is barred.
+* A peer with no trusted peer at an appointment (a newcomer: everybody is new to it) plans among the peers
+  it may retry (`retryable`), since the alternative is a lonely round: those not barred, and barred ones
+  (by their own faults or their host's) at their retry appointments.
 """
 
 from __future__ import annotations
@@ -41,11 +52,11 @@ class StandingConfig:
     faults_proven: int = 3  # ...and one we exchanged with
     address_faults: int = 8  # faults within memory, from the ids a host announces, that bar its unproven ids
     max_peers: int = 4096  # bound on every table
-    retry_rounds: float = 2.0  # a peer that trusts nobody retries a barred one after this many rounds (doubling)
+    retry_rounds: int = 2  # a barred peer is retried every this many slots of the grid (doubling with each fault)
 
     def __post_init__(self) -> None:
-        if self.probation < 0 or self.memory <= 0 or self.max_peers < 1 or self.retry_rounds < 0:
-            raise ValueError("standing needs probation >= 0, memory > 0, max_peers >= 1 and retry_rounds >= 0")
+        if self.probation < 0 or self.memory <= 0 or self.max_peers < 1 or self.retry_rounds < 1:
+            raise ValueError("standing needs probation >= 0, memory > 0, max_peers >= 1 and retry_rounds >= 1")
         if min(self.faults_unproven, self.faults_proven, self.address_faults) < 1:
             raise ValueError("fault limits must be at least 1")
 
@@ -138,30 +149,45 @@ class Standing:
             and self._address_faults.count(address, now, c.memory) >= c.address_faults
         )
 
-    def retryable(self, now: float, peer: str, address: str | None, round_seconds: float) -> bool:
-        """For a peer that trusts nobody: not barred, or barred with its last fault (its own, or its host's
-        when that is what bars it) `retry_rounds` rounds old, doubling with each fault beyond the bar."""
+    def retryable(self, now: float, peer: str, address: str | None, slot: int) -> bool:
+        """For a peer that trusts nobody: not barred, or `slot` is one of its retry appointments (by its own
+        faults, and by its host's when it is unproven)."""
         c = self.config
-
-        def waited(times: list[float], bar: int) -> bool:
-            if len(times) < bar:
-                return True
-            return now - max(times) >= c.retry_rounds * round_seconds * 2 ** (len(times) - bar) - 1e-9
-
         proven = self.proven(now, peer)
-        own = waited(self._faults.recent(peer, now, c.memory), c.faults_proven if proven else c.faults_unproven)
+        own = self._retry(self._faults.recent(peer, now, c.memory), c.faults_proven if proven else c.faults_unproven,
+                          slot)  # fmt: skip
         if proven or address is None:
             return own
-        return own and waited(self._address_faults.recent(address, now, c.memory), c.address_faults)
+        return own and self._retry(self._address_faults.recent(address, now, c.memory), c.address_faults, slot)
 
-    def trusted(self, now: float, peer: str, address: str | None, round_seconds: float) -> bool:
-        """Plannable: not barred, and proven or past its probation."""
+    def _retry(self, faults: list[float], bar: int, slot: int) -> bool:
+        """Fewer than `bar` faults, or `slot` is on the grid of retries: every `retry_rounds` slots, doubling
+        with each fault beyond the bar (the same slots for every peer that counts as many faults)."""
+        return len(faults) < bar or slot % (self.config.retry_rounds << (len(faults) - bar)) == 0
+
+    def trusted(
+        self, now: float, peer: str, address: str | None, round_seconds: float, slot: int | None = None
+    ) -> bool:
+        """Plannable: not barred, and proven or past its probation. Given the appointment's `slot`, an unproven
+        peer barred by fewer than `faults_proven` faults of its own (not by its host's) is plannable at its
+        retry appointments."""
+        c = self.config
+        proven = self.proven(now, peer)
         if self.barred(now, peer, address):
-            return False
-        if self.proven(now, peer):
+            faults = self._faults.recent(peer, now, c.memory)
+            if (
+                proven
+                or slot is None
+                or len(faults) >= c.faults_proven
+                or not self._retry(faults, c.faults_unproven, slot)
+            ):
+                return False
+            if address is not None and self._address_faults.count(address, now, c.memory) >= c.address_faults:
+                return False
+        if proven:
             return True
         first = self._first.get(peer)
-        return first is not None and now - first >= self.config.probation * round_seconds - 1e-9
+        return first is not None and now - first >= c.probation * round_seconds - 1e-9
 
     @property
     def size(self) -> int:

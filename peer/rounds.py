@@ -174,8 +174,9 @@ class RoundEngine:
         key = self.appointment.key
         seen = [s for s in self._roster if s.appointment == key and self._same_kind(s) and s.peer != self.peer]
         standing = self.standing
-        trusted = [s for s in seen if standing.trusted(now, s.peer, s.address, self.appointment.seconds)]
-        seen = trusted or [s for s in seen if standing.retryable(now, s.peer, s.address, self.appointment.seconds)]
+        seconds, slot = self.appointment.seconds, self.appointment.slot
+        trusted = [s for s in seen if standing.trusted(now, s.peer, s.address, seconds, slot)]
+        seen = trusted or [s for s in seen if standing.retryable(now, s.peer, s.address, slot)]
         clients = {s.peer for s in seen if s.client} | ({self.peer} if self.client else set())
         group = group_of(self.appointment, self.peer, [s.peer for s in seen], self.config.schedule.group_size)
         group.sort(key=lambda p: p in clients)  # client-mode peers last: they cannot lead

@@ -113,11 +113,15 @@ def test_the_engine_drops_a_peer_that_missed_and_plans_a_partner_it_just_met():
     appointment = engine.begin(0.0, [_seen(p, None) for p in peers])
     engine.gather(appointment.at, [_seen(p, appointment.key) for p in peers])
     engine.ended(appointment.at + 1, 3, partners=["p0", "late"], missed=["p1"])
-    nxt = engine.begin(appointment.at + 1, [_seen(p, None) for p in [*peers, "late"]])
-    plan = engine.gather(nxt.at, [_seen(p, nxt.key) for p in [*peers, "late"]])
-    planned = set(plan.candidates + plan.planned)
-    assert "p1" not in planned  # never exchanged with, and it missed: barred
-    assert {"p0", "late"} <= planned  # "late" is new to the roster, but proven by the exchange
+    plans = []
+    for _ in range(2):  # one odd slot and one even: "p1" is retried only on every second slot of the grid
+        nxt = engine.begin(engine.appointment.at + 1, [_seen(p, None) for p in [*peers, "late"]])
+        plan = engine.gather(nxt.at, [_seen(p, nxt.key) for p in [*peers, "late"]])
+        plans.append((nxt.slot, set(plan.candidates + plan.planned)))
+        engine.ended(nxt.at + 1, 2, partners=["p0"])
+    for slot, planned in plans:
+        assert ("p1" in planned) == (slot % 2 == 0)  # never exchanged with, and it missed: barred but retried
+        assert {"p0", "late"} <= planned  # "late" is new to the roster, but proven by the exchange
     assert engine.trace[2][0] == "ended" and engine.trace[2][5:] == (("p0", "late"), ("p1",), ())
 
 
@@ -147,24 +151,63 @@ def test_a_peer_on_cool_down_is_barred_from_the_plans_at_once_even_if_proven():
     assert s.barred(11.0, "bad") and not s.trusted(11.0, "bad", None, R)
 
 
-def test_a_peer_that_trusts_nobody_retries_a_barred_one_after_a_backoff_that_doubles():
+def test_a_barred_peer_is_retried_on_the_grid_every_second_slot_then_every_fourth():
     s = Standing(dataclasses.replace(CONFIG, memory=600.0))
-    s.observe(0.0, ["stranger"])
+    s.observe(0.0, ["stranger", "fresh"])
     s.fault(10.0, "stranger", "198.51.100.7")
-    assert s.barred(10.0, "stranger") and not s.retryable(10.0 + 2 * R - 0.1, "stranger", None, R)
-    assert s.retryable(10.0 + 2 * R, "stranger", "198.51.100.7", R)  # two rounds after its fault...
-    s.fault(30.0, "stranger", "198.51.100.7")
-    assert not s.retryable(30.0 + 4 * R - 0.1, "stranger", None, R) and s.retryable(30.0 + 4 * R, "stranger", None, R)
-    for i in range(4):  # ...and its host's faults (six now, the bar at four) back off the same way
-        s.fault(40.0, f"sybil{i}", "198.51.100.7")
-    assert not s.retryable(40.0 + 8 * R - 0.1, "fresh", "198.51.100.7", R) and s.retryable(41.0, "fresh", None, R)
-    assert s.retryable(40.0 + 8 * R, "fresh", "198.51.100.7", R)
+    assert s.barred(10.0, "stranger")
+    assert [s.retryable(11.0, "stranger", "198.51.100.7", slot) for slot in range(5, 9)] == [False, True, False, True]
+    s.fault(30.0, "stranger", "198.51.100.7")  # a fault beyond the bar doubles the period
+    assert [s.retryable(31.0, "stranger", None, slot) for slot in range(5, 13)] == [False, False, False, True] * 2
+    # a peer that trusts others plans an unproven id barred by its own faults only at those slots too
+    assert [s.trusted(31.0, "stranger", None, R, slot) for slot in (7, 8, 10, 12)] == [False, True, False, True]
+    assert not s.trusted(31.0, "stranger", None, R)  # (no slot given: no retries)
+    for i in range(
+        4
+    ):  # its host's faults (six now, the bar at four: every 8th slot) back off the same way for one that
+        s.fault(40.0, f"sybil{i}", "198.51.100.7")  # trusts nobody, and bar the host's ids for one that does
+    assert [s.retryable(41.0, "fresh", "198.51.100.7", slot) for slot in (4, 6, 8, 12, 16)] == [
+        False,
+        False,
+        True,
+        False,
+        True,
+    ]
+    assert s.retryable(41.0, "fresh", None, 5)
+    assert not any(s.trusted(41.0, "stranger", "198.51.100.7", R, slot) for slot in (8, 16))
+    s.fault(50.0, "stranger")  # three faults of its own: no longer retried by a peer that trusts others
+    assert not any(s.trusted(51.0, "stranger", None, R, slot) for slot in (8, 16, 32))
+
+
+def test_peers_that_barred_each_other_a_round_apart_meet_at_their_next_common_retry():
+    """The livelock of retries timed from each fault (seen in a real two-peer swarm): b missed a's group in one
+    round, a missed b's in the next; on the grid, both retry at the same slot and plan each other there."""
+    config = RoundConfig(inner_steps=10, round_seconds=R, shortest_round=0.0, standing=CONFIG)
+    a, b = RoundEngine("a", config), RoundEngine("b", config)
+    first = a.begin(0.0, [_seen("b", None)])
+    b.begin(0.0, [_seen("a", None)])
+    b.ended(first.at + 1, None, missed=["a"])
+    a.ended(first.at + R + 1, None, missed=["b"])  # one round later
+    t = first.at + R + 2
+    met = None
+    for _ in range(3):
+        plans = []
+        for engine, other in ((a, "b"), (b, "a")):
+            nxt = engine.begin(t, [_seen(other, None)])
+            plan = engine.gather(nxt.at, [_seen(other, nxt.key)])
+            plans.append(set(plan.candidates + plan.planned))
+            engine.ended(nxt.at + 0.5, None)
+        assert ("b" in plans[0]) == ("a" in plans[1]), plans  # never one planning the other while it plans alone
+        met = met or (plans[0] == {"a", "b"} and nxt.slot)
+        t = nxt.at + 1
+    assert met and met % 2 == 0
 
 
 def test_two_new_peers_that_missed_each_other_meet_again_rounds_later_not_after_the_memory():
     """Both unproven, each one fault from the other (one missed the other's group at their first appointment):
-    barred for the memory's 300 s, they would never average; a peer that trusts nobody retries them instead.
-    A peer with trusted partners does not retry the barred (a flood of ids that never come stays out)."""
+    barred for the memory's 300 s, they would never average; a peer that trusts nobody retries them at the
+    retry slots instead. A peer with trusted partners retries an id barred by its own faults at the same slots,
+    and does not retry one whose host is barred (a flood of ids that never come stays out)."""
     config = RoundConfig(inner_steps=10, round_seconds=R, shortest_round=0.0, standing=CONFIG)
     a, b = RoundEngine("a", config), RoundEngine("b", config)
     first = a.begin(0.0, [_seen("b", None)])
@@ -175,12 +218,19 @@ def test_two_new_peers_that_missed_each_other_meet_again_rounds_later_not_after_
     plans = []
     for _ in range(3):
         nxt = a.begin(a.appointment.at + 1, [_seen("b", None, "127.0.0.1")])
-        plans.append(set(a.gather(nxt.at, [_seen("b", nxt.key, "127.0.0.1")]).candidates))
+        plans.append((nxt.slot, set(a.gather(nxt.at, [_seen("b", nxt.key, "127.0.0.1")]).candidates)))
         a.ended(nxt.at + 0.5, None)
-    assert plans[0] == {"a"} and "b" in set().union(*plans[1:])
+    assert [planned for _, planned in plans] == [{"a", "b"} if slot % 2 == 0 else {"a"} for slot, _ in plans]
     friend = RoundEngine("c", config)
     friend.begin(0.0, [_seen("b", None), _seen("d", None)])
     friend.ended(5.0, 2, partners=["d"], missed=["b"])
-    later = friend.begin(5.0 + 5 * R, [_seen("b", None), _seen("d", None)])
-    plan = friend.gather(later.at, [_seen("b", later.key), _seen("d", later.key)])
-    assert set(plan.candidates + plan.planned) == {"c", "d"}
+    for i in range(4):
+        host = "198.51.100.7" if i >= 2 else None  # from the third round: b's host has run up four faults
+        if i == 2:
+            for j in range(4):
+                friend.standing.fault(friend.appointment.at, f"sybil{j}", host)
+        later = friend.begin(friend.appointment.at + 1, [_seen("b", None, host), _seen("d", None)])
+        plan = friend.gather(later.at, [_seen("b", later.key, host), _seen("d", later.key)])
+        retried = later.slot % 2 == 0 and host is None
+        assert set(plan.candidates + plan.planned) == ({"c", "d", "b"} if retried else {"c", "d"}), (i, later.slot)
+        friend.ended(later.at + 0.5, 2, partners=["d"])
