@@ -120,13 +120,64 @@ class Misbehaved(ExchangeFailed):
 
 def state_digest(offer: Offer) -> str:
     """A digest of the states an offer pulls together ("diff" tensors, or what `offer.states` says they stand
-    for): equal digests, nothing to pull."""
+    for): equal digests, nothing to pull. Each tensor enters by its `fingerprint`, not its bytes: a sha256
+    of a 124M model's anchors cost 3.9 ns a parameter every round here, a seventh of the exchange."""
     h = hashlib.sha256()
     states = offer.tensors if offer.states is None else offer.states
     for name in sorted(n for n, m in offer.modes.items() if m == "diff"):
         h.update(name.encode())
-        h.update(wire.tensor_buffer(states[name].detach().float()))
+        h.update(fingerprint(states[name]))
     return h.hexdigest()[:32]
+
+
+FINGERPRINT_WORDS = 1 << 18  # 64-bit words per chunk of `fingerprint`: its weights are 2 MiB a device
+_WEIGHTS: dict[torch.device, torch.Tensor] = {}
+_M64 = (1 << 64) - 1
+
+
+def _signed(u: int) -> int:
+    return u - (1 << 64) if u >= 1 << 63 else u
+
+
+def _mix(x: torch.Tensor) -> torch.Tensor:
+    """splitmix64's finalizer on int64 (wrapping, as unsigned), elementwise: well-spread weights from a count."""
+
+    def shr(v: torch.Tensor, k: int) -> torch.Tensor:  # logical shift right
+        return (v >> k) & ((1 << (64 - k)) - 1)
+
+    x = x * _signed(0xBF58476D1CE4E5B9)
+    x = (x ^ shr(x, 27)) * _signed(0x94D049BB133111EB)
+    return x ^ shr(x, 31)
+
+
+def fingerprint(tensor: torch.Tensor) -> bytes:
+    """16 bytes that tell two float32 tensors apart: the element count, and a random linear form over Z/2^64
+    of the tensor's 64-bit words (two floats each), chunk by chunk, each chunk weighted by an odd factor.
+
+    The weights are odd, so tensors that differ in one word always differ here; otherwise two different
+    tensors share a fingerprint with probability about 2^-64, 2^-32 if they differ only in the upper float of
+    every word they differ in (a universal hash). The sums are exact integer arithmetic, so every device
+    and order of summation gives the same bits. It is not a cryptographic hash: a digest is what a peer says
+    of its own state, which a liar can say anyway (robust aggregation judges what it sends), and this only
+    has to tell honest peers' states apart. One integer dot product a word, read at memory speed: 0.8 ns a
+    float here, against 3.8 for sha256 over the bytes."""
+    flat = tensor.detach().float().reshape(-1)
+    count = flat.numel()  # (a tensor padded below differs from one that ends in a zero)
+    if count % 2 or flat.storage_offset() % 2:  # (no 64-bit view: one pass of a copy)
+        flat = torch.cat([flat, flat.new_zeros(count % 2)])
+    words = flat.view(torch.int64)
+    weights = _WEIGHTS.get(words.device)
+    if weights is None:
+        index = torch.arange(1, FINGERPRINT_WORDS + 1, dtype=torch.int64, device=words.device)
+        weights = _WEIGHTS[words.device] = _mix(index) | 1
+    total = 0
+    for chunk, start in enumerate(range(0, words.numel(), FINGERPRINT_WORDS)):
+        part = words[start : start + FINGERPRINT_WORDS]
+        w = weights[: part.numel()]
+        # (integer dot products are CPU-only: elsewhere the same sum, exactly)
+        form = int(torch.dot(part, w)) if part.device.type == "cpu" else int((part * w).sum())
+        total = (total + form * ((0x9E3779B97F4A7C15 * (2 * chunk + 1)) | 1)) & _M64
+    return count.to_bytes(8, "little") + total.to_bytes(8, "little")
 
 
 def bits(indices) -> int:

@@ -191,7 +191,8 @@ def test_sign_packing_is_numpys_msb_first_layout(shape):
     np = pytest.importorskip("numpy")
     slot = plan({"w": shape}, 1, codecs={"w": "sign"})["w"]
     m = torch.randn(shape, generator=torch.Generator().manual_seed(12))
-    m.view(-1)[::5] = 0.0  # a zero counts as positive
+    m.view(-1)[::5] = 0.0  # a zero counts as positive, and so does a negative zero
+    m.view(-1)[1::7] = -0.0
     bits, _ = sign_encode(slot, m, torch.float32)
     expected = np.packbits((m.reshape(-1) >= 0).numpy(), bitorder="big")
     assert bits.tolist() == expected.tolist()

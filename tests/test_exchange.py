@@ -2,6 +2,7 @@
 
 import asyncio
 import logging
+import math
 from dataclasses import replace
 
 import pytest
@@ -388,3 +389,42 @@ def test_a_control_message_over_its_cap_is_refused_unread_and_struck(caplog):
     assert f"exceeds the {CONTROL_BYTES}-byte cap" in caplog.text
     assert by_id[leader][0].cooldown.strikes(bloated) == 1
     assert by_id[leader][1] is not None and bloated not in by_id[leader][1].members
+
+
+def _reference_fingerprint(values: torch.Tensor, words_per_chunk: int) -> bytes:
+    """`fingerprint` in Python integers: the count, and Σ_chunks factor_c · Σ_k word_k · weight_k mod 2^64."""
+    from murmur.averaging.exchange import _mix
+
+    flat = values.float().reshape(-1)
+    raw = flat.numpy().tobytes() + b"\0" * (4 * (flat.numel() % 2))
+    words = [int.from_bytes(raw[i : i + 8], "little") for i in range(0, len(raw), 8)]
+    weights = [w % 2**64 | 1 for w in _mix(torch.arange(1, words_per_chunk + 1)).tolist()]
+    total = 0
+    for chunk, start in enumerate(range(0, len(words), words_per_chunk)):
+        form = sum(a * b for a, b in zip(words[start : start + words_per_chunk], weights, strict=False))
+        total = (total + form * ((0x9E3779B97F4A7C15 * (2 * chunk + 1)) | 1)) % 2**64
+    return flat.numel().to_bytes(8, "little") + total.to_bytes(8, "little")
+
+
+def test_the_state_fingerprint_is_exact_integer_arithmetic_and_tells_any_changed_bit(monkeypatch):
+    """The digest's per-tensor fingerprint equals its definition computed in Python integers (wrapping int64
+    dot products, over several chunks), and any one float changed by one ulp, in either half of a word, two
+    floats swapped, two chunks swapped, or a trailing zero added, changes it."""
+    import murmur.averaging.exchange as ex
+
+    monkeypatch.setattr(ex, "FINGERPRINT_WORDS", 16)
+    monkeypatch.setattr(ex, "_WEIGHTS", {})
+    x = torch.randn(7, 11, generator=torch.Generator().manual_seed(3))  # 77 floats: an odd count, 3 chunks
+    assert ex.fingerprint(x) == _reference_fingerprint(x, 16)
+    assert ex.fingerprint(x[2:5]) == _reference_fingerprint(x[2:5], 16) == ex.fingerprint(x[2:5].clone())
+    seen = {ex.fingerprint(x)}
+    for i in (0, 1, 40, 76):  # the lower and the upper float of a word, mid-chunk, the last
+        y = x.clone()
+        y.view(-1)[i] = torch.nextafter(y.view(-1)[i], torch.tensor(math.inf))
+        seen.add(ex.fingerprint(y))
+    y = x.clone().view(-1)
+    y[[3, 9]] = y[[9, 3]]
+    seen.add(ex.fingerprint(y))
+    z = x.reshape(-1)[:64]
+    seen |= {ex.fingerprint(z), ex.fingerprint(torch.cat([z[32:], z[:32]])), ex.fingerprint(torch.cat([z, z[:1] * 0]))}
+    assert len(seen) == 9
