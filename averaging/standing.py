@@ -143,19 +143,19 @@ class Standing:
         proven = self.proven(now, peer)
         if self._faults.count(peer, now, c.memory) >= (c.faults_proven if proven else c.faults_unproven):
             return True
-        return (
-            not proven
-            and address is not None
-            and self._address_faults.count(address, now, c.memory) >= c.address_faults
-        )
+        return not proven and self._host_barred(now, address)
+
+    def _host_barred(self, now: float, address: str | None) -> bool:
+        c = self.config
+        return address is not None and self._address_faults.count(address, now, c.memory) >= c.address_faults
 
     def retryable(self, now: float, peer: str, address: str | None, slot: int) -> bool:
         """For a peer that trusts nobody: not barred, or `slot` is one of its retry appointments (by its own
         faults, and by its host's when it is unproven)."""
         c = self.config
         proven = self.proven(now, peer)
-        own = self._retry(self._faults.recent(peer, now, c.memory), c.faults_proven if proven else c.faults_unproven,
-                          slot)  # fmt: skip
+        bar = c.faults_proven if proven else c.faults_unproven
+        own = self._retry(self._faults.recent(peer, now, c.memory), bar, slot)
         if proven or address is None:
             return own
         return own and self._retry(self._address_faults.recent(address, now, c.memory), c.address_faults, slot)
@@ -173,16 +173,10 @@ class Standing:
         retry appointments."""
         c = self.config
         proven = self.proven(now, peer)
-        if self.barred(now, peer, address):
+        if self.barred(now, peer, address):  # retried: unproven, barred by a few faults of its own, at a retry slot
             faults = self._faults.recent(peer, now, c.memory)
-            if (
-                proven
-                or slot is None
-                or len(faults) >= c.faults_proven
-                or not self._retry(faults, c.faults_unproven, slot)
-            ):
-                return False
-            if address is not None and self._address_faults.count(address, now, c.memory) >= c.address_faults:
+            retried = slot is not None and not proven and not self._host_barred(now, address)
+            if not (retried and len(faults) < c.faults_proven and self._retry(faults, c.faults_unproven, slot)):
                 return False
         if proven:
             return True
