@@ -14,7 +14,7 @@
 * ``exchange``     one sealed group's exchange: ``SealedExchange`` (pair streams, HAVE / PROCEED / COMMIT),
   ``Messenger`` (typed, bounded messages), the errors
 * ``parts``        a payload streamed as bounded frames: ``plan_parts`` (the cut, from the layout alone),
-  ``encode_parts``, ``Assembler`` (checks each part and fills tensors allocated once)
+  ``Frames`` (each part encoded as it is sent), ``Assembler`` (checks each part and fills tensors allocated once)
 * ``lazy``         ``Lazy``: a mapping whose values are computed when read (offers, contributions, projections)
 * ``transport``    framed byte streams: ``P2PTransport`` over hivemind's libp2p daemon, and the
   ``InMemoryNetwork`` twin with fault hooks for tests; ``Admission``/``Gate``: inbound streams capped per remote and

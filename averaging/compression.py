@@ -30,6 +30,8 @@ from typing import Literal
 
 import torch
 
+from murmur.averaging.memory import allocate
+
 Mode = Literal["mean", "diff"]
 """How two peers' matrices choose their shared subspace: the top directions of the sum ("mean",
 for averaging updates) or of the difference ("diff", for pulling two states together)."""
@@ -331,6 +333,14 @@ class ErrorFeedback:
         self.residuals: dict[str, torch.Tensor] = {}
         self.dtype = dtype
 
+    def reserve(self, like: Mapping[str, torch.Tensor]) -> None:
+        """Keep a zero residual for each tensor of `like` (of its shape, on its device) from now on, in one
+        block (`averaging.memory.allocate`): every later `keep` writes over it in place, so the residuals are
+        not allocated in the first exchange, between its temporaries."""
+        specs = {n: torch.empty(t.shape, dtype=self.dtype or t.dtype, device="meta") for n, t in like.items()}
+        device = next((t.device for t in like.values()), None)
+        self.residuals = {n: r.zero_() for n, r in allocate(specs, device).items()}
+
     def _kept(self, residual: torch.Tensor) -> torch.Tensor:
         return residual.detach() if self.dtype is None else residual.detach().to(self.dtype)
 
@@ -378,4 +388,13 @@ class ErrorFeedback:
         return {name: r.clone() for name, r in self.residuals.items()}
 
     def load_state_dict(self, state: Mapping[str, torch.Tensor]) -> None:
-        self.residuals = {name: self._kept(r).clone() for name, r in state.items()}
+        """The residuals of `state`; one kept with the same shape is written over in place (a reserved block
+        stays one block), and a kept one that `state` lacks is zero, as if none were kept."""
+        for name, whole in self.residuals.items():
+            r = state.get(name)
+            if r is None:
+                whole.zero_()
+            elif tuple(r.shape) == tuple(whole.shape):
+                whole.copy_(r)
+        self.residuals |= {n: self._kept(r).clone() for n, r in state.items() if n not in self.residuals
+                           or tuple(r.shape) != tuple(self.residuals[n].shape)}  # fmt: skip

@@ -36,8 +36,9 @@ import torch
 
 from murmur.averaging import wire
 from murmur.averaging.compression import SCALE_SUFFIX, LowRankCompressor, Mode, Projection, Slot, code_spec
+from murmur.averaging.memory import allocate
 from murmur.averaging.mixing import GroupRound
-from murmur.averaging.parts import Assembler, encode_parts
+from murmur.averaging.parts import Assembler, Frames
 from murmur.averaging.transport import FrameTooLarge, Stream, Transport
 from murmur.averaging.wire import Kind, TensorSpec
 
@@ -222,7 +223,7 @@ class Messenger:
     async def send_bytes(self, stream: Stream, data: bytes) -> None:
         await asyncio.wait_for(stream.send(data), self.timeout)
 
-    async def send_parts(self, stream: Stream, frames: list[bytes]) -> None:
+    async def send_parts(self, stream: Stream, frames: Iterable[bytes]) -> None:
         """A streamed payload's frames (`averaging.parts`), in order, each within the message timeout."""
         for frame in frames:
             await self.send_bytes(stream, frame)
@@ -340,7 +341,7 @@ class SealedExchange:
         self.awaiting_commit = False  # a member that has done its part and waits for the leader's COMMIT
         self.deadline = 0.0  # monotonic time the exchange's bound ends
         self.over = asyncio.Event()
-        self.payload1: list[bytes] = []  # our PHASE1, as the frames of its parts
+        self.payload1: Frames | None = None  # our PHASE1, as the frames of its parts
 
     @property
     def members(self) -> tuple[str, ...]:
@@ -352,9 +353,9 @@ class SealedExchange:
         the members that went on (None if this member was left out). Raises ExchangeFailed."""
         seal, m = self.seal, self.messenger
         session, step, me, leader = seal.session, self.offer.step, seal.me, seal.members[0]
-        mine = self.round.phase1()
+        mine = self.round.phase1(allocate(self.spec1, self.round.device))
         self.first[me] = mine
-        self.payload1 = encode_parts(Kind.PHASE1, session, step, mine, self.spec1)
+        self.payload1 = Frames(Kind.PHASE1, session, step, mine, self.spec1)
         links = [asyncio.ensure_future(self._open(j)) for j in self.settled if seal.opens(me, j)]
         links += [asyncio.ensure_future(self._expect(j)) for j in self.opened]
         started = time.monotonic()
@@ -380,7 +381,7 @@ class SealedExchange:
                 if self.two_phase:
                     mine2 = self.round.phase2(first)
                     self.second[me] = mine2
-                    self.phase2.set_result(encode_parts(Kind.PHASE2, session, step, mine2, self.spec2))
+                    self.phase2.set_result(Frames(Kind.PHASE2, session, step, mine2, self.spec2))
                     await asyncio.wait([self.settled2[j] for j in self.going if j != me])
                     if any(j not in self.second for j in self.going):
                         raise ExchangeFailed("a member's phase-2 payload did not arrive")
@@ -565,7 +566,7 @@ class SealedExchange:
         finally:
             _settle(settled[j])
 
-    async def _second(self, j: int) -> list[bytes] | None:
+    async def _second(self, j: int) -> Frames | None:
         """Our PHASE2 for member j once it is known; None if phase 2 does not run between us."""
         if j not in self.first:
             return None

@@ -95,21 +95,36 @@ class GroupRound:
         slot = self.slots[name]
         return self.tensors[name].detach().reshape(slot.rows, slot.cols).float()  # (n, m)
 
-    def phase1(self) -> dict[str, torch.Tensor]:
-        """This member's phase-1 payload, in wire dtypes."""
+    def phase1(self, into: dict[str, torch.Tensor] | None = None) -> dict[str, torch.Tensor]:
+        """This member's phase-1 payload, in wire dtypes: written into the tensors of `into` (allocated beforehand
+        in the payload's layout, `averaging.parts.allocate`: nothing long-lived is allocated between the
+        encoding's temporaries), or into new ones."""
         cfg = self.compressor.config
-        out: dict[str, torch.Tensor] = {}
+        out = {} if into is None else into
+        written: set[str] = set()
+
+        def put(name: str, value: torch.Tensor) -> None:
+            written.add(name)
+            if name in out:
+                out[name].copy_(value.reshape(out[name].shape))
+            else:
+                out[name] = value
+
         for name, slot in self.slots.items():
             tensor = self.tensors[name].detach()
             flat = tensor.reshape(-1).float()
             self.squares[name] = float(torch.dot(flat, flat))
             if slot.dense:
-                out[name] = quantize(tensor, cfg.dense_dtype)
+                put(name, quantize(tensor, cfg.dense_dtype))
             elif slot.scaled:
-                out[name], out[name + SCALE_SUFFIX] = scaled_encode(slot, tensor, cfg.dense_dtype)
+                codes, scale = scaled_encode(slot, tensor, cfg.dense_dtype)
+                put(name, codes)
+                put(name + SCALE_SUFFIX, scale)
             else:
                 m = tensor.reshape(slot.rows, slot.cols).float()
-                out[name] = quantize(m @ self.q_init[name].to(m.device), cfg.factor_dtype)  # (n, r)
+                put(name, quantize(m @ self.q_init[name].to(m.device), cfg.factor_dtype))  # (n, r)
+        if unwritten := out.keys() - written:  # a tensor of `into` this round has nothing for: never sent unset
+            raise ValueError(f"phase-1 payload has no value for {sorted(unwritten)}")
         return out
 
     def phase2(self, payloads: Sequence[Mapping[str, torch.Tensor]]) -> dict[str, torch.Tensor]:

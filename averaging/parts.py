@@ -13,12 +13,13 @@ receiving side is the payload itself (preallocated once) plus one frame.
 from __future__ import annotations
 
 import math
-from collections.abc import Mapping
+from collections.abc import Iterator, Mapping
 from dataclasses import dataclass
 
 import torch
 
 from murmur.averaging import wire
+from murmur.averaging.memory import allocate
 from murmur.averaging.wire import Kind, TensorSpec, WireError
 
 PART_BYTES = 4 * 2**20  # tensor bytes in one part (a single row larger than this is a part of its own)
@@ -80,23 +81,40 @@ def frame_cap(spec: Mapping[str, TensorSpec], part: list[Piece]) -> int:
     return data + _FRAME_SLACK + _PER_PIECE * len(part)
 
 
-def encode_parts(
-    kind: Kind,
-    session: int,
-    step: int,
-    tensors: Mapping[str, torch.Tensor],
-    spec: Mapping[str, TensorSpec],
-    part_bytes: int = PART_BYTES,
-) -> list[bytes]:
-    """`tensors` (laid out as `spec`) as the frames of its parts, in order; each says which part it is."""
-    wire.check_tensors(tensors, spec)
-    parts = plan_parts(spec, part_bytes)
-    frames = []
-    for index, part in enumerate(parts):
-        pieces = {p.name: tensors[p.name][p.start : p.stop] if spec[p.name].shape else tensors[p.name] for p in part}
-        meta = {"p": index, "n": len(parts)}
-        frames.append(wire.encode(wire.Message(kind=kind, session=session, step=step, tensors=pieces, meta=meta)))
-    return frames
+class Frames:
+    """A payload's frames, in order, each encoded when it is sent (`iter`): never the whole payload as frames at
+    once, only the part on its way (each says which part it is). Checked before anything goes (`wire.check_tensors`,
+    and non-finite floats), so a bad payload of our own fails here, not half sent."""
+
+    def __init__(
+        self,
+        kind: Kind,
+        session: int,
+        step: int,
+        tensors: Mapping[str, torch.Tensor],
+        spec: Mapping[str, TensorSpec],
+        part_bytes: int = PART_BYTES,
+    ) -> None:
+        wire.check_tensors(tensors, spec)
+        for name, tensor in tensors.items():
+            if tensor.is_floating_point() and not bool(torch.isfinite(tensor).all()):
+                raise WireError(f"tensor {name!r} holds non-finite values")
+        self.kind, self.session, self.step, self.tensors, self.spec = kind, session, step, tensors, spec
+        self.parts = plan_parts(spec, part_bytes)
+
+    def __len__(self) -> int:
+        return len(self.parts)
+
+    def __getitem__(self, index: int) -> bytes:
+        part, spec = self.parts[index], self.spec
+        pieces = {p.name: self.tensors[p.name][p.start : p.stop] if spec[p.name].shape else self.tensors[p.name]
+                  for p in part}  # fmt: skip
+        meta = {"p": index, "n": len(self.parts)}
+        return wire.encode(wire.Message(kind=self.kind, session=self.session, step=self.step, tensors=pieces,
+                                        meta=meta))  # fmt: skip
+
+    def __iter__(self) -> Iterator[bytes]:
+        return (self[i] for i in range(len(self.parts)))
 
 
 class Assembler:
@@ -106,7 +124,7 @@ class Assembler:
         self.spec = dict(spec)
         self.parts = plan_parts(self.spec, part_bytes)
         self.received = 0
-        self.tensors = {n: torch.empty(s.shape, dtype=s.dtype) for n, s in self.spec.items()}
+        self.tensors = allocate(self.spec)
 
     @property
     def done(self) -> bool:

@@ -151,6 +151,8 @@ class OuterOptimizer:
         # the outer momentum, only with momentum > 0 (with none, m is just this round's d: nothing to keep)
         self.momentum = {n: torch.zeros_like(a) for n, a in self.anchor.items()} if config.momentum > 0 else {}
         self.error_feedback = ErrorFeedback(RESIDUAL_DTYPES[config.residual_precision])
+        if config.error_feedback:  # held from the start: the first exchange does not allocate it among its temporaries
+            self.error_feedback.reserve(self.anchor)
         self.pieces = [(piece, name, rows) for piece, name, rows, _ in pieces(model, config)]
         self.shapes, self.modes = offer_layout(model, config)
         self.step = 0  # outer steps taken
@@ -253,8 +255,8 @@ class OuterOptimizer:
             return True
 
     def held_bytes(self, exchange_copies: int = 6) -> int:
-        """Bytes this optimizer will hold at most: its state (anchor, the fp16 origin, momentum, and once it has
-        exchanged, the error-feedback residual) and an exchange's working set, which goes tensor by tensor (an
+        """Bytes this optimizer will hold at most: its state (anchor, the fp16 origin, momentum and the
+        error-feedback residual, reserved from the start) and an exchange's working set, which goes tensor by tensor (an
         offer's, the decoded contributions' and the projection's copies of the largest piece: `pieces`)."""
         numel = sum(a.numel() for a in self.anchor.values())
         largest = max((4 * math.prod(shape) for shape in self.shapes.values()), default=0)

@@ -14,6 +14,7 @@ from murmur.averaging.compression import (
     sign_decode,
     sign_encode,
 )
+from murmur.averaging.memory import allocate
 from murmur.averaging.mixing import GroupRound, group_mean, pivoted_basis
 
 F32 = LowRankConfig(rank=4, factor_dtype=torch.float32, dense_dtype=torch.float32)
@@ -257,3 +258,58 @@ def test_config_rejects_bad_values():
         LowRankConfig(rank=0)
     with pytest.raises(ValueError, match="factor_dtype"):
         LowRankConfig(factor_dtype=torch.int8)
+
+
+def test_one_block_holds_every_tensor_of_a_layout_aligned_and_apart():
+    layout = {"codes": wire.TensorSpec((13,), torch.uint8), "scale": wire.TensorSpec((3,), torch.float16),
+              "w": wire.TensorSpec((5, 7), torch.float32), "none": wire.TensorSpec((0, 4), torch.int8),
+              "one": wire.TensorSpec((), torch.bfloat16)}  # fmt: skip
+    tensors = allocate(layout)
+    base = tensors["codes"].untyped_storage().data_ptr()
+    spans = []
+    for name, spec in layout.items():
+        t = tensors[name]
+        assert (tuple(t.shape), t.dtype) == (spec.shape, spec.dtype) and t.is_contiguous()
+        assert t.untyped_storage().data_ptr() == base  # one allocation
+        start = t.data_ptr() - base
+        assert start % 64 == 0
+        spans.append((start, start + t.numel() * t.element_size()))
+    spans.sort()
+    assert all(a[1] <= b[0] for a, b in zip(spans, spans[1:], strict=False))  # no two overlap
+    for i, t in enumerate(tensors.values()):
+        t.fill_(i + 1)
+    assert [float(t.float().max()) for t in tensors.values() if t.numel()] == [1.0, 2.0, 3.0, 5.0]
+
+
+@pytest.mark.parametrize("config", [SIGN, LowRankConfig(rank=2, diff_codec="int8"), F32], ids=["sign", "int8", "f32"])
+def test_a_phase1_payload_written_into_one_block_is_the_payload_bit_for_bit(config):
+    g = torch.Generator().manual_seed(14)
+    tensors = {"d": torch.randn(40, 30, generator=g), "a": torch.randn(24, 16, generator=g),
+               "b": torch.randn(40, generator=g)}  # fmt: skip
+    modes = {"d": "mean", "a": "diff", "b": "mean"}
+    comp = LowRankCompressor(config)
+    slots = comp.plan({n: tuple(t.shape) for n, t in tensors.items()}, modes)
+    fresh = GroupRound(comp, slots, tensors, modes, comp.warm_starts(slots)).phase1()
+    layout = {n: wire.TensorSpec(tuple(t.shape), t.dtype) for n, t in fresh.items()}
+    block = allocate(layout)
+    into = GroupRound(comp, slots, tensors, modes, comp.warm_starts(slots)).phase1(block)
+    assert into is block and into.keys() == fresh.keys()
+    assert all(torch.equal(into[n], fresh[n]) for n in fresh)
+    extra = allocate(layout | {"x": wire.TensorSpec((2,), torch.uint8)})
+    with pytest.raises(ValueError, match="no value for"):  # a tensor it has nothing for would go unset
+        GroupRound(comp, slots, tensors, modes, comp.warm_starts(slots)).phase1(extra)
+
+
+def test_reserved_residuals_are_zeros_in_one_block_kept_in_place_and_loaded_in_place():
+    like = {"w": torch.ones(6, 4), "b": torch.ones(4)}
+    ef = ErrorFeedback(torch.bfloat16)
+    ef.reserve(like)
+    w, b = ef.residuals["w"], ef.residuals["b"]
+    assert w.dtype == b.dtype == torch.bfloat16 and not w.any() and not b.any()
+    assert w.untyped_storage().data_ptr() == b.untyped_storage().data_ptr()
+    ef.keep("w", torch.full((6, 4), 3.0), owned=True)
+    ef.keep("b", torch.full((2,), 2.0), rows=slice(0, 2), shape=(4,))
+    assert ef.residuals["w"] is w and w.eq(3.0).all() and ef.residuals["b"] is b and b.tolist() == [2, 2, 0, 0]
+    ef.load_state_dict({"w": torch.full((6, 4), 5.0)})  # "b" not in it: zero, as if none were kept
+    assert ef.residuals["w"] is w and w.eq(5.0).all() and ef.residuals["b"] is b and not b.any()
+    assert torch.equal(ef.add_residual_("b", torch.ones(4)), torch.ones(4))

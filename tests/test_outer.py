@@ -106,6 +106,18 @@ def test_a_parameter_offered_in_row_blocks_gives_the_same_rounds_bit_for_bit(mom
     assert a.step == b.step == 2
 
 
+def test_the_residuals_are_reserved_in_one_block_and_rounds_write_into_it():
+    opts = peers(BLOCK, 0.0)
+    kept = [dict(o.error_feedback.residuals) for o in opts]
+    for opt, residuals in zip(opts, kept, strict=True):
+        assert residuals.keys() == opt.params.keys() and not any(r.any() for r in residuals.values())
+        assert len({r.untyped_storage().data_ptr() for r in residuals.values()}) == 1
+    rounds(opts)  # whole tensors and row blocks alike are kept in place
+    for opt, residuals in zip(opts, kept, strict=True):
+        assert all(opt.error_feedback.residuals[n] is r for n, r in residuals.items())
+        assert all(r.any() for r in residuals.values())
+
+
 def test_a_blocked_lonely_round_keeps_its_work_and_a_flush_takes_it():
     opt = peers(BLOCK, 0.0)[0]
     trained = {n: p.detach().clone() for n, p in opt.params.items()}

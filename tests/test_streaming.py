@@ -10,7 +10,7 @@ import torch
 from murmur.averaging import wire
 from murmur.averaging.compression import LowRankCompressor, LowRankConfig
 from murmur.averaging.group import GroupAverager, Offer
-from murmur.averaging.parts import PART_BYTES, Assembler, encode_parts, frame_cap, plan_parts
+from murmur.averaging.parts import PART_BYTES, Assembler, Frames, frame_cap, plan_parts
 from murmur.averaging.transport import InMemoryNetwork
 from murmur.averaging.wire import Kind, TensorSpec, WireError
 from tests.groupkit import APPOINTMENT, FAST, plans
@@ -43,7 +43,7 @@ def test_parts_reassemble_bit_for_bit_and_out_of_order_parts_are_refused():
     spec = {"c": TensorSpec((300,), torch.uint8), "w": TensorSpec((40, 8), torch.float16)}
     tensors = {"c": torch.randint(0, 256, (300,), generator=g).to(torch.uint8),
                "w": torch.randn(40, 8, generator=g).half()}  # fmt: skip
-    frames = encode_parts(Kind.PHASE1, 5, 1, tensors, spec, part_bytes=128)
+    frames = Frames(Kind.PHASE1, 5, 1, tensors, spec, part_bytes=128)
     assert len(frames) > 4
     assembler = Assembler(spec, part_bytes=128)
     for frame in frames:
@@ -56,6 +56,21 @@ def test_parts_reassemble_bit_for_bit_and_out_of_order_parts_are_refused():
     again = Assembler(spec, part_bytes=128)
     with pytest.raises(WireError, match="part 1 of .* arrived, expected part 0"):
         again.add(wire.decode(frames[1]))
+
+
+def test_frames_are_encoded_part_by_part_as_sent_and_a_bad_payload_of_our_own_fails_before_any():
+    g = torch.Generator().manual_seed(2)
+    spec = {"c": TensorSpec((300,), torch.uint8), "w": TensorSpec((40, 8), torch.float16)}
+    tensors = {"c": torch.randint(0, 256, (300,), generator=g).to(torch.uint8),
+               "w": torch.randn(40, 8, generator=g).half()}  # fmt: skip
+    frames = Frames(Kind.PHASE1, 5, 1, tensors, spec, part_bytes=128)
+    assert len(frames) == len(plan_parts(spec, 128)) > 4
+    parts = iter(frames)
+    assert wire.decode(next(parts)).meta == {"p": 0, "n": len(frames)}  # the first part, made as it is asked for
+    assert list(frames) == list(frames) == [frames[i] for i in range(len(frames))]  # the same bytes each time
+    tensors["w"][-1, -1] = float("inf")  # in the last part: refused when the frames are made, before the first
+    with pytest.raises(WireError, match="non-finite"):
+        Frames(Kind.PHASE1, 5, 1, tensors, spec, part_bytes=128)
 
 
 # ---------------------------------------------------------------- a real pair exchange
