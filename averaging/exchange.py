@@ -132,7 +132,8 @@ def state_digest(offer: Offer) -> str:
 
 
 FINGERPRINT_WORDS = 1 << 18  # 64-bit words per chunk of `fingerprint`: its weights are 2 MiB a device
-_WEIGHTS: dict[torch.device, torch.Tensor] = {}
+_WEIGHT_SLICE = 1 << 14  # weights made at a time
+_WEIGHTS: dict[torch.device, torch.Tensor] = {}  # device -> the weights made so far (`_weights`)
 _M64 = (1 << 64) - 1
 
 
@@ -151,6 +152,21 @@ def _mix(x: torch.Tensor) -> torch.Tensor:
     return x ^ shr(x, 31)
 
 
+def _weights(device: torch.device, count: int) -> torch.Tensor:
+    """At least the first `count` weights of `fingerprint` (the i-th is mix(i + 1) | 1, whatever the table's
+    size). The table grows by powers of two as larger tensors ask, to FINGERPRINT_WORDS at most, and is built
+    a slice at a time: a small model never holds 2 MiB of weights, nor a few times that while they are made."""
+    table = _WEIGHTS.get(device)
+    if table is None or table.numel() < count:
+        size = min(FINGERPRINT_WORDS, 1 << max(count - 1, 1).bit_length())
+        table = torch.empty(size, dtype=torch.int64, device=device)
+        for start in range(0, size, _WEIGHT_SLICE):
+            stop = min(size, start + _WEIGHT_SLICE)
+            table[start:stop] = _mix(torch.arange(start + 1, stop + 1, dtype=torch.int64, device=device)) | 1
+        _WEIGHTS[device] = table
+    return table
+
+
 def fingerprint(tensor: torch.Tensor) -> bytes:
     """16 bytes that tell two float32 tensors apart: the element count, and a random linear form over Z/2^64
     of the tensor's 64-bit words (two floats each), chunk by chunk, each chunk weighted by an odd factor.
@@ -167,10 +183,7 @@ def fingerprint(tensor: torch.Tensor) -> bytes:
     if count % 2 or flat.storage_offset() % 2:  # (no 64-bit view: one pass of a copy)
         flat = torch.cat([flat, flat.new_zeros(count % 2)])
     words = flat.view(torch.int64)
-    weights = _WEIGHTS.get(words.device)
-    if weights is None:
-        index = torch.arange(1, FINGERPRINT_WORDS + 1, dtype=torch.int64, device=words.device)
-        weights = _WEIGHTS[words.device] = _mix(index) | 1
+    weights = _weights(words.device, min(words.numel(), FINGERPRINT_WORDS))
     total = 0
     for chunk, start in enumerate(range(0, words.numel(), FINGERPRINT_WORDS)):
         part = words[start : start + FINGERPRINT_WORDS]

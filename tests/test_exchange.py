@@ -413,9 +413,13 @@ def test_the_state_fingerprint_is_exact_integer_arithmetic_and_tells_any_changed
     import murmur.averaging.exchange as ex
 
     monkeypatch.setattr(ex, "FINGERPRINT_WORDS", 16)
+    monkeypatch.setattr(ex, "_WEIGHT_SLICE", 5)  # the weights made a few at a time
     monkeypatch.setattr(ex, "_WEIGHTS", {})
     x = torch.randn(7, 11, generator=torch.Generator().manual_seed(3))  # 77 floats: an odd count, 3 chunks
+    small = ex.fingerprint(x[0, :5])  # 3 words: the table holds 4 weights, then grows to the 16 that x needs
+    assert ex._WEIGHTS[x.device].numel() == 4 and small == _reference_fingerprint(x[0, :5], 16)
     assert ex.fingerprint(x) == _reference_fingerprint(x, 16)
+    assert ex._WEIGHTS[x.device].numel() == 16 and ex.fingerprint(x[0, :5]) == small
     assert ex.fingerprint(x[2:5]) == _reference_fingerprint(x[2:5], 16) == ex.fingerprint(x[2:5].clone())
     seen = {ex.fingerprint(x)}
     for i in (0, 1, 40, 76):  # the lower and the upper float of a word, mid-chunk, the last
