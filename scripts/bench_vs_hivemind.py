@@ -7,7 +7,10 @@ machine (anything else running on it included):
 * kill: the same, and the last peer is SIGKILLed (its whole process group: DHT worker, p2pd,
   averager) halfway through;
 * shaped: every peer's link is capped at 20 Mbit/s each way with a `tbf` qdisc (`netlab.py`;
-  this kernel has no netem). Needs root; skipped with a one-line message otherwise.
+  this kernel has no netem). Needs root; skipped with a one-line message otherwise. Beside the two
+  stacks it runs the same N peers `alone` (`hivemind_worker.py alone`: the same model, data and AdamW
+  steps, no network at all): the samples/s this machine's cores give when nothing is averaged, which
+  no swarm on them can pass. The row says how far 2 x hivemind is from that ceiling.
 
 Both stacks train the same `TrainConfig` (model `gpt-tiny`, init seed, batch size, AdamW learning
 rate and weight decay, warmup, gradient clipping), on the same per-peer data seeds (peer K: seed
@@ -75,6 +78,7 @@ RESULTS = Path(__file__).resolve().parent / "results"
 MIN_ROUNDS = 10  # issue 16: a model is compared where bytes matter only if Murmur trains this many rounds a peer
 WORKER = Path(__file__).resolve().parent / "hivemind_worker.py"
 STACKS = ("hivemind", "murmur")
+ALONE = "alone"  # the shaped scenario's third run: every peer trains alone, no network (the machine's ceiling)
 SCENARIOS = ("clean", "kill", "shaped")
 
 
@@ -196,6 +200,9 @@ class SocketMeter:
 
 
 def peer_command(stack: str, config: BenchConfig, run_id: str, maddrs: list[str], out: Path, peer: int, host: str):
+    if stack == ALONE:
+        return [sys.executable, str(WORKER), "alone", "--train", json.dumps(config.train.to_record()),
+                "--data-seed", str(peer + 1), "--log", str(out / f"peer-{peer}.jsonl")]  # fmt: skip
     if stack == "murmur":
         # like a hivemind worker, a Murmur peer evaluates on the held-out batches only when it stops
         extra = ("--host", host, "--exchange-timeout", str(config.exchange_timeout),
@@ -227,7 +234,7 @@ class Run:
         self.config, self.stack, self.scenario, self.out = config, stack, scenario, out
         self.trace: Callable[[Path, int], Trace] = murmur_trace if stack == "murmur" else hivemind_trace
         self.lab: NetLab | None = None
-        if config.namespaces and is_root():
+        if config.namespaces and is_root() and stack != ALONE:
             rate = config.rate_mbit if scenario == "shaped" else None
             self.lab = NetLab(f"mvh{os.getpid()}", config.peers, rate)
 
@@ -247,9 +254,11 @@ class Run:
         try:
             if self.lab is not None:
                 self.lab.open()
-            boot_cmd = [sys.executable, str(WORKER), "bootstrap", "--stack", self.stack, "--host", self._host(None),
-                        "--run", run_id, "--train", json.dumps(c.train.to_record())]  # fmt: skip
-            boot, maddrs = _bootstrap(self._wrap(None, boot_cmd), self.out / "bootstrap.log", c.startup_grace)
+            maddrs = []
+            if self.stack != ALONE:  # peers alone need no network
+                boot_cmd = [sys.executable, str(WORKER), "bootstrap", "--stack", self.stack, "--host",
+                            self._host(None), "--run", run_id, "--train", json.dumps(c.train.to_record())]  # fmt: skip
+                boot, maddrs = _bootstrap(self._wrap(None, boot_cmd), self.out / "bootstrap.log", c.startup_grace)
             for peer in range(c.peers):
                 command = peer_command(self.stack, c, run_id, maddrs, self.out, peer, self._host(peer))
                 procs.append(launch(self._wrap(peer, command), self.out / f"peer-{peer}.log"))
@@ -344,6 +353,10 @@ def compare(config: BenchConfig, scenario: str, results: dict) -> dict:
     elif scenario == "kill":
         limit = config.exchange_timeout + 1
         targets = {f"no Murmur survivor stalls > {limit:g} s": m["longest_stall_seconds"] <= limit}
+    if ALONE in results and h["samples_per_second"]:  # the machine's ceiling: each peer alone, no network
+        ceiling = results[ALONE]["samples_per_second"]
+        row |= {"alone_over_hivemind": round(ceiling / h["samples_per_second"], 3),
+                "murmur_over_alone": round(m["samples_per_second"] / ceiling, 3) if ceiling else None}  # fmt: skip
     return row | {"targets": targets}
 
 
@@ -360,7 +373,7 @@ def bench(config: BenchConfig, runs: Path) -> dict:
             print("shaped scenario skipped: it needs root (network namespaces and a tbf qdisc per link)", flush=True)
             continue
         per_stack = {}
-        for stack in STACKS:
+        for stack in (*STACKS, ALONE) if scenario == "shaped" else STACKS:
             print(f"{scenario}: {stack} ...", flush=True)
             per_stack[stack] = Run(config, stack, scenario, runs / scenario / stack).run()
         result["scenarios"][scenario] = per_stack | compare(config, scenario, per_stack)
@@ -398,6 +411,10 @@ def table(result: dict) -> str:
             )
         met = ", ".join(f"{k}: {'met' if v else 'NOT met'}" for k, v in row["targets"].items())
         lines.append(f"{'':<8} Murmur/hivemind samples/s {row['samples_per_second_ratio']}x; {met}")
+        if ALONE in row:
+            lines.append(f"{'':<8} every peer alone, no network: {row[ALONE]['samples_per_second']:.2f} samples/s = "
+                         f"{row['alone_over_hivemind']}x hivemind (the ceiling on these cores); Murmur "
+                         f"{row['murmur_over_alone']}x of it")  # fmt: skip
     return "\n".join(lines)
 
 

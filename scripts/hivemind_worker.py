@@ -2,6 +2,7 @@
 
     hivemind_worker.py bootstrap --stack murmur|hivemind --host H --run R --train JSON
     hivemind_worker.py peer --initial-peers MADDR... --host H --run R --train JSON --preset NAME ...
+    hivemind_worker.py alone --train JSON --data-seed K --log PATH
 
 A bootstrap prints one JSON line `{"maddrs": [...]}` and serves until SIGTERM. Murmur's publishes the
 run's config (`peer.sim.simulate.start_bootstrap`); hivemind's is a plain DHT node.
@@ -14,6 +15,9 @@ loss, and `wait`, the seconds spent inside `opt.step()` (hivemind's matchmaking,
 state loading happen there; the local AdamW update is milliseconds). On SIGTERM it finishes the
 step in flight, evaluates on the held-out batches and logs `final_eval_loss`, then shuts the
 optimizer and its DHT node down (`dht.node.stop_node` reaps the DHT worker and `p2pd` by PID).
+
+A peer `alone` trains the same model, data and steps with a plain AdamW and no network at all: what the
+machine's cores give when nothing is averaged, the ceiling of any swarm's samples/s on them.
 """
 
 from __future__ import annotations
@@ -137,6 +141,19 @@ def peer(args: argparse.Namespace) -> None:
         stop_node(node)
 
 
+def alone(args: argparse.Namespace) -> None:
+    torch.set_num_threads(1)
+    stop = _stop_event()
+    train = TrainConfig.from_record(json.loads(args.train))
+    workload = WorkloadSpec().build(train)
+    log = MetricsLog(args.log)
+    try:
+        optimizer = workload.optimizer(workload.model.parameters())
+        _train(train, workload, workload.model, optimizer, args.data_seed, stop, log)
+    finally:
+        log.close()
+
+
 def _train(train: TrainConfig, workload, model, opt, data_seed: int, stop: threading.Event, log: MetricsLog) -> None:
     stream = workload.stream(seed=data_seed, batch_size=train.batch_size, skip=0)
     steps = samples = 0
@@ -152,7 +169,8 @@ def _train(train: TrainConfig, workload, model, opt, data_seed: int, stop: threa
         opt.step()
         wait = time.monotonic() - began
         steps, samples = steps + 1, samples + x.shape[0]
-        log.write(t=time.time(), samples=samples, loss=loss.item(), wait=round(wait, 4), epoch=opt.local_epoch)
+        epoch = {"epoch": opt.local_epoch} if isinstance(opt, hivemind.Optimizer) else {}
+        log.write(t=time.time(), samples=samples, loss=loss.item(), wait=round(wait, 4), **epoch)
     log.write(t=time.time(), final_eval_loss=evaluate(model, workload.eval_set))
 
 
@@ -167,12 +185,16 @@ def main() -> None:
     run.add_argument("--peers", type=int, required=True, help="swarm size: sets the target batch")
     run.add_argument("--data-seed", type=int, required=True)
     run.add_argument("--log", type=Path, required=True)
+    lone = sub.add_parser("alone")
+    lone.add_argument("--data-seed", type=int, required=True)
+    lone.add_argument("--log", type=Path, required=True)
     for each in (boot, run):
         each.add_argument("--host", default="127.0.0.1")
         each.add_argument("--run", required=True)
+    for each in (boot, run, lone):
         each.add_argument("--train", required=True, help="TrainConfig.to_record() as JSON")
     args = parser.parse_args()
-    (bootstrap if args.mode == "bootstrap" else peer)(args)
+    {"bootstrap": bootstrap, "peer": peer, "alone": alone}[args.mode](args)
 
 
 if __name__ == "__main__":

@@ -117,3 +117,20 @@ def test_rounds_per_peer_count_the_rounds_that_ended_inside_the_window():
     assert trace.rounds_within(5.0, 10.0) == 4
     assert trace.rounds_within(10.0, 11.0) == 0
     assert trace.rounds_within(0.0, 20.0) == 8
+
+
+def test_the_shaped_row_sets_both_stacks_against_every_peer_alone():
+    """The machine's ceiling (the same peers trained alone, no network) beside the shaped row's targets."""
+    run = {"samples_per_second": 0.0, "eval_loss_mean": 2.0, "eval_loss_worst": 2.1, "rounds_per_peer": 12.0,
+           "mean_megabytes_on_wire_per_peer": 1.0, "longest_stall_seconds": 0.5,
+           "longest_progress_gap_seconds": 1.0}  # fmt: skip
+    results = {"hivemind": run | {"samples_per_second": 400.0}, "murmur": run | {"samples_per_second": 600.0},
+               "alone": run | {"samples_per_second": 750.0, "eval_loss_mean": 2.5}}  # fmt: skip
+    row = bench_vs_hivemind.compare(BenchConfig(), "shaped", results)
+    assert row["alone_over_hivemind"] == 1.875 and row["murmur_over_alone"] == 0.8
+    assert row["targets"]["samples/s >= 2 x hivemind"] is False  # 2 x 400 is past the 750 the cores give
+    text = bench_vs_hivemind.table({"scenarios": {"shaped": results | row}})
+    assert "every peer alone, no network: 750.00 samples/s = 1.875x hivemind" in text and "0.8x of it" in text
+    assert bench_vs_hivemind.compare(
+        BenchConfig(), "shaped", {k: results[k] for k in ("hivemind", "murmur")}
+    ).keys() == {"samples_per_second_ratio", "loss_no_worse", "targets"}  # without the run alone: no ceiling
