@@ -24,7 +24,13 @@ def test_the_smallest_model_s_row_is_measured_and_its_targets_judged(tmp_path: P
     assert row["ns_per_param_per_side"] == pytest.approx(1e9 * sum(row["seconds_per_side"].values()) / 437_760)
     assert 0.2 < row["bytes_over_fp32"] < 0.4  # signs for the update, int8 for the anchors, and headers
     assert row["added_fp32_copies"] > 0 and row["peak_rss"] > row["plain_peak_rss"]
+    runs = row["added_fp32_copies_runs"]  # each repeat a fresh pair of processes; the figure is the largest
+    assert result["repeats"] == len(runs) == 3 and row["added_fp32_copies"] == max(runs)
+    assert row["added_fp32_copies"] == (row["peak_rss"] - row["plain_peak_rss"]) / 2 / (4 * 437_760)
     assert row["state_download_seconds"] > 0 and row["checkpoint_write_seconds"] > 0
     # no size from 57M up: that target cannot be met by this run alone
     assert result["targets"]["ns_per_param_at_most_25_from_57M"] is False
     assert "gpt-tiny" in done.stdout and "target added_fp32_copies_at_most_3" in done.stdout
+    bad = subprocess.run([sys.executable, "scripts/bench_model_scale.py", "--repeats", "0"], capture_output=True,
+                         text=True, timeout=60)  # fmt: skip
+    assert bad.returncode == 2 and "--repeats must be at least 1" in bad.stderr
