@@ -16,6 +16,8 @@
 * ``parts``        a payload streamed as bounded frames: ``plan_parts`` (the cut, from the layout alone),
   ``Frames`` (each part encoded as it is sent), ``Assembler`` (checks each part and fills tensors allocated once)
 * ``lazy``         ``Lazy``: a mapping whose values are computed when read (offers, contributions, projections)
+* ``memory``       ``allocate``: tensors that live together (a payload, the residuals) carved from one block, made
+  before the temporaries that come and go around them, so the heap is not left in holes
 * ``transport``    framed byte streams: ``P2PTransport`` over hivemind's libp2p daemon, and the
   ``InMemoryNetwork`` twin with fault hooks for tests; ``Admission``/``Gate``: inbound streams capped per remote and
   in all before a byte is read, barred remotes turned away, and what is turned away held a while (a tarpit)

@@ -97,7 +97,7 @@ class GroupRound:
 
     def phase1(self, into: dict[str, torch.Tensor] | None = None) -> dict[str, torch.Tensor]:
         """This member's phase-1 payload, in wire dtypes: written into the tensors of `into` (allocated beforehand
-        in the payload's layout, `averaging.parts.allocate`: nothing long-lived is allocated between the
+        in the payload's layout, `averaging.memory.allocate`: nothing long-lived is allocated between the
         encoding's temporaries), or into new ones."""
         cfg = self.compressor.config
         out = {} if into is None else into

@@ -38,11 +38,17 @@ def test_every_row_of_every_tensor_is_in_exactly_one_part_of_bounded_size():
         assert all(a[1] == b[0] for a, b in zip(spans, spans[1:], strict=False)), name  # in order, no gap
 
 
-def test_parts_reassemble_bit_for_bit_and_out_of_order_parts_are_refused():
-    g = torch.Generator().manual_seed(1)
+def codes_and_halves(seed: int) -> tuple[dict[str, TensorSpec], dict[str, torch.Tensor]]:
+    """A small payload of two dtypes, cut in 128-byte parts into more than four."""
+    g = torch.Generator().manual_seed(seed)
     spec = {"c": TensorSpec((300,), torch.uint8), "w": TensorSpec((40, 8), torch.float16)}
     tensors = {"c": torch.randint(0, 256, (300,), generator=g).to(torch.uint8),
                "w": torch.randn(40, 8, generator=g).half()}  # fmt: skip
+    return spec, tensors
+
+
+def test_parts_reassemble_bit_for_bit_and_out_of_order_parts_are_refused():
+    spec, tensors = codes_and_halves(1)
     frames = Frames(Kind.PHASE1, 5, 1, tensors, spec, part_bytes=128)
     assert len(frames) > 4
     assembler = Assembler(spec, part_bytes=128)
@@ -59,10 +65,7 @@ def test_parts_reassemble_bit_for_bit_and_out_of_order_parts_are_refused():
 
 
 def test_frames_are_encoded_part_by_part_as_sent_and_a_bad_payload_of_our_own_fails_before_any():
-    g = torch.Generator().manual_seed(2)
-    spec = {"c": TensorSpec((300,), torch.uint8), "w": TensorSpec((40, 8), torch.float16)}
-    tensors = {"c": torch.randint(0, 256, (300,), generator=g).to(torch.uint8),
-               "w": torch.randn(40, 8, generator=g).half()}  # fmt: skip
+    spec, tensors = codes_and_halves(2)
     frames = Frames(Kind.PHASE1, 5, 1, tensors, spec, part_bytes=128)
     assert len(frames) == len(plan_parts(spec, 128)) > 4
     parts = iter(frames)
