@@ -109,7 +109,8 @@ def encode(message: Message) -> bytes:
             raise WireError(f"tensor {_show(name)} has dtype {_dtype_str(tensor.dtype)}, not allowed")
         if tensor.is_floating_point() and not bool(torch.isfinite(tensor).all()):  # (codes are integers)
             raise WireError(f"tensor {_show(name)} holds non-finite values")
-        packed[name] = [_DTYPE_NAMES[tensor.dtype], list(tensor.shape), tensor_to_bytes(tensor)]
+        # the tensor's own bytes, packed without a copy of them first (msgpack copies them once, into the frame)
+        packed[name] = [_DTYPE_NAMES[tensor.dtype], list(tensor.shape), tensor_buffer(tensor)]
     body = {"v": PROTOCOL_VERSION, "k": int(kind), "s": message.session, "t": message.step}
     return msgpack.packb({**body, "m": dict(message.meta), "x": packed}, use_bin_type=True)
 
