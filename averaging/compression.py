@@ -388,13 +388,10 @@ class ErrorFeedback:
         return {name: r.clone() for name, r in self.residuals.items()}
 
     def load_state_dict(self, state: Mapping[str, torch.Tensor]) -> None:
-        """The residuals of `state`; one kept with the same shape is written over in place (a reserved block
-        stays one block), and a kept one that `state` lacks is zero, as if none were kept."""
+        """The residuals of `state`, each taken as `keep` takes one (a reserved block is written over in place and
+        stays one block); a kept one that `state` lacks is zero, as if none were kept."""
         for name, whole in self.residuals.items():
-            r = state.get(name)
-            if r is None:
+            if name not in state:
                 whole.zero_()
-            elif tuple(r.shape) == tuple(whole.shape):
-                whole.copy_(r)
-        self.residuals |= {n: self._kept(r).clone() for n, r in state.items() if n not in self.residuals
-                           or tuple(r.shape) != tuple(self.residuals[n].shape)}  # fmt: skip
+        for name, residual in state.items():
+            self.keep(name, residual)

@@ -97,8 +97,7 @@ class Frames:
     ) -> None:
         wire.check_tensors(tensors, spec)
         for name, tensor in tensors.items():
-            if tensor.is_floating_point() and not bool(torch.isfinite(tensor).all()):
-                raise WireError(f"tensor {name!r} holds non-finite values")
+            wire.check_finite(f"tensor {name!r}", tensor)
         self.kind, self.session, self.step, self.tensors, self.spec = kind, session, step, tensors, spec
         self.parts = plan_parts(spec, part_bytes)
 

@@ -107,8 +107,7 @@ def encode(message: Message) -> bytes:
             raise WireError(f"tensor {_show(name)} is a {type(tensor).__name__}, not a torch.Tensor")
         if tensor.dtype not in Limits().dtypes:
             raise WireError(f"tensor {_show(name)} has dtype {_dtype_str(tensor.dtype)}, not allowed")
-        if tensor.is_floating_point() and not bool(torch.isfinite(tensor).all()):  # (codes are integers)
-            raise WireError(f"tensor {_show(name)} holds non-finite values")
+        check_finite(f"tensor {_show(name)}", tensor)
         # the tensor's own bytes, packed without a copy of them first (msgpack copies them once, into the frame)
         packed[name] = [_DTYPE_NAMES[tensor.dtype], list(tensor.shape), tensor_buffer(tensor)]
     body = {"v": PROTOCOL_VERSION, "k": int(kind), "s": message.session, "t": message.step}
@@ -203,10 +202,15 @@ def _decode_tensors(
         if expected is not None:
             _check_spec(label, tuple(shape), dtype, expected[name])
         tensor = tensor_from_bytes(raw, dtype, shape)
-        if tensor.is_floating_point() and not bool(torch.isfinite(tensor).all()):  # (codes are integers)
-            raise WireError(f"{label} holds non-finite values")
+        check_finite(label, tensor)
         tensors[name] = tensor
     return tensors
+
+
+def check_finite(label: str, tensor: torch.Tensor) -> None:
+    """WireError if a float tensor holds NaN or ±Inf (codes are integers: always finite)."""
+    if tensor.is_floating_point() and not bool(torch.isfinite(tensor).all()):
+        raise WireError(f"{label} holds non-finite values")
 
 
 def tensor_to_bytes(tensor: torch.Tensor) -> bytes:
