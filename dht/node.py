@@ -29,6 +29,7 @@ from pathlib import Path
 import hivemind
 import psutil
 
+from . import sybil
 from .addresses import parse_host, parse_peer_id, parse_peer_multiaddrs, port_problem
 from .identity import IdentityError, ensure_identity, peer_id_of
 from .records import validate_run_id
@@ -116,7 +117,13 @@ def start_node(config: NodeConfig) -> hivemind.DHT:
             validator = RunValidator(config.run_id, load_signing_key(identity), creator=config.creator)
         except (OSError, ValueError) as e:
             raise NodeError(f"cannot sign with identity {identity!r}: {e}") from e
-        return _start(replace(config, identity_path=identity), [validator])
+        dht = _start(replace(config, identity_path=identity), [validator])
+    try:  # a fake peer's records are refused unless its own node stores them (dht.sybil)
+        dht.run_coroutine(functools.partial(sybil.install, config.run_id))
+    except Exception as e:
+        stop_node(dht)
+        raise NodeError(f"DHT node on {config.host_maddr} failed to start: cannot install its Sybil guard: {e}") from e
+    return dht
 
 
 # The Go runtime of the node's p2pd (it inherits the DHT worker's environment, forked from this process): a
@@ -143,6 +150,11 @@ def _start(config: NodeConfig, validators: list) -> hivemind.DHT:
         use_auto_relay=config.use_auto_relay,
         startup_timeout=config.startup_timeout,
         record_validators=validators,
+        # what a node reads is not kept and served as its own, nor pushed to the nearest node: every read of a
+        # run's roster goes to the replicas anyway (latest=True), and a cached copy would pass on whatever a
+        # Sybil's server answered (dht.sybil)
+        cache_locally=False,
+        cache_nearest=0,
     )
     global _forking_worker_of
     started = False

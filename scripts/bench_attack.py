@@ -257,10 +257,16 @@ def main() -> None:
         action="store_true",
         help="run only the flood scenario and add it to the bench_attack.json in --out",
     )
+    parser.add_argument(
+        "--pin",
+        action="store_true",
+        help="the flood with the attackers on half the CPUs and the honest side on the rest, as on machines of "
+        "their own; kept as flood_pinned beside the shared run's flood",
+    )
     parser.add_argument("--out", type=Path, default=Path("scripts/results"))
     args = parser.parse_args()
     if args.flood_only:
-        flood_only(args.out, args.quick)
+        flood_only(args.out, args.quick, args.pin)
         return
     try:
         runs = parse_runs(args.runs or (["2:single,coalition"] if args.quick else list(DEFAULT_RUNS)))
@@ -306,19 +312,22 @@ def main() -> None:
                       f"met {r['met']}  ({r['wall_seconds']:.0f} s)", flush=True)  # fmt: skip
             out.write_text(json.dumps(report, indent=2))  # after every run: a cut-short run keeps its rows
     if args.flood if args.flood is not None else not args.quick:
-        add_flood(report, args.quick)
+        add_flood(report, args.quick, args.pin)
     judge_all(report, expected=len(jobs) - len(runs))
     report["wall_seconds"] = time.monotonic() - started
     out.write_text(json.dumps(report, indent=2))
     print(f"targets met: {report['targets_met']}")
 
 
-def add_flood(report: dict, quick: bool) -> None:
-    report["flood"] = flood = run_flood(FloodConfig.of(quick))
-    print(f"flood: honest samples/s ratio {flood['samples_per_second_ratio']:.3f} (per honest CPU-second "
+def add_flood(report: dict, quick: bool, pin: bool = False) -> None:
+    """The flood scenario, as `flood` (every process on the same CPUs: the targets are judged on it), or pinned
+    as `flood_pinned`."""
+    name = "flood_pinned" if pin else "flood"
+    report[name] = flood = run_flood(FloodConfig.of(quick, pin))
+    print(f"{name}: honest samples/s ratio {flood['samples_per_second_ratio']:.3f} (per honest CPU-second "
           f"{flood['samples_per_honest_cpu_second_ratio']:.3f}), peak RSS growth {flood['rss_growth_mb']:.1f} MB, "
           f"crashes {flood['crashes']}, met {flood['met']}", flush=True)  # fmt: skip
-    print(f"flood: RSS growth by process (MB) {flood['rss_growth_mb_by_process']}", flush=True)
+    print(f"{name}: RSS growth by process (MB) {flood['rss_growth_mb_by_process']}", flush=True)
 
 
 def judge_all(report: dict, expected: int) -> None:
@@ -327,7 +336,7 @@ def judge_all(report: dict, expected: int) -> None:
         "flood" not in report or report["flood"]["met"])  # fmt: skip
 
 
-def flood_only(out: Path, quick: bool) -> None:
+def flood_only(out: Path, quick: bool, pin: bool = False) -> None:
     """The flood scenario alone, added to the bench_attack.json an earlier run wrote into `out`."""
     path = out / "bench_attack.json"
     try:
@@ -335,7 +344,7 @@ def flood_only(out: Path, quick: bool) -> None:
         expected = sum(len(b["single"]) + len(b["coalition"]) for b in report["budgets"].values())
     except (OSError, ValueError, KeyError, TypeError) as e:
         raise SystemExit(f"bench_attack.py: --flood-only needs an earlier run's {path}: {e}") from None
-    add_flood(report, quick)
+    add_flood(report, quick, pin)
     judge_all(report, expected)
     path.write_text(json.dumps(report, indent=2))
     print(f"targets met: {report['targets_met']}")

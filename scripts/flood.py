@@ -62,11 +62,11 @@ class FloodConfig:
     stop_grace: float = 15.0
     # the attackers on their own CPUs, as on their own machines: the honest side (the peers, the bootstrap node,
     # this process) on the first half of this machine's CPUs in both phases, the attackers on the other half
-    pin: bool = False  # (off in the committed figures; tried on 2 CPUs: the ratio was 0.56, see docs/attack.md)
+    pin: bool = False  # (the headline figures share the CPUs; bench_attack.py --pin keeps a pinned run beside them)
 
     @classmethod
-    def of(cls, quick: bool) -> FloodConfig:
-        return cls(peers=2, duration=30.0, announcements=200, quick=True) if quick else cls()
+    def of(cls, quick: bool, pin: bool = False) -> FloodConfig:
+        return cls(peers=2, duration=30.0, announcements=200, quick=True, pin=pin) if quick else cls(pin=pin)
 
 
 def _cpu_split(config: FloodConfig) -> tuple[set[int], set[int]] | None:
@@ -299,6 +299,7 @@ async def _attack(args) -> None:
     import hivemind
     from cryptography.hazmat.primitives import serialization
     from cryptography.hazmat.primitives.asymmetric import rsa
+    from hivemind.dht.routing import DHTID
     from hivemind.utils import get_dht_time
 
     from murmur.dht.records import Announcement, RunRecords
@@ -312,8 +313,13 @@ async def _attack(args) -> None:
         der = key.private_bytes(serialization.Encoding.DER, serialization.PrivateFormat.PKCS8,
                                 serialization.NoEncryption())  # fmt: skip
         keys[peer_id_of_public_key(_public_der(key))] = der
+    # the announcer is a DHT server whose node id is the roster key's own: the nearest replica of the roster, asked
+    # by every read, which keeps whatever it stores for itself (the honest replicas refuse a peer record stored by
+    # any node but its peer's own: dht.sybil); the stream flooder needs no storage
+    node_id = DHTID.generate(source=f"{args.run}:peers") if keys else None
     dht = hivemind.DHT(initial_peers=args.initial_peers, host_maddrs=["/ip4/127.0.0.1/tcp/0"], nat_port_map=False,
-                       client_mode=True, start=True, record_validators=[_forger(args.run, keys)])  # fmt: skip
+                       client_mode=not keys, node_id=node_id, start=True,
+                       record_validators=[_forger(args.run, keys)])  # fmt: skip
     records = RunRecords(dht, args.run)
     stats: collections.Counter = collections.Counter()
     stop_at = time.monotonic() + args.duration
@@ -386,12 +392,13 @@ def main() -> None:
     attack.add_argument("--stats", required=True)
     bench = sub.add_parser("bench", help="the clean and the flooded phase, alone")
     bench.add_argument("--quick", action="store_true")
+    bench.add_argument("--pin", action="store_true", help="the attackers on half the CPUs, the honest side on the rest")
     bench.add_argument("--out", type=Path, default=Path("scripts/results"))
     args = parser.parse_args()
     if args.command == "attack":
         asyncio.run(_attack(args))
     else:
-        result = run_flood(FloodConfig.of(args.quick))
+        result = run_flood(FloodConfig.of(args.quick, args.pin))
         args.out.mkdir(parents=True, exist_ok=True)
         (args.out / "bench_attack_flood.json").write_text(json.dumps(result, indent=2))
         print(json.dumps({k: result[k] for k in ("samples_per_second_ratio", "rss_growth_mb", "crashes", "met")}))

@@ -4,14 +4,23 @@ from __future__ import annotations
 
 import gc
 from collections.abc import Iterator
+from functools import partial
 from pathlib import Path
 from typing import Any
 
+import msgpack
 import pytest
-from hivemind.utils.timed_storage import get_dht_time
+from hivemind.dht.protocol import DHTProtocol
+from hivemind.dht.routing import DHTID
+from hivemind.dht.storage import DictionaryDHTValue
+from hivemind.proto import dht_pb2
+from hivemind.utils.timed_storage import ValueWithExpiration, get_dht_time
 
-from murmur.dht import NodeConfig, RunRecord, RunRecords, start_node, stop_node, visible_addresses
-from tests.test_dht import live_announcement, metrics, wait_for
+from murmur.dht import NodeConfig, RunRecord, RunRecords, start_node, stop_node, sybil, visible_addresses
+from murmur.dht.identity import ensure_identity, peer_id_of
+from murmur.dht.signing import RunValidator, _public_der, load_signing_key, peer_id_of_public_key
+from murmur.dht.sybil import SybilGuard
+from tests.test_dht import announcement, live_announcement, metrics, wait_for
 
 RUN = "signed-run"
 
@@ -161,3 +170,105 @@ def test_where_every_node_holds_the_join_line_the_creators_config_wins_though_a_
 def test_a_bad_creator_is_one_line() -> None:
     with pytest.raises(ValueError, match="bad peer id 'nope': it is not a base58 peer id"):
         NodeConfig(run_id="r", creator="nope")
+
+
+async def _held_subkeys(key: str, _dht, node) -> set[str]:
+    """In a DHT worker: the subkeys this node itself stores under `key`."""
+    found = node.protocol.storage.get(DHTID.generate(source=key))
+    return set() if found is None else {subkey for subkey, _ in found.value.items()}
+
+
+class _Sybil(RunValidator):
+    """Signs each record with the key of the peer its subkey names: one node's fakes, each validly signed."""
+
+    def __init__(self, run_id: str, keys: dict[str, Any]) -> None:
+        super().__init__(run_id, None)
+        self.signers = {pid: RunValidator(run_id, key) for pid, key in keys.items()}
+
+    def sign_value(self, record):
+        return self.signers[msgpack.unpackb(record.subkey, raw=False)].sign_value(record)
+
+
+def test_the_store_guard_takes_a_runs_peer_records_only_from_the_peer_they_name() -> None:
+    guard, sender = SybilGuard(RUN), "QmSender"
+    peers, metrics_key = (DHTID.generate(source=f"{RUN}:{kind}").to_bytes() for kind in ("peers", "metrics"))
+    config, other = DHTID.generate(source=f"{RUN}:config").to_bytes(), DHTID.generate(source="x").to_bytes()
+    own, someone = msgpack.packb(sender), msgpack.packb("QmSomeoneElse")
+    assert guard.admits(peers, own, sender) and guard.admits(metrics_key, own, sender)
+    assert not guard.admits(peers, someone, sender) and not guard.admits(metrics_key, someone, sender)
+    assert not guard.admits(peers, DHTProtocol.IS_DICTIONARY, sender)  # a hand-over or a cached copy
+    assert not guard.admits(peers, b"\xc1", sender)  # not msgpack
+    for key in (config, other):  # the config is anyone's to republish; other keys are not the run's
+        assert guard.admits(key, someone, sender) and guard.admits(key, DHTProtocol.IS_DICTIONARY, sender)
+    request = dht_pb2.StoreRequest(keys=[peers, peers, other], subkeys=[own, someone, someone],
+                                   values=[b"a", b"b", b"c"], expiration_time=[1.0, 2.0, 3.0],
+                                   in_cache=[False, False, True])  # fmt: skip
+    assert guard.filter(request, sender) == [True, False, True] and guard.refused == 1
+
+
+def test_a_reader_drops_one_nodes_answer_that_carries_more_of_a_runs_peers_than_the_cap() -> None:
+    guard = SybilGuard(RUN, max_answer=2)
+    roster, other = DHTID.generate(source=f"{RUN}:peers"), DHTID.generate(source="x")
+
+    def answer(entries: int) -> ValueWithExpiration:
+        value = DictionaryDHTValue()
+        for i in range(entries):
+            value.store(f"peer{i}", b"v", get_dht_time() + 30)
+        return ValueWithExpiration(value, get_dht_time() + 30)
+
+    assert not guard.too_big(roster, answer(2)) and guard.too_big(roster, answer(3))
+    assert not guard.too_big(other, answer(3)) and not guard.too_big(roster, None)
+    assert not guard.too_big(roster, ValueWithExpiration(b"regular", get_dht_time() + 30))
+
+    guard.shun("sybil")  # ... and a node whose answer was too big is not asked for the run's peers for a while
+    assert guard.skips("sybil", roster) and not guard.skips("sybil", other) and not guard.skips("honest", roster)
+    brief = SybilGuard(RUN, shun_seconds=0.0)
+    brief.shun("sybil")
+    assert not brief.skips("sybil", roster)
+
+
+@pytest.mark.slow
+def test_a_sybil_stores_no_fake_peer_on_an_honest_replica_and_its_own_servers_answer_is_capped(tmp_path) -> None:
+    import hivemind
+    from cryptography.hazmat.primitives.asymmetric import rsa
+
+    run = "sybil-run"
+    identity = str(ensure_identity(tmp_path / "sybil.key"))
+    fakes = [rsa.generate_private_key(public_exponent=65537, key_size=1024) for _ in range(3)]
+    keys = {peer_id_of_public_key(_public_der(key)): key for key in fakes}
+    own_id = peer_id_of(identity)
+    keys[own_id] = load_signing_key(identity)
+    fake_ids = [pid for pid in keys if pid != own_id]
+    nodes = []
+    try:
+        nodes.append(boot := start_node(NodeConfig(run_id=run)))
+        nodes.append(reader := start_node(NodeConfig(run_id=run, initial_peers=tuple(visible_addresses(boot)))))
+        # a DHT server whose node id is the roster key's own, so every read asks it; it keeps what it stores
+        nodes.append(attacker := hivemind.DHT(
+            initial_peers=visible_addresses(boot), host_maddrs=["/ip4/127.0.0.1/tcp/0"], nat_port_map=False,
+            identity_path=identity, node_id=DHTID.generate(source=f"{run}:peers"), start=True,
+            record_validators=[_Sybil(run, keys)]))  # fmt: skip
+        records, roster = RunRecords(attacker, run), RunRecords(reader, run)
+        for pid in fake_ids:  # each signed by its own key, so every signature check would pass
+            assert not records.announce(announcement(pid, addresses=[f"/ip4/127.66.0.1/tcp/4000/p2p/{pid}"]))
+        assert records.announce(live_announcement(attacker))  # its own record, from its own node: taken
+        for honest in (boot, reader):  # no honest replica holds a fake: refused unread
+            held = honest.run_coroutine(partial(_held_subkeys, records.peers_key))
+            assert own_id in held and not set(fake_ids) & held
+        assert sum(node.run_coroutine(sybil.counts)["refused"] for node in (boot, reader)) >= len(fake_ids)
+
+        # the Sybil's own server hands its fakes to every reader, up to the cap on one node's answer. (Capped
+        # first: hivemind merges what a read finds into the reader's own copy, which it then serves as stored.)
+        reader.run_coroutine(partial(_cap_answers, len(fake_ids)))  # its answer holds its own record and 3 fakes
+        assert set(roster.peers()) == {own_id} and (dropped := reader.run_coroutine(sybil.counts)["dropped"]) >= 1
+        assert set(roster.peers()) == {own_id} and reader.run_coroutine(sybil.counts)["dropped"] == dropped  # shunned
+        assert set(fake_ids) <= set(RunRecords(boot, run).peers())  # below the cap (512), they pass
+    finally:
+        for node in nodes:
+            stop_node(node)
+        gc.collect()
+
+
+async def _cap_answers(max_answer: int, _dht, node) -> None:
+    """In a DHT worker: lower its Sybil guard's cap on one node's answer."""
+    sybil._GUARDS[node.protocol].max_answer = max_answer

@@ -1,0 +1,166 @@
+"""What a Sybil can put in a run's roster: records stored only by the peer they name, answers of bounded size.
+
+A ``{run}:peers`` or ``{run}:metrics`` record sits under its signer's peer id (``dht.signing``), and every
+peer stores its own, straight to the key's replicas, every few seconds. Signatures alone cost a Sybil
+nothing: one DHT node signs a thousand fake announcements with a thousand fresh keys, and every replica
+then checks each signature, holds each record, and hands all of them to every reader of the roster, twice
+a second. A node of the run therefore (``install``, run inside its DHT worker):
+
+* **as a replica**, refuses before any signature is checked
+  - a one-subkey store of these keys whose subkey is not the peer id of the node that sent it (the
+    libp2p peer that sent the RPC, not anything the request says);
+  - a whole-dictionary store of them: hivemind's hand-over of what a new replica should hold, and its
+    cache-on-read copy to the nearest node. Nobody needs either: a new replica has every live peer's own
+    record within one announcement period;
+* **as a reader**, drops whole any one node's answer that carries more than ``max_answer`` records of
+  these keys, and asks that node for them no more for ``shun_seconds``. A Sybil that runs its own DHT
+  server, placed on the roster key so that every read asks it, keeps whatever it stores for itself; the
+  cap makes each such server worth at most ``max_answer`` fakes in a reader's roster, where it was worth
+  any number, and the shun spares the reader its oversized answers twice a second. An honest replica
+  holds only the run's live peers. (hivemind merges what a read finds into the reader's own stored copy,
+  which it then serves as its own: an answer under the cap is passed on that way until it expires.)
+
+Other keys, and the run's config (which anyone may republish unchanged), pass through untouched.
+"""
+
+from __future__ import annotations
+
+import collections
+import logging
+import time
+import weakref
+from dataclasses import dataclass
+
+import msgpack
+from hivemind.dht.protocol import DHTProtocol
+from hivemind.dht.routing import DHTID
+from hivemind.dht.storage import DictionaryDHTValue
+from hivemind.p2p import P2PContext
+from hivemind.proto import dht_pb2
+
+__all__ = ["SybilGuard", "counts", "install"]
+
+logger = logging.getLogger(__name__)
+
+MAX_ANSWER = 512  # a run's peers one node's answer may carry; more is a Sybil's server (murmur simulate: 64)
+SHUN_SECONDS = 60.0  # a node whose answer was too big is not asked for these keys for this long
+MAX_SHUNNED = 1024  # nodes remembered as shunned; the oldest go first
+_GUARDS: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()  # DHTProtocol -> its SybilGuard (in the worker)
+
+
+@dataclass
+class SybilGuard:
+    """The rules for one node of `run_id`; `refused` counts store entries turned away, `dropped` answers."""
+
+    run_id: str
+    max_answer: int = MAX_ANSWER
+    shun_seconds: float = SHUN_SECONDS
+    refused: int = 0
+    dropped: int = 0
+
+    def __post_init__(self) -> None:
+        self.keys = {DHTID.generate(source=f"{self.run_id}:{kind}").to_bytes() for kind in ("peers", "metrics")}
+        self._shunned: collections.OrderedDict[object, float] = collections.OrderedDict()  # node -> until
+
+    def shun(self, node: object) -> None:
+        self._shunned.pop(node, None)
+        self._shunned[node] = time.monotonic() + self.shun_seconds
+        while len(self._shunned) > MAX_SHUNNED:
+            self._shunned.popitem(last=False)
+
+    def skips(self, node: object, key: DHTID) -> bool:
+        """Whether a reader leaves `key` out of what it asks `node` (shunned for an answer too big)."""
+        if key.to_bytes() not in self.keys or (until := self._shunned.get(node)) is None:
+            return False
+        if time.monotonic() < until:
+            return True
+        del self._shunned[node]
+        return False
+
+    def admits(self, key: bytes, tag: bytes, sender: str) -> bool:
+        """Whether a replica takes the store entry (`key`, `tag`: hivemind's packed subkey) from `sender`."""
+        if key not in self.keys:
+            return True
+        if tag == DHTProtocol.IS_DICTIONARY:
+            return False
+        if tag == DHTProtocol.IS_REGULAR_VALUE:
+            return True  # no subkey at all: the run's validator refuses it (a subkey must name the signer)
+        try:
+            return msgpack.unpackb(tag, raw=False) == sender
+        except Exception:  # malformed msgpack raises many types
+            return False
+
+    def filter(self, request: dht_pb2.StoreRequest, sender: str) -> list[bool]:
+        admitted = [self.admits(key, tag, sender) for key, tag in zip(request.keys, request.subkeys, strict=True)]
+        self.refused += admitted.count(False)
+        return admitted
+
+    def too_big(self, key: DHTID, found) -> bool:
+        """Whether a reader drops one node's answer `found` (a ValueWithExpiration, or None) for `key`."""
+        if found is None or not isinstance(found.value, DictionaryDHTValue) or key.to_bytes() not in self.keys:
+            return False
+        return len(found.value) > self.max_answer
+
+
+def _only(request: dht_pb2.StoreRequest, admitted: list[bool]) -> dht_pb2.StoreRequest:
+    def kept(field) -> list:
+        return [item for item, ok in zip(field, admitted, strict=True) if ok]
+
+    return dht_pb2.StoreRequest(
+        keys=kept(request.keys), subkeys=kept(request.subkeys), values=kept(request.values),
+        expiration_time=kept(request.expiration_time), in_cache=kept(request.in_cache), peer=request.peer,
+    )  # fmt: skip
+
+
+async def install(run_id: str, _dht, node, max_answer: int = MAX_ANSWER) -> None:
+    """In the DHT worker (``dht.run_coroutine(partial(install, run_id))``): guard this node's reads, and its
+    store handler unless it is a client-mode node, which serves no stores."""
+    protocol = node.protocol
+    if protocol in _GUARDS:
+        return
+    guard = _GUARDS[protocol] = SybilGuard(run_id, max_answer)
+    find = protocol.call_find
+
+    async def guarded_find(peer, keys):
+        keys = list(keys)
+        asked = [key for key in keys if not guard.skips(peer, key)]
+        found = await find(peer, asked) if asked else {}
+        if found is None:
+            return None
+        for key, (value, nearest) in found.items():
+            if guard.too_big(key, value):
+                guard.dropped += 1
+                guard.shun(peer)
+                logger.debug("dropped %s's answer of %d records for run %r", peer, len(value.value), run_id)
+                found[key] = None, nearest
+        return found | {key: (None, {}) for key in keys if key not in found}  # skipped: not found, no neighbours
+
+    protocol.call_find = guarded_find  # DHTNode's traversals call it on the protocol; nothing else exposes answers
+    if protocol.client_mode:
+        return
+    store = protocol.rpc_store
+
+    async def guarded_store(request: dht_pb2.StoreRequest, context: P2PContext) -> dht_pb2.StoreResponse:
+        if len(request.keys) != len(request.subkeys):
+            return await store(request, context)  # hivemind refuses a misaligned request itself
+        admitted = guard.filter(request, context.remote_id.to_base58())
+        if all(admitted):
+            return await store(request, context)
+        logger.debug("refused %d records of run %r that %s stored for others", admitted.count(False), run_id,
+                     context.remote_id)  # fmt: skip
+        response = await store(_only(request, admitted), context)
+        answers = iter(response.store_ok)
+        merged = [next(answers, False) if ok else False for ok in admitted]
+        del response.store_ok[:]
+        response.store_ok.extend(merged)
+        return response
+
+    name = f"{DHTProtocol.__name__}.rpc_store"  # the name hivemind registers it under (ServicerBase)
+    await protocol.p2p.remove_protobuf_handler(name)
+    await protocol.p2p.add_protobuf_handler(name, guarded_store, dht_pb2.StoreRequest)
+
+
+async def counts(_dht, node) -> dict[str, int]:
+    """In the DHT worker: the store entries this node's guard refused and the answers it dropped."""
+    guard = _GUARDS.get(node.protocol)
+    return {"refused": 0, "dropped": 0} if guard is None else {"refused": guard.refused, "dropped": guard.dropped}
