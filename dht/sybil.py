@@ -17,8 +17,10 @@ a second. A node of the run therefore (``install``, run inside its DHT worker):
   server, placed on the roster key so that every read asks it, keeps whatever it stores for itself; the
   cap makes each such server worth at most ``max_answer`` fakes in a reader's roster, where it was worth
   any number, and the shun spares the reader its oversized answers twice a second. An honest replica
-  holds only the run's live peers. (hivemind merges what a read finds into the reader's own stored copy,
-  which it then serves as its own: an answer under the cap is passed on that way until it expires.)
+  holds only the run's live peers. hivemind merges what a read finds into the first copy it holds, which
+  is the node's own stored one where it is a replica of the key, and then serves it as stored: a read
+  of these keys starts from a copy of it instead (``_CopyOnRead``), so no answer, under the cap or not,
+  is passed on by an honest replica.
 
 Other keys, and the run's config (which anyone may republish unchanged), pass through untouched.
 """
@@ -37,6 +39,7 @@ from hivemind.dht.routing import DHTID
 from hivemind.dht.storage import DictionaryDHTValue
 from hivemind.p2p import P2PContext
 from hivemind.proto import dht_pb2
+from hivemind.utils.timed_storage import ValueWithExpiration
 
 __all__ = ["SybilGuard", "counts", "install"]
 
@@ -102,6 +105,28 @@ class SybilGuard:
         return len(found.value) > self.max_answer
 
 
+class _CopyOnRead:
+    """A node's storage (hivemind's ``DHTLocalStorage``, which it wraps) whose ``get`` of the run's per-peer
+    dictionaries returns a copy. Stores go to the real one; only readers see the copy: a traversal merges the
+    answers it gets into the first value it holds (``_SearchState.add_candidate``), and the stored value must
+    not be that one."""
+
+    def __init__(self, storage, keys: set[bytes]) -> None:
+        self._storage, self._keys = storage, keys
+
+    def get(self, key: DHTID) -> ValueWithExpiration | None:
+        found = self._storage.get(key)
+        if found is None or not isinstance(found.value, DictionaryDHTValue) or key.to_bytes() not in self._keys:
+            return found
+        copy = DictionaryDHTValue()
+        for subkey, (value, expiration) in found.value.items():
+            copy.store(subkey, value, expiration)
+        return ValueWithExpiration(copy, found.expiration_time)
+
+    def __getattr__(self, name: str):
+        return getattr(self._storage, name)
+
+
 def _only(request: dht_pb2.StoreRequest, admitted: list[bool]) -> dht_pb2.StoreRequest:
     def kept(field) -> list:
         return [item for item, ok in zip(field, admitted, strict=True) if ok]
@@ -136,6 +161,7 @@ async def install(run_id: str, _dht, node, max_answer: int = MAX_ANSWER) -> None
         return found | {key: (None, {}) for key in keys if key not in found}  # skipped: not found, no neighbours
 
     protocol.call_find = guarded_find  # DHTNode's traversals call it on the protocol; nothing else exposes answers
+    protocol.storage = _CopyOnRead(protocol.storage, guard.keys)
     if protocol.client_mode:
         return
     store = protocol.rpc_store
