@@ -137,13 +137,13 @@ def _only(request: dht_pb2.StoreRequest, admitted: list[bool]) -> dht_pb2.StoreR
     )  # fmt: skip
 
 
-async def install(run_id: str, _dht, node, max_answer: int = MAX_ANSWER) -> None:
+async def install(run_id: str, _dht, node) -> None:
     """In the DHT worker (``dht.run_coroutine(partial(install, run_id))``): guard this node's reads, and its
     store handler unless it is a client-mode node, which serves no stores."""
     protocol = node.protocol
     if protocol in _GUARDS:
         return
-    guard = _GUARDS[protocol] = SybilGuard(run_id, max_answer)
+    guard = _GUARDS[protocol] = SybilGuard(run_id)
     find = protocol.call_find
 
     async def guarded_find(peer, keys):
