@@ -84,6 +84,11 @@ def peer_id_of_public_key(der: bytes) -> str:
     return PeerID(digest).to_base58()
 
 
+def run_key_ids(run_id: str, kinds: tuple[str, ...] = ("peers", "metrics", "config")) -> dict[bytes, str]:
+    """The DHT ids of a run's keys (``{run_id}:{kind}``), each mapped to its kind."""
+    return {DHTID.generate(source=f"{run_id}:{kind}").to_bytes(): kind for kind in kinds}
+
+
 def _config_payload(body: dict) -> bytes:
     """What the creator signs: the config's content, in a canonical form (not its expiration)."""
     content = {k: body.get(k) for k in ("run_id", "config", "created_by")}
@@ -110,9 +115,7 @@ class RunValidator(RecordValidatorBase):
             if self._public is None:
                 raise ValueError("creator 'self' needs this node's signing key")
             creator = peer_id_of_public_key(self._public)
-        self._kinds: dict[bytes, str] = {
-            DHTID.generate(source=f"{run_id}:{kind}").to_bytes(): kind for kind in ("peers", "metrics", "config")
-        }
+        self._kinds = run_key_ids(run_id)
         self._verified: collections.OrderedDict[bytes, None] = collections.OrderedDict()  # digests checked
         self._creator: str | None = creator  # the config's signer: given, or pinned on the first valid config
 

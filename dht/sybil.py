@@ -41,6 +41,8 @@ from hivemind.p2p import P2PContext
 from hivemind.proto import dht_pb2
 from hivemind.utils.timed_storage import ValueWithExpiration
 
+from .signing import run_key_ids
+
 __all__ = ["SybilGuard", "counts", "install"]
 
 logger = logging.getLogger(__name__)
@@ -62,7 +64,7 @@ class SybilGuard:
     dropped: int = 0
 
     def __post_init__(self) -> None:
-        self.keys = {DHTID.generate(source=f"{self.run_id}:{kind}").to_bytes() for kind in ("peers", "metrics")}
+        self.keys = set(run_key_ids(self.run_id, ("peers", "metrics")))
         self._shunned: collections.OrderedDict[object, float] = collections.OrderedDict()  # node -> until
 
     def shun(self, node: object) -> None:
