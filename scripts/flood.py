@@ -14,8 +14,8 @@ processes on the same training config and data seeds:
     at an address (`--fake-host`) where nobody listens.
 
 The honest peers' process trees (peer, DHT worker, p2pd) are sampled every second for RSS. Reported:
-swarm samples/s in each phase (rounds logged in the window × samples per round ÷ the window) and their
-ratio, each peer's peak RSS in each phase and the largest growth, the exchanges, and the peers that
+swarm samples/s in each phase (each peer's samples between the first and the last round it logged in the
+window, over the time between them, summed over the peers) and their ratio, each peer's peak RSS in each phase and the largest growth, the exchanges, and the peers that
 crashed. Targets (issue 17): RSS growth ≤ 100 MB, samples/s ≥ 0.9× the clean run's, 0 crashes.
 """
 
@@ -138,18 +138,19 @@ def _measure(config: FloodConfig, name: str, out: Path, flood: bool, split) -> d
         stop_processes([*procs, *attackers], config.stop_grace)
         stop_node(boot)
     rounds = ok = failed = unreachable = 0
+    pace = 0.0  # the swarm's samples/s: the sum of the peers' own paces over the window
     for folder in folders:
         records = read_metrics(folder / "metrics.jsonl")
         rounds += sum(start <= r["t"] <= end for r in records)
+        pace += samples_per_second(records, start, end)
         if records:
             ok += records[-1]["exchanges_ok"]
             failed += records[-1]["exchanges_failed"]
             unreachable += records[-1]["exchanges_unreachable"]
-    train = config.train
     row = {
         "seconds": round(end - start, 1),
         "rounds": rounds,
-        "samples_per_second": round(rounds * train.batch_size * train.inner_steps / (end - start), 2),
+        "samples_per_second": round(pace, 2),
         "exchanges_ok": ok,
         "exchanges_failed": failed,
         "partners_unreachable": unreachable,
@@ -161,7 +162,7 @@ def _measure(config: FloodConfig, name: str, out: Path, flood: bool, split) -> d
         "crashed": [f"peer{i}" for i in crashed],
         "honest_cpu_seconds": round(cpu, 1),  # the peers' process trees, over the window
         "honest_cpu_seconds_by_process": roles,
-        "samples_per_honest_cpu_second": round(rounds * train.batch_size * train.inner_steps / max(cpu, 1e-9), 2),
+        "samples_per_honest_cpu_second": round(pace * (end - start) / max(cpu, 1e-9), 2),
         "attacker_cpu_seconds": round(attack_cpu, 1),  # on its own CPUs when pinned, else taken from the honest
         "cpus": {"honest": sorted(split[0]), "attackers": sorted(split[1])} if split else "shared",
     }
@@ -171,6 +172,18 @@ def _measure(config: FloodConfig, name: str, out: Path, flood: bool, split) -> d
             if (out / f"attacker-{part}.json").exists():
                 row["attacker"] |= json.loads((out / f"attacker-{part}.json").read_text())
     return row
+
+
+def samples_per_second(records: list[dict], start: float, end: float) -> float:
+    """One peer's pace over the window [start, end]: the samples it trained between the first and the last round
+    it logged in the window, over the time between them (0 with fewer than two). Whole rounds only: an automatic
+    round's length in steps varies (6 to 33 steps in one run), so a count of rounds is not a count of samples, and
+    a round cut by the window's edge is neither counted whole nor lost."""
+    inside = [r for r in records if start <= r["t"] <= end]
+    if len(inside) < 2:
+        return 0.0
+    first, last = inside[0], inside[-1]
+    return (last["samples"] - first["samples"]) / max(last["t"] - first["t"], 1e-9)
 
 
 def wait_for(condition, seconds: float) -> None:

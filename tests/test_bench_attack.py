@@ -46,3 +46,16 @@ def test_bad_runs_are_one_line(tmp_path: Path):
     done = subprocess.run([sys.executable, "scripts/bench_attack.py", "--runs", "eight", "--out", str(tmp_path)],
                           capture_output=True, text=True, timeout=120)  # fmt: skip
     assert done.returncode == 2 and "bad --runs entry 'eight'" in done.stderr
+
+
+def test_flood_pace_counts_samples_between_whole_rounds_in_the_window():
+    sys.path.insert(0, str(Path(__file__).parent.parent / "scripts"))
+    from flood import samples_per_second
+
+    # automatic rounds of 10, 30 and 20 steps of 16 samples, one at t = 5, 15, 25, 35 and 45
+    records = [{"t": t, "samples": s} for t, s in [(5, 0), (15, 160), (25, 640), (35, 960), (45, 1120)]]
+    # the rounds that end at 15, 25 and 35 fall in [10, 40]: 800 samples in the 20 s between their ends
+    assert samples_per_second(records, 10, 40) == pytest.approx(40.0)
+    assert samples_per_second(records, 0, 50) == pytest.approx(1120 / 40)
+    assert samples_per_second(records, 20, 30) == 0.0  # one round in the window: no pace to measure
+    assert samples_per_second([], 0, 50) == 0.0
