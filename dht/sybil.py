@@ -13,7 +13,8 @@ a second. A node of the run therefore (``install``, run inside its DHT worker):
     cache-on-read copy to the nearest node. Nobody needs either: a new replica has every live peer's own
     record within one announcement period;
 * **as a reader**, drops whole any one node's answer that carries more than ``max_answer`` records of
-  these keys, and asks that node for them no more for ``shun_seconds``. A Sybil that runs its own DHT
+  these keys, before checking a single one of them, and asks that node for them no more for
+  ``shun_seconds``. A Sybil that runs its own DHT
   server, placed on the roster key so that every read asks it, keeps whatever it stores for itself; the
   cap makes each such server worth at most ``max_answer`` fakes in a reader's roster, where it was worth
   any number, and the shun spares the reader its oversized answers twice a second. An honest replica
@@ -28,6 +29,7 @@ Other keys, and the run's config (which anyone may republish unchanged), pass th
 from __future__ import annotations
 
 import collections
+import contextvars
 import logging
 import time
 import weakref
@@ -50,6 +52,7 @@ logger = logging.getLogger(__name__)
 MAX_ANSWER = 512  # a run's peers one node's answer may carry; more is a Sybil's server (murmur simulate: 64)
 SHUN_SECONDS = 60.0  # a node whose answer was too big is not asked for these keys for this long
 MAX_SHUNNED = 1024  # nodes remembered as shunned; the oldest go first
+_OVERSIZED: contextvars.ContextVar[list[int] | None] = contextvars.ContextVar("murmur_oversized", default=None)
 _GUARDS: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()  # DHTProtocol -> its SybilGuard (in the worker)
 
 
@@ -100,11 +103,9 @@ class SybilGuard:
         self.refused += admitted.count(False)
         return admitted
 
-    def too_big(self, key: DHTID, found) -> bool:
-        """Whether a reader drops one node's answer `found` (a ValueWithExpiration, or None) for `key`."""
-        if found is None or not isinstance(found.value, DictionaryDHTValue) or key.to_bytes() not in self.keys:
-            return False
-        return len(found.value) > self.max_answer
+    def too_big(self, key: bytes, value: object) -> bool:
+        """Whether a reader drops one node's answer `value` (as hivemind decoded it) for `key`, unchecked."""
+        return isinstance(value, DictionaryDHTValue) and key in self.keys and len(value) > self.max_answer
 
 
 class _CopyOnRead:
@@ -146,23 +147,37 @@ async def install(run_id: str, _dht, node) -> None:
     if protocol in _GUARDS:
         return
     guard = _GUARDS[protocol] = SybilGuard(run_id)
-    find = protocol.call_find
+    find, validate = protocol.call_find, protocol._validate_dictionary
+
+    def checked(key: bytes, dictionary) -> bool:
+        """hivemind's check of a dictionary found at one node, after the cap: an answer over it is refused before
+        a single record of it is checked (a thousand fakes cost a reader a second of signature and address
+        checks on its DHT loop, for every read that asked their server)."""
+        if guard.too_big(key, dictionary):
+            if (oversized := _OVERSIZED.get()) is not None:
+                oversized.append(len(dictionary))
+            return False
+        return validate(key, dictionary)
 
     async def guarded_find(peer, keys):
         keys = list(keys)
         asked = [key for key in keys if not guard.skips(peer, key)]
-        found = await find(peer, asked) if asked else {}
+        oversized: list[int] = []  # filled by `checked`, which hivemind's call_find calls in this task
+        token = _OVERSIZED.set(oversized)
+        try:
+            found = await find(peer, asked) if asked else {}
+        finally:
+            _OVERSIZED.reset(token)
+        if oversized:
+            guard.dropped += len(oversized)
+            guard.shun(peer)
+            logger.debug("dropped %s's answer of %d records for run %r", peer, max(oversized), run_id)
         if found is None:
             return None
-        for key, (value, nearest) in found.items():
-            if guard.too_big(key, value):
-                guard.dropped += 1
-                guard.shun(peer)
-                logger.debug("dropped %s's answer of %d records for run %r", peer, len(value.value), run_id)
-                found[key] = None, nearest
         return found | {key: (None, {}) for key in keys if key not in found}  # skipped: not found, no neighbours
 
-    protocol.call_find = guarded_find  # DHTNode's traversals call it on the protocol; nothing else exposes answers
+    # DHTNode's traversals call these on the protocol; nothing else exposes one node's answer
+    protocol.call_find, protocol._validate_dictionary = guarded_find, checked
     protocol.storage = _CopyOnRead(protocol.storage, guard.keys)
     if protocol.client_mode:
         return

@@ -15,8 +15,9 @@ processes on the same training config and data seeds:
 
 The honest peers' process trees (peer, DHT worker, p2pd) are sampled every second for RSS. Reported:
 swarm samples/s in each phase (each peer's samples between the first and the last round it logged in the
-window, over the time between them, summed over the peers) and their ratio, each peer's peak RSS in each phase and the largest growth, the exchanges, and the peers that
-crashed. Targets (issue 17): RSS growth ≤ 100 MB, samples/s ≥ 0.9× the clean run's, 0 crashes.
+window, over the time between them, summed over the peers) and their ratio, each peer's peak RSS in each
+phase and the largest growth, the exchanges, and the peers that crashed. Targets (issue 17): RSS growth
+≤ 100 MB, samples/s ≥ 0.9× the clean run's, 0 crashes.
 """
 
 from __future__ import annotations

@@ -14,7 +14,7 @@ from hivemind.dht.protocol import DHTProtocol
 from hivemind.dht.routing import DHTID
 from hivemind.dht.storage import DictionaryDHTValue
 from hivemind.proto import dht_pb2
-from hivemind.utils.timed_storage import ValueWithExpiration, get_dht_time
+from hivemind.utils.timed_storage import get_dht_time
 
 from murmur.dht import NodeConfig, RunRecord, RunRecords, start_node, stop_node, sybil, visible_addresses
 from murmur.dht.identity import ensure_identity, peer_id_of
@@ -210,15 +210,16 @@ def test_a_reader_drops_one_nodes_answer_that_carries_more_of_a_runs_peers_than_
     guard = SybilGuard(RUN, max_answer=2)
     roster, other = DHTID.generate(source=f"{RUN}:peers"), DHTID.generate(source="x")
 
-    def answer(entries: int) -> ValueWithExpiration:
+    def answer(entries: int) -> DictionaryDHTValue:
         value = DictionaryDHTValue()
         for i in range(entries):
             value.store(f"peer{i}", b"v", get_dht_time() + 30)
-        return ValueWithExpiration(value, get_dht_time() + 30)
+        return value
 
-    assert not guard.too_big(roster, answer(2)) and guard.too_big(roster, answer(3))
-    assert not guard.too_big(other, answer(3)) and not guard.too_big(roster, None)
-    assert not guard.too_big(roster, ValueWithExpiration(b"regular", get_dht_time() + 30))
+    roster_key, other_key = roster.to_bytes(), other.to_bytes()
+    assert not guard.too_big(roster_key, answer(2)) and guard.too_big(roster_key, answer(3))
+    assert not guard.too_big(other_key, answer(3)) and not guard.too_big(roster_key, None)
+    assert not guard.too_big(roster_key, b"regular")
 
     guard.shun("sybil")  # ... and a node whose answer was too big is not asked for the run's peers for a while
     assert guard.skips("sybil", roster) and not guard.skips("sybil", other) and not guard.skips("honest", roster)
@@ -263,12 +264,38 @@ def test_a_sybil_stores_no_fake_peer_on_an_honest_replica_and_its_own_servers_an
         for honest in (boot, reader):
             assert not set(fake_ids) & honest.run_coroutine(partial(_held_subkeys, records.peers_key))
         reader.run_coroutine(partial(_cap_answers, len(fake_ids)))  # its answer holds its own record and 3 fakes
+        reader.run_coroutine(_count_checks)
         assert set(roster.peers()) == {own_id} and (dropped := reader.run_coroutine(sybil.counts)["dropped"]) >= 1
+        assert not set(fake_ids) & set(reader.run_coroutine(_checked))  # dropped unchecked
         assert set(roster.peers()) == {own_id} and reader.run_coroutine(sybil.counts)["dropped"] == dropped  # shunned
     finally:
         for node in nodes:
             stop_node(node)
         gc.collect()
+
+
+async def _count_checks(_dht, node) -> None:
+    """In a DHT worker: from now on, list the subkey (a peer id) of every record its validator checks (kept in
+    the worker: read it with `_checked`)."""
+    validator, checked = node.protocol.record_validator, []
+
+    class Counting:
+        def __getattr__(self, name):
+            return getattr(validator, name)
+
+        def validate(self, record) -> bool:
+            checked.append(msgpack.unpackb(record.subkey, raw=False) if record.subkey != b"" else "")
+            return validator.validate(record)
+
+    node.protocol.record_validator = Counting()
+    _CHECKED[id(node)] = checked
+
+
+_CHECKED: dict[int, list] = {}
+
+
+async def _checked(_dht, node) -> list[str]:
+    return list(_CHECKED[id(node)])
 
 
 async def _cap_answers(max_answer: int, _dht, node) -> None:
