@@ -12,15 +12,14 @@ a second. A node of the run therefore (``install``, run inside its DHT worker):
   - a whole-dictionary store of them: hivemind's hand-over of what a new replica should hold, and its
     cache-on-read copy to the nearest node. Nobody needs either: a new replica has every live peer's own
     record within one announcement period;
-* **as a reader**, drops whole any one node's answer that carries more than ``max_answer`` records of
-  these keys, before checking a single one of them, and asks that node for them no more for
-  ``shun_seconds``. A Sybil that runs its own DHT
-  server, placed on the roster key so that every read asks it, keeps whatever it stores for itself; the
-  cap makes each such server worth at most ``max_answer`` fakes in a reader's roster, where it was worth
-  any number, and the shun spares the reader its oversized answers twice a second. An honest replica
-  holds only the run's live peers. hivemind merges what a read finds into the first copy it holds, which
-  is the node's own stored one where it is a replica of the key, and then serves it as stored: a read
-  of these keys starts from a copy of it instead (``_CopyOnRead``), so no answer, under the cap or not,
+* **as a reader**, drops whole any one node's answer that carries more than ``max_answer`` records of these
+  keys, before checking a single one of them, and asks that node for them no more for ``shun_seconds``. A
+  Sybil that runs its own DHT server, placed on the roster key so that every read asks it, keeps whatever it
+  stores for itself; the cap makes each such server worth at most ``max_answer`` fakes in a reader's roster,
+  where it was worth any number, and the shun spares the reader its oversized answers twice a second. An
+  honest replica holds only the run's live peers. hivemind merges what a read finds into the first copy it
+  holds, which is the node's own stored one where it is a replica of the key, and then serves it as stored: a
+  read of these keys starts from a copy of it instead (``_CopyOnRead``), so no answer, under the cap or not,
   is passed on by an honest replica.
 
 Other keys, and the run's config (which anyone may republish unchanged), pass through untouched.
