@@ -674,6 +674,22 @@ def test_every_node_s_p2pd_runs_with_a_bounded_go_heap(swarm: list[Any]) -> None
             assert {k: env.get(k) for k in P2PD_GO_ENV} == {k: os.environ.get(k, v) for k, v in P2PD_GO_ENV.items()}
 
 
+def test_every_node_s_worker_and_p2pd_run_nicer_than_the_peer(swarm: list[Any]) -> None:
+    """Under a flood of junk streams the CPU goes to training first: a node's DHT worker and every thread of
+    its p2pd run `NETWORK_NICENESS` nicer than the process that started the node."""
+    from murmur.dht.node import NETWORK_NICENESS
+
+    expected = min(19, os.getpriority(os.PRIO_PROCESS, 0) + NETWORK_NICENESS)
+    for node in swarm:
+        worker = psutil.Process(node.pid)
+        processes = [worker, *worker.children(recursive=True)]
+        assert [p.name() for p in processes[1:]] == ["p2pd"]
+        for process in processes:
+            threads = [t.id for t in process.threads()]
+            assert len(threads) > 1
+            assert {tid: os.getpriority(os.PRIO_PROCESS, tid) for tid in threads} == dict.fromkeys(threads, expected)
+
+
 @pytest.mark.slow
 def test_an_announcement_is_validated_once_per_store_not_once_per_read(swarm: list[Any], monkeypatch) -> None:
     from murmur.dht import records as records_module
