@@ -236,7 +236,10 @@ class P2PTransport(Transport):
 
     async def serve(self, handler: Handler) -> None:
         async def on_stream(info, reader, writer) -> None:
-            await self.gate.run(info.peer_id.to_base58(), P2PStream(reader, writer, self.traffic), handler)
+            try:
+                await self.gate.run(info.peer_id.to_base58(), P2PStream(reader, writer, self.traffic), handler)
+            except asyncio.CancelledError:  # the loop is stopping; Python 3.11's stream server would log this
+                writer.close()  # task's end as an error with a traceback, one per stream held or in an exchange
 
         await self._p2p.add_binary_stream_handler(self.protocol, on_stream)
         self._serving = True

@@ -195,3 +195,46 @@ def test_an_oversized_frame_on_a_real_libp2p_stream_is_frame_too_large_not_a_clo
         loop.stop()
         for node in reversed(nodes):
             stop_node(node)
+
+
+@pytest.mark.slow
+def test_streams_held_or_in_a_handler_when_the_loop_stops_end_quietly() -> None:
+    """A peer stopped under a flood cancels the tasks of every stream it holds: each used to be logged as an
+    asyncio error with its traceback (dozens in a peer's log)."""
+    from murmur.averaging.transport import P2PTransport
+    from murmur.dht.loop import LoopThread
+    from murmur.dht.node import NodeConfig, start_node, stop_node, visible_addresses
+
+    nodes = [start_node(NodeConfig())]
+    loop = LoopThread()
+    errors: list[dict] = []
+    try:
+        nodes.append(start_node(NodeConfig(initial_peers=tuple(visible_addresses(nodes[0])))))
+
+        async def main() -> list:
+            asyncio.get_running_loop().set_exception_handler(lambda _, context: errors.append(context))
+            server = P2PTransport(await nodes[0].replicate_p2p(), "murmur/test/stop", Admission(per_peer=1))
+            client = P2PTransport(await nodes[1].replicate_p2p(), "murmur/test/stop")
+            entered = asyncio.Event()
+
+            async def handler(remote, stream) -> None:
+                entered.set()
+                await asyncio.Event().wait()  # an exchange still in flight
+
+            await server.serve(handler)
+            streams = [await client.open(server.peer_id) for _ in range(3)]  # one admitted, two held
+            for stream in streams:
+                await stream.send(b"hello")
+            await asyncio.wait_for(entered.wait(), 10)
+            deadline = asyncio.get_running_loop().time() + 10
+            while server.gate.held < 2 and asyncio.get_running_loop().time() < deadline:
+                await asyncio.sleep(0.05)
+            return [server.gate.total, server.gate.held]
+
+        assert loop.run(main(), timeout=30) == [1, 2]
+        loop.stop()  # cancels every task still on the loop, as a stopping peer does
+        assert errors == []
+    finally:
+        loop.stop()
+        for node in reversed(nodes):
+            stop_node(node)
