@@ -4,6 +4,7 @@ small pre-authentication cap."""
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import logging
 
 import pytest
@@ -14,6 +15,24 @@ from murmur.averaging.transport import Admission, InMemoryNetwork, StreamClosed
 
 def run(coro):
     return asyncio.run(asyncio.wait_for(coro, 30))
+
+
+@contextlib.contextmanager
+def two_real_nodes():
+    """Two real DHT nodes (p2pd on loopback), the second joined through the first, and a loop thread to drive
+    their transports; all stopped afterwards."""
+    from murmur.dht.loop import LoopThread
+    from murmur.dht.node import NodeConfig, start_node, stop_node, visible_addresses
+
+    nodes = [start_node(NodeConfig())]
+    loop = LoopThread()
+    try:
+        nodes.append(start_node(NodeConfig(initial_peers=tuple(visible_addresses(nodes[0])))))
+        yield nodes, loop
+    finally:
+        loop.stop()
+        for node in reversed(nodes):
+            stop_node(node)
 
 
 async def held_streams(admission: Admission, opens: list[str]):
@@ -160,13 +179,8 @@ def test_a_flooding_remote_is_struck_twice_then_turned_away_at_the_gate_unread_a
 @pytest.mark.slow
 def test_an_oversized_frame_on_a_real_libp2p_stream_is_frame_too_large_not_a_closed_link() -> None:
     from murmur.averaging.transport import HEADER_LEN, FrameTooLarge, P2PTransport
-    from murmur.dht.loop import LoopThread
-    from murmur.dht.node import NodeConfig, start_node, stop_node, visible_addresses
 
-    nodes = [start_node(NodeConfig())]
-    loop = LoopThread()
-    try:
-        nodes.append(start_node(NodeConfig(initial_peers=tuple(visible_addresses(nodes[0])))))
+    with two_real_nodes() as (nodes, loop):
         errors: list[BaseException] = []
 
         async def main() -> None:
@@ -191,10 +205,6 @@ def test_an_oversized_frame_on_a_real_libp2p_stream_is_frame_too_large_not_a_clo
 
         loop.run(main(), timeout=30)
         assert len(errors) == 1 and type(errors[0]) is FrameTooLarge, errors
-    finally:
-        loop.stop()
-        for node in reversed(nodes):
-            stop_node(node)
 
 
 @pytest.mark.slow
@@ -202,14 +212,9 @@ def test_streams_held_or_in_a_handler_when_the_loop_stops_end_quietly() -> None:
     """A peer stopped under a flood cancels the tasks of every stream it holds: each used to be logged as an
     asyncio error with its traceback (dozens in a peer's log)."""
     from murmur.averaging.transport import P2PTransport
-    from murmur.dht.loop import LoopThread
-    from murmur.dht.node import NodeConfig, start_node, stop_node, visible_addresses
 
-    nodes = [start_node(NodeConfig())]
-    loop = LoopThread()
     errors: list[dict] = []
-    try:
-        nodes.append(start_node(NodeConfig(initial_peers=tuple(visible_addresses(nodes[0])))))
+    with two_real_nodes() as (nodes, loop):
 
         async def main() -> list:
             asyncio.get_running_loop().set_exception_handler(lambda _, context: errors.append(context))
@@ -234,7 +239,3 @@ def test_streams_held_or_in_a_handler_when_the_loop_stops_end_quietly() -> None:
         assert loop.run(main(), timeout=30) == [1, 2]
         loop.stop()  # cancels every task still on the loop, as a stopping peer does
         assert errors == []
-    finally:
-        loop.stop()
-        for node in reversed(nodes):
-            stop_node(node)

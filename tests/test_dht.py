@@ -677,12 +677,11 @@ def test_every_node_s_p2pd_runs_with_a_bounded_go_heap(swarm: list[Any]) -> None
 def test_every_node_s_worker_and_p2pd_run_nicer_than_the_peer(swarm: list[Any]) -> None:
     """Under a flood of junk streams the CPU goes to training first: a node's DHT worker and every thread of
     its p2pd run `NETWORK_NICENESS` nicer than the process that started the node."""
-    from murmur.dht.node import NETWORK_NICENESS
+    from murmur.dht.node import NETWORK_NICENESS, _processes_of
 
     expected = min(19, os.getpriority(os.PRIO_PROCESS, 0) + NETWORK_NICENESS)
     for node in swarm:
-        worker = psutil.Process(node.pid)
-        processes = [worker, *worker.children(recursive=True)]
+        processes = _processes_of(node)
         assert [p.name() for p in processes[1:]] == ["p2pd"]
         for process in processes:
             threads = [t.id for t in process.threads()]
