@@ -376,10 +376,11 @@ class ErrorFeedback:
             whole = self.residuals[name] = residual.new_zeros(full, dtype=self.dtype or residual.dtype)
             whole[rows] = residual.detach()
 
-    def reset(self, name: str) -> None:
-        """The residual of `name` is spent (the peer stepped alone with it): zeros, in place if one is kept."""
+    def reset(self, name: str, rows: slice | None = None) -> None:
+        """The residual of `name` (its `rows` only, if given) is spent (the peer stepped alone with it): zeros, in
+        place if one is kept."""
         if (whole := self.residuals.get(name)) is not None:
-            whole.zero_()
+            (whole if rows is None else whole[rows]).zero_()
 
     def norm(self) -> float:
         return math.sqrt(sum(float(r.float().pow(2).sum()) for r in self.residuals.values()))

@@ -206,7 +206,8 @@ class OuterOptimizer:
                 delta = offer.tensors[f"delta/{piece}"]
                 if result is None:
                     d = delta
-                    self.error_feedback.reset(name)  # e ← 0: in place (see ErrorFeedback.keep)
+                    self.error_feedback.reset(name, rows)  # e ← 0 for these rows (the later pieces' are still to
+                    # be read): in place (see ErrorFeedback.keep)
                 else:
                     proj = result.projections[f"delta/{piece}"]
                     d = proj.mean

@@ -193,3 +193,18 @@ def test_the_state_digest_hashes_the_anchors_without_computing_the_relative_ones
     name = next(iter(b.anchor))
     b.anchor[name].view(-1)[-1] += 1e-3
     assert state_digest(a.offer()) != state_digest(b.offer())
+
+
+def test_a_peer_alone_steps_with_every_row_block_s_residual():
+    """Stepping alone spends each piece's residual: a parameter in row blocks spends its blocks' one at a time
+    (zeroing the whole residual at the first block lost the later blocks' work)."""
+    whole, blocked = peers(2**22, 0.0)[0], peers(BLOCK, 0.0)[0]
+    g = torch.Generator().manual_seed(5)
+    for name, p in whole.params.items():
+        residual = 0.01 * torch.randn(p.shape, generator=g)
+        whole.error_feedback.keep(name, residual)
+        blocked.error_feedback.keep(name, residual)
+    assert whole.flush() is True and blocked.flush() is True
+    for name in whole.params:
+        assert torch.equal(whole.anchor[name], blocked.anchor[name])
+        assert not blocked.error_feedback.residuals[name].any()
