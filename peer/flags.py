@@ -177,6 +177,9 @@ def _join_parser(sub) -> None:
         help="and at least this many seconds apart (default: %(default)s)",
     )
     join.add_argument("--checkpoint-dir", type=Path, metavar="DIR", help="default: OUT_DIR/checkpoints")
+    join.add_argument("--overlap", action=argparse.BooleanOptionalAction, default=True,
+                      help="train on while gathering and exchanging; the steps are kept on top of the round's "
+                           "outer step (default: on)")  # fmt: skip
     node_flags(join)
     join.add_argument("--client-mode", action="store_true",
                       help="behind NAT, no inbound connections: start every exchange, never be dialled")  # fmt: skip

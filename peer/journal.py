@@ -33,9 +33,11 @@ class Journal:
         self._sketch: AnchorSketch | None = None  # made at the first publication, for the anchor's layout
         self.peers_alive = 1  # live peers in the run's announcements, this one included
 
-    def round(self, peer, rounds: int, loss: float, eval_loss: float, result, blocked: float) -> None:
-        """A round ended: its line in metrics.jsonl, the DHT's metrics (every `metrics_interval`, never waited
-        on), the progress line."""
+    def round(self, peer, rounds: int, loss: float, eval_loss: float, result, blocked: float,
+              overlapped: int = 0) -> None:  # fmt: skip
+        """A round ended: its line in metrics.jsonl (`blocked`: its seconds of no compute while gathering and
+        exchanging; `overlapped`: the inner steps taken meanwhile), the DHT's metrics (every `metrics_interval`,
+        never waited on), the progress line."""
         stats, traffic, trainer = peer.averager.stats, peer.averager.transport.traffic, peer.trainer
         partner = result.partner if result else None
         self.peers_alive = max(1, len(peer.watch.peers))  # the last read of the run's announcements (never waits)
@@ -46,6 +48,7 @@ class Journal:
                 exchanges_ok=stats.ok, exchanges_failed=stats.failed, partner=partner,
                 exchanges_unreachable=stats.unreachable, peer=peer.peer_id, peers=self.peers_alive,
                 bytes_sent=traffic.bytes_sent, bytes_received=traffic.bytes_received, blocked=round(blocked, 3),
+                overlapped=overlapped,
             )  # fmt: skip
         if time.monotonic() - self._metrics_at >= self.metrics_interval:
             self._metrics_at = time.monotonic()

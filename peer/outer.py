@@ -41,6 +41,7 @@ from torch import nn
 from murmur.averaging.compression import ErrorFeedback, Mode, Projection
 from murmur.averaging.group import GroupResult, Offer
 from murmur.averaging.lazy import Lazy
+from murmur.averaging.memory import allocate
 from murmur.peer.checkpoint import CheckpointError, check_count, check_tensors
 
 RESIDUAL_DTYPES = {"bf16": torch.bfloat16, "fp32": torch.float32}  # OuterConfig.residual_precision
@@ -133,6 +134,11 @@ def _rows(tensor: torch.Tensor, rows: slice | None) -> torch.Tensor:
     return tensor if rows is None else tensor[rows]
 
 
+def _held_delta(held: Mapping[str, torch.Tensor], name: str, rows: slice | None) -> torch.Tensor:
+    """M for one piece of a parameter, as `OuterOptimizer._hold` computed it (a new tensor)."""
+    return _rows(held[name], rows).to(torch.float32, copy=True)
+
+
 class OuterOptimizer:
     def __init__(self, model: nn.Module, config: OuterConfig = OuterConfig()) -> None:
         self.model = model
@@ -158,16 +164,26 @@ class OuterOptimizer:
         self.step = 0  # outer steps taken
         # held while the anchor and momentum change, so that another thread (a state donor's) copies them whole
         self.lock = threading.Lock()
+        self.held: dict[str, torch.Tensor] | None = None  # where an overlapped offer's M is, until its `apply`
+        self._scratch: dict[str, torch.Tensor] | None = None  # M's memory with no error feedback (made once)
 
-    def offer(self) -> Offer:
+    def offer(self, *, overlap: bool = False) -> Offer:
         """This round's offer, computed tensor by tensor when read (`averaging.lazy.Lazy`): it holds no copy of
         the model. It stands for the state at the time of reading, so the model, anchor and residual must not
-        change between the offer and its `apply` (the round's exchange runs between the two)."""
+        change between the offer and its `apply` (the round's exchange runs between the two)...
+
+        ...unless `overlap`: then the model may go on training while the exchange reads the offer (`peer.runner`
+        trains through its gathering and exchange). The round's update M = (φ − θ) + e is computed now, into the
+        error-feedback residual's own memory: the model takes the residual over first (θ ← θ − e, which leaves
+        M as it was), so holding M costs nothing more. `apply` then keeps the steps taken since the offer (the
+        model becomes φ' + those steps, not φ'), and `reset_model` drops them. No copy of the model is made."""
+        held = self._hold() if overlap else None
         makers: dict[str, Callable[[], torch.Tensor]] = {}
         states: dict[str, Callable[[], torch.Tensor]] = {}  # for the digest, views: the anchors themselves
         # (equal anchors, equal relative ones: no subtraction to hash them) and the momentum
         for piece, name, rows in self.pieces:
-            makers[f"delta/{piece}"] = partial(self._delta, name, rows)
+            delta = partial(_held_delta, held, name, rows) if held else partial(self._delta, name, rows)
+            makers[f"delta/{piece}"] = delta
             if f"anchor/{piece}" in self.modes:
                 makers[f"anchor/{piece}"] = partial(self._relative_anchor, name, rows)
                 states[f"anchor/{piece}"] = partial(self._anchor, name, rows)
@@ -180,6 +196,36 @@ class OuterOptimizer:
         """M = (φ − θ) + e for one piece of a parameter (a new tensor)."""
         own = _rows(self.anchor[name], rows) - _rows(self.params[name].detach(), rows).float()
         return self.error_feedback.add_residual_(name, own, rows)
+
+    @torch.no_grad()
+    def _hold(self) -> dict[str, torch.Tensor]:
+        """M = (φ − θ) + e of every piece, into the residuals' memory (or, with no error feedback, a block of
+        their precision kept for this), the model taking the residual over: see `offer`."""
+        if self.config.error_feedback:
+            held = self.error_feedback.residuals
+        else:
+            if self._scratch is None:
+                dtype = RESIDUAL_DTYPES[self.config.residual_precision]
+                specs = {n: torch.empty(a.shape, dtype=dtype, device="meta") for n, a in self.anchor.items()}
+                self._scratch = allocate(specs, next(iter(self.anchor.values())).device)
+            held = self._scratch
+        for _, name, rows in self.pieces:
+            param, update = _rows(self.params[name].detach(), rows), _rows(held[name], rows)
+            if self.config.error_feedback:
+                param.sub_(update)  # θ ← θ − e: the model carries the residual while its memory holds M
+            update.copy_(_rows(self.anchor[name], rows) - param)
+        self.held = held
+        return held
+
+    @torch.no_grad()
+    def reset_model(self) -> None:
+        """Drop the model's steps since this round's offer was made: back to the anchor, or, while an
+        overlapped exchange is in flight, to where its offer was taken (φ − M)."""
+        for _, name, rows in self.pieces:
+            param = _rows(self.params[name], rows)
+            param.copy_(_rows(self.anchor[name], rows))
+            if self.held is not None:
+                param.sub_(_rows(self.held[name], rows))
 
     @torch.no_grad()
     def _relative_anchor(self, name: str, rows: slice | None) -> torch.Tensor:
@@ -199,11 +245,17 @@ class OuterOptimizer:
         is (the work stays pending), unless `alone` says to step alone now.
         """
         with self.lock:
+            overlapped, self.held = self.held is not None, None
             if result is None and not alone:
+                if overlapped and self.config.error_feedback:  # the model took the residual over, and the
+                    for residual in self.error_feedback.residuals.values():  # next round's M holds this one's
+                        residual.zero_()
                 return False
             mu, lr = self.config.momentum, self.config.lr
             for piece, name, rows in self.pieces:
                 delta = offer.tensors[f"delta/{piece}"]
+                if overlapped:  # the model holds the steps taken since the offer: θ − (φ − M), kept below
+                    _rows(self.params[name], rows).add_(delta).sub_(_rows(self.anchor[name], rows))
                 if result is None:
                     d = delta
                     self.error_feedback.reset(name, rows)  # e ← 0 for these rows (the later pieces' are still to
@@ -226,7 +278,8 @@ class OuterOptimizer:
                     anchor -= lr * (mu * m + d)
                 else:
                     anchor.sub_(d, alpha=lr)
-                _rows(self.params[name], rows).copy_(anchor)
+                param = _rows(self.params[name], rows)
+                param.add_(anchor) if overlapped else param.copy_(anchor)
             self.step += 1
             return True
 
@@ -257,11 +310,12 @@ class OuterOptimizer:
 
     def held_bytes(self, exchange_copies: int = 6) -> int:
         """Bytes this optimizer will hold at most: its state (anchor, the fp16 origin, momentum and the
-        error-feedback residual, reserved from the start) and an exchange's working set, which goes tensor by tensor (an
-        offer's, the decoded contributions' and the projection's copies of the largest piece: `pieces`)."""
+        error-feedback residual, reserved from the start, or with no error feedback the block an overlapped
+        offer holds its update in) and an exchange's working set, which goes tensor by tensor (an offer's, the
+        decoded contributions' and the projection's copies of the largest piece: `pieces`)."""
         numel = sum(a.numel() for a in self.anchor.values())
         largest = max((4 * math.prod(shape) for shape in self.shapes.values()), default=0)
-        residual = self.config.error_feedback * RESIDUAL_DTYPES[self.config.residual_precision].itemsize
+        residual = RESIDUAL_DTYPES[self.config.residual_precision].itemsize
         state = (4 * (1 + bool(self.momentum)) + residual) * numel  # anchor, momentum, residual
         origin = sum(o.numel() * o.element_size() for o in self.origin.values())
         return state + origin + exchange_copies * largest

@@ -88,6 +88,9 @@ class PeerOptions:
     state_download: bool = True  # without a checkpoint, start from a live peer's state (peer.state)
     transfer: TransferConfig = field(default_factory=TransferConfig)
     trace_rounds: bool = False  # keep every input and decision of the round engine (`peer.rounds.replay`)
+    # train on while gathering and exchanging (`OuterOptimizer.offer(overlap=True)`): the steps taken meanwhile
+    # are kept on top of the round's outer step. Off: the peer waits for its exchange, computing nothing.
+    overlap: bool = True
 
     def __post_init__(self) -> None:
         if self.eval_every < 0 or not self.metrics_interval >= 0:
@@ -357,10 +360,12 @@ class VolunteerPeer:
                 break
             loss, steps = phase
             waiting = time.monotonic()
-            offer = trainer.outer.offer()
-            result = self._exchange(self.averager, offer)
-            blocked = time.monotonic() - waiting  # no compute while gathering and exchanging
-            self.verdict.finite_round()
+            offer = trainer.outer.offer(overlap=options.overlap)
+            result, overlapped, computing, finite = self._exchange(self.averager, offer, stop, train=options.overlap)
+            steps += overlapped
+            blocked = time.monotonic() - waiting - computing  # no compute while gathering and exchanging
+            if finite:
+                self.verdict.finite_round()
             self.verdict.check_layout(self.averager, rounds + 1)
             step = self._ended(self.averager, result)
             trainer.finish_round(offer, result, alone=step == Step.ALONE)
@@ -370,7 +375,7 @@ class VolunteerPeer:
             rounds += 1
             if options.eval_every and rounds % options.eval_every == 0:
                 eval_loss = self._evaluate()
-            self.journal.round(self, rounds, loss, eval_loss, result, blocked)
+            self.journal.round(self, rounds, loss, eval_loss, result, blocked, overlapped)
             if (
                 rounds - saved >= options.checkpoint_every
                 and time.monotonic() - saved_at >= options.checkpoint_interval
@@ -414,11 +419,26 @@ class VolunteerPeer:
                 self._announce()
         return total / max(steps, 1), steps
 
-    def _exchange(self, averager: GroupAverager, offer) -> GroupResult | None:
-        """Gather at the appointment with the group the engine plans, on the event-loop thread."""
+    def _exchange(self, averager: GroupAverager, offer, stop: threading.Event, *,
+                  train: bool = False) -> tuple[GroupResult | None, int, float, bool]:  # fmt: skip
+        """Gather at the appointment with the group the engine plans, on the event-loop thread, and with `train`
+        (an offer made for it: `PeerOptions.overlap`) take inner steps meanwhile: the result, the steps taken,
+        the seconds they took, and False if one of them had a non-finite loss (the steps since the offer are
+        then dropped, and the peer waits for the exchange)."""
         plan = self.engine.gather(time.time(), self.roster())
         self._announce(averager)
-        return self.loop.run(_average(averager, offer, plan, self.trainer.config.group_size))
+        future = self.loop.submit(_average(averager, offer, plan, self.trainer.config.group_size))
+        steps, computing, finite = 0, 0.0, True
+        while train and finite and not future.done() and not stop.is_set():
+            started = time.monotonic()
+            try:
+                self.trainer.inner_phase(1)
+                steps += 1
+            except NonFiniteLoss as e:
+                self.verdict.non_finite(str(e))
+                finite = False
+            computing += time.monotonic() - started
+        return future.result(), steps, computing, finite
 
     def _ended(self, averager: GroupAverager, result: GroupResult | None) -> Step:
         """Tell the engine how the round went: who averaged with us, and whom the averager planned in vain."""
@@ -443,7 +463,7 @@ class VolunteerPeer:
             if stop.wait(max(0.0, appointment.at - time.time())):
                 break
             offer = trainer.outer.finish_offer()
-            result = self._exchange(self.finisher, offer)
+            result, *_ = self._exchange(self.finisher, offer, stop)
             done += trainer.outer.apply_finish(offer, result)
             self._ended(self.finisher, result)
         self.heartbeat.poke()

@@ -190,9 +190,9 @@ class Trainer:
 
     @torch.no_grad()
     def discard_round(self) -> None:
-        """Reset the model to its anchor, dropping this round's local steps."""
-        for name, p in self.outer.params.items():
-            p.copy_(self.outer.anchor[name])
+        """Drop this round's local steps (`OuterOptimizer.reset_model`: the model back to its anchor, or during an
+        overlapped exchange to where the round's offer was taken)."""
+        self.outer.reset_model()
 
     def adopt_steps(self, steps: int) -> None:
         """Take the swarm's step count (a joiner): the schedule goes on from there, and fresh AdamW

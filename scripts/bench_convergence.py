@@ -47,6 +47,8 @@ def run_method(
         return run_ddp(base, corpus, scenario, lr=ddp_lr)
     if name == "diloco":
         return run_diloco(base, corpus, scenario)
+    if name == "murmur-overlap":  # the same run config; each peer trains on while it gathers and exchanges
+        return run_murmur(base, corpus, scenario, name=name, target=target, overlap=True)
     return run_murmur(variants(base)[name], corpus, scenario, name=name, target=target)
 
 
@@ -103,7 +105,8 @@ def main() -> None:
             peers=peers, speeds=(1 / 3,) + (1.0,) * (peers - 1), sample_budget=budget, link=link, eval_points=rounds
         ),
     }
-    gossip = ["murmur", "murmur-exact", "murmur-g2", "murmur-fp32-residual"] if args.quick else list(variants(base))
+    gossip = ["murmur", "murmur-overlap", "murmur-exact", "murmur-g2", "murmur-fp32-residual"] if args.quick else [
+        "murmur", "murmur-overlap", *list(variants(base))[1:]]  # fmt: skip
     methods = {"equal": ["ddp", "diloco", *gossip], "heterogeneous": ["ddp", "diloco", "murmur", "murmur-exact"],
                "straggler": ["ddp", "diloco", "murmur"]}  # fmt: skip
     corpus = load_corpus()

@@ -208,3 +208,108 @@ def test_a_peer_alone_steps_with_every_row_block_s_residual():
     for name in whole.params:
         assert torch.equal(whole.anchor[name], blocked.anchor[name])
         assert not blocked.error_feedback.residuals[name].any()
+
+
+def trained_peers(**config) -> list[OuterOptimizer]:
+    """Two peers on one initial model with a round trained and a residual left from an earlier round."""
+    out = []
+    for seed in (1, 2):
+        torch.manual_seed(0)
+        model = nn.Sequential(nn.Linear(64, 48), nn.Linear(48, 16))
+        opt = OuterOptimizer(model, OuterConfig(lr=0.7, block_elements=BLOCK, **config))
+        g = torch.Generator().manual_seed(seed)
+        with torch.no_grad():
+            for name, p in opt.params.items():
+                p.add_(0.05 * torch.randn(p.shape, generator=g))
+                if opt.config.error_feedback:
+                    opt.error_feedback.keep(name, 0.01 * torch.randn(p.shape, generator=g))
+        out.append(opt)
+    return out
+
+
+def drift(opt: OuterOptimizer, seed: int) -> None:
+    """Inner steps: the model moves."""
+    g = torch.Generator().manual_seed(seed)
+    with torch.no_grad():
+        for p in opt.params.values():
+            p.add_(0.02 * torch.randn(p.shape, generator=g))
+
+
+def one_round(opts: list[OuterOptimizer], *, overlap: bool) -> None:
+    """One exchange of both peers. With `overlap` the models train on while the exchange reads the offers (the
+    steps come before the exchange's first read: a lazy offer would see them); without it they train after."""
+
+    async def main():
+        group = averagers(InMemoryNetwork(), opts)
+        for averager in group:
+            await averager.start()
+            averager.expect(APPOINTMENT.key)
+        offers = [o.offer(overlap=overlap) for o in opts]
+        if overlap:
+            for i, opt in enumerate(opts):
+                drift(opt, 10 + i)
+        plan_of = plans([a.peer_id for a in group])
+        results = await asyncio.gather(*(a.average(o, plan_of[a.peer_id]) for a, o in zip(group, offers, strict=True)))
+        for averager in group:
+            await averager.stop()
+        for opt, offer, result in zip(opts, offers, results, strict=True):
+            assert result is not None and opt.apply(offer, result) is True
+
+    asyncio.run(main())
+    if not overlap:
+        for i, opt in enumerate(opts):
+            drift(opt, 10 + i)
+
+
+def assert_same_state(a: OuterOptimizer, b: OuterOptimizer, tol: float) -> None:
+    for name, p in a.params.items():
+        torch.testing.assert_close(p.detach(), b.params[name].detach(), atol=tol, rtol=0)
+        torch.testing.assert_close(a.anchor[name], b.anchor[name], atol=tol, rtol=0)
+        if a.config.error_feedback:
+            torch.testing.assert_close(a.error_feedback.residuals[name].float(),
+                                       b.error_feedback.residuals[name].float(), atol=tol, rtol=0)  # fmt: skip
+
+
+@pytest.mark.parametrize("precision,error_feedback,tol", [("fp32", True, 1e-6), ("bf16", True, 2e-3),
+                                                          ("bf16", False, 2e-3)])  # fmt: skip
+def test_steps_taken_during_an_overlapped_exchange_are_kept_on_top_of_its_outer_step(precision, error_feedback, tol):
+    """Training through the exchange: the offer is the model as it was at the appointment, and the steps taken
+    while the exchange runs end up on top of the new anchor, as if they had been taken after it. (bf16 holds
+    the round's update M in the residual's precision: one rounding of M more.)"""
+    overlapped = trained_peers(residual_precision=precision, error_feedback=error_feedback)
+    blocking = trained_peers(residual_precision=precision, error_feedback=error_feedback)
+    one_round(overlapped, overlap=True)
+    one_round(blocking, overlap=False)
+    for a, b in zip(overlapped, blocking, strict=True):
+        assert a.held is None and a.step == b.step == 1
+        assert_same_state(a, b, tol)
+        moved = max(float((p.detach() - a.anchor[n]).abs().max()) for n, p in a.params.items())
+        assert moved > 0.01  # the steps are on top of the anchor, not dropped
+    if not error_feedback:  # M's memory is made once and kept for the next rounds
+        scratch = overlapped[0]._scratch
+        one_round(overlapped, overlap=True)
+        assert overlapped[0]._scratch is scratch
+
+
+def test_an_overlapped_round_without_a_group_or_with_its_steps_dropped_loses_no_work():
+    """No group: the work stays pending (the residual, which the model took over, is in the next round's M);
+    a non-finite step during the exchange drops only the steps since the offer (`reset_model`)."""
+    pending, reference = trained_peers()[0], trained_peers()[0]
+    offer = pending.offer(overlap=True)
+    drift(pending, 3)
+    assert pending.apply(offer, None) is False and pending.held is None
+    assert not any(r.any() for r in pending.error_feedback.residuals.values())
+    assert reference.apply(reference.offer(), None) is False
+    drift(reference, 3)
+    assert pending.flush() is True and reference.flush() is True
+    assert_same_state(pending, reference, 2e-3)
+
+    dropped, reference = trained_peers()[0], trained_peers()[0]
+    offer = dropped.offer(overlap=True)
+    drift(dropped, 4)
+    dropped.reset_model()  # a non-finite loss during the exchange: the steps since the offer go
+    assert dropped.apply(offer, None, alone=True) is True
+    assert reference.apply(reference.offer(), None, alone=True) is True
+    assert_same_state(dropped, reference, 2e-3)
+    for name, p in dropped.params.items():
+        torch.testing.assert_close(p.detach(), dropped.anchor[name], atol=2e-3, rtol=0)

@@ -217,6 +217,32 @@ def test_the_virtual_driver_feeds_the_engine_and_its_traces_replay():
         assert replay(peer.engine.trace, peer.id, config.rounds()) == len(peer.engine.trace) > 20
 
 
+def test_virtual_peers_that_overlap_train_through_their_exchanges_on_the_same_rounds():
+    """With `overlap`, a virtual peer trains the steps that fit while it gathered and exchanged (as a real peer
+    does by default): more samples by the same virtual time, and the same engine (its trace replays)."""
+    config = TrainConfig(inner_steps=5, batch_size=4, eval_batches=1)
+    samples = {}
+    for overlap in (False, True):
+        trainers = _trainers(config, load_corpus(), Scenario(peers=3))
+        swarm = VirtualSwarm(config, lambda members, traffic, messages: 0.05 * messages, step_seconds=0.1,
+                             trace=True, overlap=overlap)  # fmt: skip
+        counted = [0]
+        swarm.on_ready = lambda peer, steps, counted=counted: counted.__setitem__(0, counted[0] + steps * 4)
+        try:
+            for i, trainer in enumerate(trainers):
+                swarm.add(i, trainer, at=0.0)
+            while swarm.step() and swarm.now < 12.0:
+                pass
+        finally:
+            swarm.close()
+        samples[overlap] = counted[0]
+        assert swarm.exchanges >= 6
+        assert sum(t.samples for t in trainers) >= counted[0]  # every counted sample was trained
+        for peer in swarm.live():
+            assert replay(peer.engine.trace, peer.id, config.rounds()) == len(peer.engine.trace)
+    assert samples[True] > 1.1 * samples[False]
+
+
 @pytest.mark.slow
 def test_real_loopback_peers_run_the_same_engine_and_their_traces_replay():
     """Two real peers (DHT, p2pd, libp2p streams) on the wall clock: the engine's inputs and decisions, recorded

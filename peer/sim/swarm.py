@@ -78,6 +78,7 @@ class VirtualPeer:
     phase: tuple[float, float, int] | None = None  # an inner phase in flight: (start, end, steps)
     offer: Offer | None = None
     seen: Seen | None = None  # what the roster shows of it
+    ready_at: float = 0.0  # when its last inner phase ended (an overlapping peer trains on from then)
 
     @property
     def id(self) -> str:
@@ -108,6 +109,7 @@ class VirtualSwarm:
         trace: bool = False,
         tamper=None,
         gossip: bool = True,
+        overlap: bool = False,
     ) -> None:
         self.config = config
         self.rounds = config.rounds()
@@ -117,6 +119,10 @@ class VirtualSwarm:
         self.rng = random.Random(seed)
         self.trace = trace
         self.gossip = gossip  # False: nobody exchanges (every round is lonely): the baseline for consensus
+        # True: peers train on while they gather and exchange, as a real peer does by default (`PeerOptions.overlap`):
+        # the steps that fit between the end of the inner phase and the round's end are trained then, after the
+        # offer was taken and before the outer step keeps them
+        self.overlap = overlap
         self.network = InMemoryNetwork()
         if tamper is not None:
             self.network.before_send = tamper
@@ -268,6 +274,7 @@ class VirtualSwarm:
             peer.trainer.inner_phase(peer.phase[2])
             self.on_ready(peer, peer.phase[2])
         peer.phase = None
+        peer.ready_at = self.now
         if not self.gossip:
             self.push(self.now, _Event.DONE, peer.index, (None, None))
             return
@@ -338,7 +345,7 @@ class VirtualSwarm:
             return
         finishing = members[0].engine.phase == Phase.FINISHING
         for m in members:
-            m.offer = m.trainer.outer.finish_offer() if finishing else m.trainer.outer.offer()
+            m.offer = m.trainer.outer.finish_offer() if finishing else m.trainer.outer.offer(overlap=self.overlap)
             m.averager.expect(group.key)
         deadline = self.loop.time() + 60.0
         ids = tuple(m.id for m in members)
@@ -367,7 +374,10 @@ class VirtualSwarm:
             if result is not None:
                 trainer.outer.apply_finish(offer, result)
         else:
-            offer = offer or trainer.outer.offer()
+            offer = offer or trainer.outer.offer(overlap=self.overlap)
+            if self.overlap and (steps := int((self.now - peer.ready_at) * peer.speed / self.step_seconds)):
+                trainer.inner_phase(steps)  # while it gathered and exchanged
+                self.on_ready(peer, steps)
             trainer.finish_round(offer, result, alone=step == Step.ALONE)
         peer.offer = None
         self.on_done(peer, result, step)

@@ -243,9 +243,11 @@ def run_murmur(
     target: tuple[float, float] | None = None,
     name: str = "murmur",
     tamper: Callable[[str, str, bytes], Awaitable[bytes | None]] | None = None,
+    overlap: bool = False,
 ) -> MethodResult:
     """Gossip DiLoCo in groups, with no barrier, in virtual time: every peer runs the real round engine
-    (`peer.rounds`) and the real group exchange over the in-memory network (`peer.sim.swarm`).
+    (`peer.rounds`) and the real group exchange over the in-memory network (`peer.sim.swarm`); with
+    `overlap`, each trains on while it gathers and exchanges, as a real peer does by default.
 
     `tamper` becomes the network's `before_send(src, dst, frame)` hook (attacks, faults).
 
@@ -262,7 +264,7 @@ def run_murmur(
         return link.seconds(max(max(sent, received) for sent, received in traffic.values()), messages)
 
     swarm = VirtualSwarm(config, clock, step_seconds=scenario.step_seconds, jitter=scenario.jitter,
-                         seed=scenario.seed, tamper=tamper)  # fmt: skip
+                         seed=scenario.seed, tamper=tamper, overlap=overlap)  # fmt: skip
     samples = 0
 
     def on_ready(peer, steps: int) -> None:
