@@ -188,11 +188,15 @@ class RoundEngine:
         return plan
 
     def ended(self, now: float, members: int | None, partners: Iterable[str] = (), missed: Iterable[str] = (),
-              shunned: Iterable[str] = ()) -> Step:  # fmt: skip
+              shunned: Iterable[str] = (), waited: float | None = None) -> Step:  # fmt: skip
         """The round's exchange gave a group of `members` (this peer included), or nothing (None). `partners`
         averaged with this peer (now proven); `missed` are the planned peers that declined, refused, could not
         be reached or never came (faults, counted against their ids and announced hosts); `shunned` the planned
-        peers on the averager's cool-down (barred from the plans at once)."""
+        peers on the averager's cool-down (barred from the plans at once). `waited`: the seconds of the
+        exchange this peer spent computing nothing, if it trained through the rest (`PeerOptions.overlap`);
+        None: all of it, from the appointment on. That is the exchange time its announcements give the pace
+        (`averaging.groups.pace`): a round is H steps and what the exchange makes a peer wait, so a peer that
+        trains through its exchanges keeps rounds of about H steps, and averages as often per sample."""
         partners, missed, shunned = tuple(partners), tuple(missed), tuple(shunned)
         addresses = {s.peer: s.address for s in self._roster}
         self.standing.exchanged(now, partners, addresses)
@@ -204,7 +208,7 @@ class RoundEngine:
         if members is not None and members >= 2:
             self.lonely, step = 0, Step.GROUP
             if self.appointment is not None and self.phase == Phase.GATHERING:
-                self._exchange.add(max(0.0, now - self.appointment.at))
+                self._exchange.add(max(0.0, now - self.appointment.at if waited is None else waited))
         else:
             self.lonely += 1
             step = Step.PENDING
@@ -216,7 +220,7 @@ class RoundEngine:
                 self.phase = Phase.DONE
         else:
             self.phase = Phase.TRAINING
-        self._log("ended", now, members, step, self.phase, partners, missed, shunned)
+        self._log("ended", now, members, step, self.phase, partners, missed, shunned, waited)
         return step
 
     # -- the finish --------------------------------------------------------------------------------------
@@ -307,7 +311,7 @@ def replay(trace: Iterable[tuple], peer: str, config: RoundConfig, *, client: bo
         elif kind == "gather":
             got, want = engine.gather(now, entry[2]), entry[3]
         elif kind == "ended":
-            got, want = (engine.ended(now, entry[2], *entry[5:8]), engine.phase), (entry[3], entry[4])
+            got, want = (engine.ended(now, entry[2], *entry[5:9]), engine.phase), (entry[3], entry[4])
         elif kind == "finish":
             got, want = (engine.finish(now), engine.phase)[1], entry[2]
         elif kind == "next_finish":

@@ -367,7 +367,7 @@ class VolunteerPeer:
             if finite:
                 self.verdict.finite_round()
             self.verdict.check_layout(self.averager, rounds + 1)
-            step = self._ended(self.averager, result)
+            step = self._ended(self.averager, result, blocked if options.overlap else None)
             trainer.finish_round(offer, result, alone=step == Step.ALONE)
             self.sharing.publish(trainer)
             elapsed = max(1e-9, time.monotonic() - round_start)
@@ -440,11 +440,12 @@ class VolunteerPeer:
             computing += time.monotonic() - started
         return future.result(), steps, computing, finite
 
-    def _ended(self, averager: GroupAverager, result: GroupResult | None) -> Step:
-        """Tell the engine how the round went: who averaged with us, and whom the averager planned in vain."""
+    def _ended(self, averager: GroupAverager, result: GroupResult | None, waited: float | None = None) -> Step:
+        """Tell the engine how the round went: who averaged with us, whom the averager planned in vain, and (if
+        it trained through the exchange) how long it still waited."""
         partners = () if result is None else [m for m in result.members if m != self.peer_id]
         return self.engine.ended(time.time(), None if result is None else result.size, partners, averager.missed,
-                                 averager.shunned)  # fmt: skip
+                                 averager.shunned, waited)  # fmt: skip
 
     def finish(self, stop: threading.Event) -> int:
         """The run config's finish rounds, once training is over: the work still pending becomes one outer

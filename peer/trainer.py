@@ -208,7 +208,8 @@ class Trainer:
         return stepped
 
     def evaluate(self) -> float:
-        """Held-out loss of the model this peer holds now (its anchor, right after an outer step), in fp32."""
+        """Held-out loss of the model this peer holds now (its anchor right after an outer step, plus the steps it
+        took during that exchange if it trained through it), in fp32."""
         return evaluate(self.model, self.eval_set)
 
     def state_dict(self) -> dict[str, Any]:

@@ -107,7 +107,8 @@ def main() -> None:
     }
     gossip = ["murmur", "murmur-overlap", "murmur-exact", "murmur-g2", "murmur-fp32-residual"] if args.quick else [
         "murmur", "murmur-overlap", *list(variants(base))[1:]]  # fmt: skip
-    methods = {"equal": ["ddp", "diloco", *gossip], "heterogeneous": ["ddp", "diloco", "murmur", "murmur-exact"],
+    methods = {"equal": ["ddp", "diloco", *gossip],
+               "heterogeneous": ["ddp", "diloco", "murmur", "murmur-overlap", "murmur-exact"],
                "straggler": ["ddp", "diloco", "murmur"]}  # fmt: skip
     corpus = load_corpus()
     results: dict[str, dict[str, MethodResult]] = {}

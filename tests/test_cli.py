@@ -157,9 +157,17 @@ def test_the_help_shows_the_defaults_the_peer_uses():
     assert JOIN_DEFAULTS == {
         "exchange_timeout": GroupConfig().exchange_timeout,
         "eval_every": options.eval_every, "checkpoint_every": options.checkpoint_every,
-        "checkpoint_interval": options.checkpoint_interval,
+        "checkpoint_interval": options.checkpoint_interval, "overlap": options.overlap,
     }  # fmt: skip
     assert DEVICES == ("auto", "cpu", "cuda") and DEFAULT_MODEL in MODELS
+
+
+def test_a_volunteer_can_make_its_peer_wait_for_its_exchanges():
+    from murmur.peer.cli import _join_options
+
+    parser = build_parser()
+    assert _join_options(parser.parse_args(JOIN)).overlap is True
+    assert _join_options(parser.parse_args([*JOIN, "--no-overlap"])).overlap is False
 
 
 def test_console_entry_point_reports_a_bad_address_in_one_line():

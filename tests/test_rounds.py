@@ -196,6 +196,24 @@ def test_a_replay_makes_the_same_decisions_and_a_changed_input_is_caught():
         replay(forged, "me", CONFIG)
 
 
+def test_a_peer_that_trains_through_its_exchange_gives_the_pace_only_the_time_it_waited():
+    """The round is H steps and what the exchange makes a peer wait: an overlapping peer announces the
+    seconds it computed nothing, not the exchange's whole length, and its replayed trace agrees."""
+    announced = {}
+    for waited in (None, 0.05):
+        engine = RoundEngine("me", CONFIG)
+        roster = [seen("a", "1.0@2")]
+        engine.begin(0.5, roster)
+        t = 0.5
+        while engine.step_fits(t, 0.1 if t > 0.5 else None):
+            t += 0.1
+        engine.gather(t, roster)
+        assert engine.ended(engine.appointment.at + 0.6, 2, waited=waited) == Step.GROUP
+        announced[waited] = engine.announced.exchange_seconds
+        assert replay(engine.trace, "me", CONFIG) == len(engine.trace)
+    assert announced == {None: pytest.approx(0.6), 0.05: pytest.approx(0.05)}
+
+
 # -- one engine behind every clock ----------------------------------------------------------------------
 
 

@@ -366,8 +366,11 @@ class VirtualSwarm:
         engine, trainer = peer.engine, peer.trainer
         finishing = engine.phase == Phase.FINISHING
         partners = () if result is None else [m for m in result.members if m != peer.id]
+        step_time = self.step_seconds / peer.speed
+        overlapped = int((self.now - peer.ready_at) / step_time) if self.overlap and not finishing else 0
+        waited = self.now - peer.ready_at - overlapped * step_time if self.overlap else None
         step = engine.ended(self.now, None if result is None else result.size, partners, peer.averager.missed,
-                            peer.averager.shunned)  # fmt: skip
+                            peer.averager.shunned, None if finishing else waited)  # fmt: skip
         self.peer_rounds += 1
         self.lonely += result is None
         if finishing:
@@ -375,9 +378,9 @@ class VirtualSwarm:
                 trainer.outer.apply_finish(offer, result)
         else:
             offer = offer or trainer.outer.offer(overlap=self.overlap)
-            if self.overlap and (steps := int((self.now - peer.ready_at) * peer.speed / self.step_seconds)):
-                trainer.inner_phase(steps)  # while it gathered and exchanged
-                self.on_ready(peer, steps)
+            if overlapped:
+                trainer.inner_phase(overlapped)  # while it gathered and exchanged
+                self.on_ready(peer, overlapped)
             trainer.finish_round(offer, result, alone=step == Step.ALONE)
         peer.offer = None
         self.on_done(peer, result, step)
