@@ -21,7 +21,7 @@ DEVICES: tuple[str, ...] = ("auto", "cpu", "cuda")
 PRECISIONS: tuple[str, ...] = ("auto", "fp32", "bf16", "fp16")
 # the defaults of GroupConfig (exchange_timeout) and PeerOptions, as --help shows them
 JOIN_DEFAULTS = {"exchange_timeout": 10.0, "eval_every": 5, "checkpoint_every": 1, "checkpoint_interval": 30.0,
-                 "overlap": True}  # fmt: skip
+                 "overlap": False}  # fmt: skip
 MAX_PEERS = 64  # murmur simulate on one machine
 
 
@@ -180,7 +180,7 @@ def _join_parser(sub) -> None:
     join.add_argument("--checkpoint-dir", type=Path, metavar="DIR", help="default: OUT_DIR/checkpoints")
     join.add_argument("--overlap", action=argparse.BooleanOptionalAction, default=JOIN_DEFAULTS["overlap"],
                       help="train on while gathering and exchanging; the steps are kept on top of the round's "
-                           "outer step (default: on)")  # fmt: skip
+                           "outer step (default: off)")  # fmt: skip
     node_flags(join)
     join.add_argument("--client-mode", action="store_true",
                       help="behind NAT, no inbound connections: start every exchange, never be dialled")  # fmt: skip

@@ -89,8 +89,9 @@ class PeerOptions:
     transfer: TransferConfig = field(default_factory=TransferConfig)
     trace_rounds: bool = False  # keep every input and decision of the round engine (`peer.rounds.replay`)
     # train on while gathering and exchanging (`OuterOptimizer.offer(overlap=True)`): the steps taken meanwhile
-    # are kept on top of the round's outer step. Off: the peer waits for its exchange, computing nothing.
-    overlap: bool = True
+    # are kept on top of the round's outer step. Off (the default: on this project's CPU machine it gave no more
+    # samples/s and a worse loss, docs/vs-hivemind.md): the peer waits for its exchange, computing nothing.
+    overlap: bool = False
 
     def __post_init__(self) -> None:
         if self.eval_every < 0 or not self.metrics_interval >= 0:

@@ -5,11 +5,9 @@ setting a real peer starts with (`peer.device.keep_freed_memory`), so that peak 
 alone: each builds the model, takes one AdamW step on one batch (plain training), and
 then, in the murmur phase, builds its outer optimizer (`peer.outer.OuterOptimizer`) and its real
 `GroupAverager`, the two average one round over the in-memory transport with the run's default
-codecs (each offer made as a peer that trains through its exchange makes it: M computed at the
-appointment into the residual's memory), and each applies the result; four times, and the fastest of
-the last three rounds is reported (a peer exchanges every round: the first one also pays for the
-process's first touch of its memory, and on these shared cores one round's time moves by a third
-between runs). Before each round their
+codecs, and each applies the result; four times, and the fastest of the last three rounds is reported
+(a peer exchanges every round: the first one also pays for the process's first touch of its memory, and
+on these shared cores one round's time moves by a third between runs). Before each round their
 anchors differ (as two peers' do when last round put them in different groups), so the anchors travel
 too, in int8: a round's costliest case. A second process
 does the plain training alone, so
@@ -119,7 +117,7 @@ def run_murmur(name: str) -> dict:
             averager.expect(appointment.key)
             averagers.append(averager)
         started = time.perf_counter()
-        offers = [outer.offer(overlap=True) for outer in outers]  # as a peer makes it (`PeerOptions.overlap`)
+        offers = [outer.offer() for outer in outers]
         timing["offer"] = time.perf_counter() - started
         now = asyncio.get_running_loop().time()
         ids = [a.peer_id for a in averagers]

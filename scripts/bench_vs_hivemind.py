@@ -94,7 +94,7 @@ class BenchConfig:
     namespaces: bool = True  # as root, every peer in its own network namespace (interface byte counters)
     startup_grace: float = 180.0
     stop_grace: float = 40.0  # SIGTERM to SIGKILL: a Murmur peer finishes its round first
-    overlap: bool = True  # Murmur peers train through their exchanges (`murmur join`'s default); False: they wait
+    overlap: bool = False  # True: Murmur peers train through their exchanges (`murmur join --overlap`)
 
     def __post_init__(self) -> None:
         if not 2 <= self.peers <= 250:  # a swarm, and what a NetLab's /24 holds
@@ -207,7 +207,7 @@ def peer_command(stack: str, config: BenchConfig, run_id: str, maddrs: list[str]
     if stack == "murmur":
         # like a hivemind worker, a Murmur peer evaluates on the held-out batches only when it stops
         extra = ("--host", host, "--exchange-timeout", str(config.exchange_timeout),
-                 "--eval-every", "0", *(() if config.overlap else ("--no-overlap",)))  # fmt: skip
+                 "--eval-every", "0", *(("--overlap",) if config.overlap else ()))  # fmt: skip
         return join_command(maddrs, run_id, out / f"peer-{peer}", peer + 1, *extra)
     return [
         sys.executable, str(WORKER), "peer", "--initial-peers", *maddrs, "--host", host, "--run", run_id,
@@ -430,8 +430,8 @@ def main() -> None:
     parser.add_argument("--model", choices=list(MODELS), help="registry model both stacks train (default gpt-tiny); "
                         "results go to bench_vs_hivemind_<model>.json")  # fmt: skip
     parser.add_argument("--loopback", action="store_true", help="no namespaces even as root (bytes from ss)")
-    parser.add_argument("--no-overlap", dest="overlap", action="store_false",
-                        help="Murmur's peers wait for their exchanges (murmur join --no-overlap): an A/B")  # fmt: skip
+    parser.add_argument("--overlap", action="store_true",
+                        help="Murmur peers train through their exchanges (murmur join --overlap): an A/B")  # fmt: skip
     parser.add_argument("--out", type=Path, default=RESULTS, help="folder for the JSON (default: %(default)s)")
     parser.add_argument("--runs", type=Path, default=Path("runs/bench_vs_hivemind"), help="folder for peer logs")
     args = parser.parse_args()

@@ -162,12 +162,12 @@ def test_the_help_shows_the_defaults_the_peer_uses():
     assert DEVICES == ("auto", "cpu", "cuda") and DEFAULT_MODEL in MODELS
 
 
-def test_a_volunteer_can_make_its_peer_wait_for_its_exchanges():
+def test_a_volunteer_can_make_its_peer_train_through_its_exchanges():
     from murmur.peer.cli import _join_options
 
     parser = build_parser()
-    assert _join_options(parser.parse_args(JOIN)).overlap is True
-    assert _join_options(parser.parse_args([*JOIN, "--no-overlap"])).overlap is False
+    assert _join_options(parser.parse_args(JOIN)).overlap is False
+    assert _join_options(parser.parse_args([*JOIN, "--overlap"])).overlap is True
 
 
 def test_console_entry_point_reports_a_bad_address_in_one_line():

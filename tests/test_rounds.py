@@ -265,7 +265,7 @@ def test_virtual_peers_that_overlap_train_through_their_exchanges_on_the_same_ro
 def test_real_loopback_peers_run_the_same_engine_and_their_traces_replay():
     """Two real peers (DHT, p2pd, libp2p streams) on the wall clock: the engine's inputs and decisions, recorded
     by each, replay into fresh engines with the same decisions; the peers averaged in groups, and, given the same
-    `until`, ended on the same round with the same model."""
+    `until`, ended on the same round with the same model, one of them training through its exchanges."""
     config = TrainConfig(inner_steps=5, batch_size=4, eval_batches=1, warmup_steps=0)
     run = f"rounds-{uuid.uuid4().hex[:8]}"
     with Swarm(run, config) as swarm:
@@ -275,7 +275,7 @@ def test_real_loopback_peers_run_the_same_engine_and_their_traces_replay():
             for seed in (1, 2):
                 node = NodeConfig(initial_peers=tuple(swarm.initial_peers), run_id=run)
                 options = PeerOptions(run_id=run, node=node, data_seed=seed, until=until, trace_rounds=True,
-                                      state_download=False)  # fmt: skip
+                                      state_download=False, overlap=seed == 2)  # fmt: skip
                 peers.append(VolunteerPeer.create(options))
             reports = [None, None]
             threads = [threading.Thread(target=lambda i=i: reports.__setitem__(i, peers[i].run(threading.Event())))
@@ -292,4 +292,7 @@ def test_real_loopback_peers_run_the_same_engine_and_their_traces_replay():
         trace = peer.engine.trace
         assert sum(1 for e in trace if e[0] == "ended" and e[3] == Step.GROUP) >= 2
         assert replay(trace, peer.peer_id, config.rounds()) == len(trace)
+        # the second trains through its exchanges (`PeerOptions.overlap`): it tells the pace what it waited
+        waited = [e[8] for e in trace if e[0] == "ended"]
+        assert all(w is None for w in waited) if not peer.options.overlap else all(0 <= w < 5 for w in waited)
     assert consensus_distance([p.trainer.outer.anchor for p in peers]) == 0.0  # the same last round: one model

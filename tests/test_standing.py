@@ -122,7 +122,7 @@ def test_the_engine_drops_a_peer_that_missed_and_plans_a_partner_it_just_met():
     for slot, planned in plans:
         assert ("p1" in planned) == (slot % 2 == 0)  # never exchanged with, and it missed: barred but retried
         assert {"p0", "late"} <= planned  # "late" is new to the roster, but proven by the exchange
-    assert engine.trace[2][0] == "ended" and engine.trace[2][5:] == (("p0", "late"), ("p1",), ())
+    assert engine.trace[2][0] == "ended" and engine.trace[2][5:] == (("p0", "late"), ("p1",), (), None)  # not waited
 
 
 @pytest.mark.timeout(30)

@@ -131,8 +131,8 @@ def test_simulate_command_trains_a_swarm_and_reaps_everything(tmp_path):
     assert len(png) > 10_000 and png.startswith(b"\x89PNG\r\n\x1a\n")
     logs = load_logs(tmp_path / "runs")
     assert list(logs) == ["peer-0", "peer-1"] and all(len(records) >= 2 for records in logs.values())
-    # a peer trains on while it gathers and exchanges (`PeerOptions.overlap`, on by default)
-    assert all(sum(r["overlapped"] for r in records) > 0 for records in logs.values())
+    # by default a peer waits for its exchanges (`PeerOptions.overlap` off): no step overlapped one
+    assert all(r["overlapped"] == 0 for records in logs.values() for r in records)
     chart = build_chart(logs)
     assert tuple(panel.title for panel in chart.panels) == PANEL_TITLES
     by_time, by_samples, traffic, alive = chart.panels
