@@ -180,7 +180,8 @@ def test_a_lonely_finish_round_that_ends_at_its_own_instant_moves_to_the_next_on
     assert slots == [first.slot + k for k in range(4)]
 
 
-def test_a_replay_makes_the_same_decisions_and_a_changed_input_is_caught():
+def gathered() -> tuple[RoundEngine, float]:
+    """An engine that trained its first round (steps of 0.1 s from 0.5) and gathered: it and the time."""
     engine = RoundEngine("me", CONFIG)
     roster = [seen("a", "1.0@2")]
     engine.begin(0.5, roster)
@@ -188,6 +189,11 @@ def test_a_replay_makes_the_same_decisions_and_a_changed_input_is_caught():
     while engine.step_fits(t, 0.1 if t > 0.5 else None):
         t += 0.1
     engine.gather(t, roster)
+    return engine, t
+
+
+def test_a_replay_makes_the_same_decisions_and_a_changed_input_is_caught():
+    engine, t = gathered()
     engine.ended(t + 0.2, 2)
     assert replay(engine.trace, "me", CONFIG) == len(engine.trace)
     forged = list(engine.trace)
@@ -201,13 +207,7 @@ def test_a_peer_that_trains_through_its_exchange_gives_the_pace_only_the_time_it
     seconds it computed nothing, not the exchange's whole length, and its replayed trace agrees."""
     announced = {}
     for waited in (None, 0.05):
-        engine = RoundEngine("me", CONFIG)
-        roster = [seen("a", "1.0@2")]
-        engine.begin(0.5, roster)
-        t = 0.5
-        while engine.step_fits(t, 0.1 if t > 0.5 else None):
-            t += 0.1
-        engine.gather(t, roster)
+        engine, _ = gathered()
         assert engine.ended(engine.appointment.at + 0.6, 2, waited=waited) == Step.GROUP
         announced[waited] = engine.announced.exchange_seconds
         assert replay(engine.trace, "me", CONFIG) == len(engine.trace)
