@@ -101,6 +101,7 @@ class Peer:
         out_dir: Path | None = None,
         exchange: GroupConfig | None = None,
         verbose: bool = False,
+        overlap: bool = False,
     ) -> None:
         if (build_model is None) != (build_batches is None):
             raise WorkloadError("give both build_model and build_batches, or neither for the built-in GPT")
@@ -115,6 +116,7 @@ class Peer:
             verbose=verbose,
             device=DeviceConfig(device=device),
             workload=workload,
+            overlap=overlap,
         )
         self._peer: VolunteerPeer | None = None
 
