@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import importlib.util
+import json
 from pathlib import Path
 
 import pytest
@@ -196,12 +197,8 @@ def test_a_group_round_on_the_card_takes_the_others_payloads_off_the_wire() -> N
 
 @pytest.mark.skipif(torch.cuda.is_available(), reason="checks the message of a machine without CUDA")
 def test_gpu_check_says_in_one_line_that_there_is_no_cuda(tmp_path, capsys) -> None:
-    path = Path(__file__).resolve().parent.parent / "scripts" / "gpu_check.py"
-    spec = importlib.util.spec_from_file_location("gpu_check", path)
-    gpu_check = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(gpu_check)
     out = tmp_path / "gpu_check.json"
-    assert gpu_check.main(["--duration", "1", "--out", str(out)]) == 1 and not out.exists()
+    assert _gpu_check().main(["--duration", "1", "--out", str(out)]) == 1 and not out.exists()
     err = capsys.readouterr().err
     assert err.startswith("gpu_check: no CUDA device (torch ") and len(err.splitlines()) == 1
 
@@ -224,3 +221,33 @@ def test_the_fp16_grad_scaler_is_checkpointed_and_checked(corpus) -> None:
     assert "scaler" not in fp32.state_dict()
     b.load_state_dict(fp32.state_dict())  # a checkpoint without a scaler keeps b's own
     assert b.scaler.get_scale() == 1024.0
+
+
+def _gpu_check():
+    path = Path(__file__).resolve().parent.parent / "scripts" / "gpu_check.py"
+    spec = importlib.util.spec_from_file_location("gpu_check", path)
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module
+
+
+def test_gpu_check_runs_plain_and_a_real_swarm_on_the_cpu(tmp_path) -> None:
+    """The script's smoke run (--device cpu): plain training, then a 2-peer swarm over real DHT nodes; the
+    ratio is the swarm's tokens/s over plain's, and no GPU memory is claimed."""
+    out = tmp_path / "gpu_check.json"
+    argv = ["--device", "cpu", "--models", "gpt-tiny", "--duration", "2", "--modes", "murmur", "--out", str(out)]
+    assert _gpu_check().main(argv) == 0
+    (row,) = json.loads(out.read_text())["models"]
+    plain, murmur = row["plain"], row["murmur"]
+    assert row["parameters"] > 0 and plain["tokens_per_s"] > 0 and min(plain["steps"]) > 0
+    assert murmur["tokens_ratio"] == pytest.approx(murmur["tokens_per_s"] / plain["tokens_per_s"])
+    assert len(murmur["peers"]) == 2 and all(p["steps"] > 0 for p in murmur["peers"])
+    assert plain["peak_gpu_memory_bytes"] is None and "added_fp32_copies" not in murmur
+
+
+def test_gpu_check_refuses_an_unknown_model_or_mode(tmp_path) -> None:
+    for argv in (["--models", "gpt-huge"], ["--modes", "murmur,fast"]):
+        with pytest.raises(SystemExit) as info:
+            _gpu_check().main([*argv, "--device", "cpu", "--out", str(tmp_path / "x.json")])
+        assert info.value.code == 2
+    assert not (tmp_path / "x.json").exists()
