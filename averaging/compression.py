@@ -333,13 +333,13 @@ class ErrorFeedback:
         self.residuals: dict[str, torch.Tensor] = {}
         self.dtype = dtype
 
-    def reserve(self, like: Mapping[str, torch.Tensor]) -> None:
+    def reserve(self, like: Mapping[str, torch.Tensor], *, pin_memory: bool = False) -> None:
         """Keep a zero residual for each tensor of `like` (of its shape, on its device) from now on, in one
-        block (`averaging.memory.allocate`): every later `keep` writes over it in place, so the residuals are
-        not allocated in the first exchange, between its temporaries."""
+        block (`averaging.memory.allocate`, pinned if asked): every later `keep` writes over it in place, so the
+        residuals are not allocated in the first exchange, between its temporaries."""
         specs = {n: torch.empty(t.shape, dtype=self.dtype or t.dtype, device="meta") for n, t in like.items()}
         device = next((t.device for t in like.values()), None)
-        self.residuals = {n: r.zero_() for n, r in allocate(specs, device).items()}
+        self.residuals = {n: r.zero_() for n, r in allocate(specs, device, pin_memory=pin_memory).items()}
 
     def _kept(self, residual: torch.Tensor) -> torch.Tensor:
         return residual.detach() if self.dtype is None else residual.detach().to(self.dtype)

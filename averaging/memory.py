@@ -28,14 +28,17 @@ class Layout(Protocol):
     def dtype(self) -> torch.dtype: ...
 
 
-def allocate(layout: Mapping[str, Layout], device: torch.device | str | None = None) -> dict[str, torch.Tensor]:
-    """Uninitialized tensors of the shapes and dtypes of `layout`, carved from one block on `device`."""
+def allocate(
+    layout: Mapping[str, Layout], device: torch.device | str | None = None, *, pin_memory: bool = False
+) -> dict[str, torch.Tensor]:
+    """Uninitialized tensors of the shapes and dtypes of `layout`, carved from one block on `device` (in pinned
+    host memory with `pin_memory`: a CUDA model's outer state kept off the card, `peer.outer`)."""
     offsets, total = [], 0
     for s in layout.values():
         total = -(-total // _ALIGN) * _ALIGN
         offsets.append(total)
         total += math.prod(s.shape) * s.dtype.itemsize
-    block = torch.empty(total, dtype=torch.uint8, device=device)
+    block = torch.empty(total, dtype=torch.uint8, device=device, pin_memory=pin_memory)
     return {
         name: block[start : start + math.prod(s.shape) * s.dtype.itemsize].view(s.dtype).view(tuple(s.shape))
         for (name, s), start in zip(layout.items(), offsets, strict=True)

@@ -102,6 +102,7 @@ class Peer:
         exchange: GroupConfig | None = None,
         verbose: bool = False,
         overlap: bool = False,
+        outer_state: str = "device",
     ) -> None:
         if (build_model is None) != (build_batches is None):
             raise WorkloadError("give both build_model and build_batches, or neither for the built-in GPT")
@@ -114,7 +115,7 @@ class Peer:
             duration=duration,
             out_dir=out_dir,
             verbose=verbose,
-            device=DeviceConfig(device=device),
+            device=DeviceConfig(device=device, outer_state=outer_state),
             workload=workload,
             overlap=overlap,
         )

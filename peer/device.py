@@ -24,7 +24,7 @@ from typing import Literal
 
 import torch
 
-from murmur.peer.flags import DEVICES, PRECISIONS  # the --device and --precision choices
+from murmur.peer.flags import DEVICES, OUTER_STATES, PRECISIONS  # --device, --precision, --outer-state choices
 
 DeviceChoice = Literal["auto", "cpu", "cuda"]
 PrecisionChoice = Literal["auto", "fp32", "bf16", "fp16"]
@@ -149,8 +149,11 @@ class DeviceConfig:
     precision: str = "auto"
     grad_accum: int | None = None  # micro-batches per inner step
     micro_batch: int | None = None  # or: sequences per forward pass
+    outer_state: str = "device"  # where the outer state lives: with the model, or "host" (off the card)
 
     def __post_init__(self) -> None:
+        if self.outer_state not in OUTER_STATES:
+            raise DeviceError(f"unknown --outer-state {self.outer_state!r}; choose one of: {', '.join(OUTER_STATES)}")
         if self.device not in DEVICES:
             raise DeviceError(f"unknown device {self.device!r}; choose one of: {', '.join(DEVICES)}")
         if self.precision not in PRECISIONS:
@@ -166,6 +169,7 @@ def device_config(args: argparse.Namespace) -> DeviceConfig:
     return DeviceConfig(
         device=args.device, precision=args.precision,
         grad_accum=getattr(args, "grad_accum", None), micro_batch=getattr(args, "micro_batch", None),
+        outer_state=getattr(args, "outer_state", "device"),
     )  # fmt: skip
 
 
@@ -177,13 +181,15 @@ class Runtime:
     precision: Precision = Precision()
     grad_accum: int | None = None  # None (and no micro_batch): 1 on the CPU, measured on CUDA
     micro_batch: int | None = None
+    host_state: bool = False  # the outer state in host memory (`peer.outer.OuterOptimizer`), pinned on CUDA
 
     @classmethod
     def resolve(cls, config: DeviceConfig, caps: Capabilities | None = None) -> Runtime:
         caps = caps if caps is not None else capabilities()
         device = resolve_device(config.device, caps)
         precision = choose_precision(config.precision, device, caps)
-        return cls(device=device, precision=precision, grad_accum=config.grad_accum, micro_batch=config.micro_batch)
+        return cls(device=device, precision=precision, grad_accum=config.grad_accum, micro_batch=config.micro_batch,
+                   host_state=config.outer_state == "host")  # fmt: skip
 
     def accumulation(self, batch_size: int) -> int | None:
         """Micro-batches per inner step as the user asked, or None if the peer is to choose."""

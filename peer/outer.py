@@ -134,31 +134,43 @@ def _rows(tensor: torch.Tensor, rows: slice | None) -> torch.Tensor:
     return tensor if rows is None else tensor[rows]
 
 
-def _held_delta(held: Mapping[str, torch.Tensor], name: str, rows: slice | None) -> torch.Tensor:
-    """M for one piece of a parameter, as `OuterOptimizer._hold` computed it (a new tensor)."""
-    return _rows(held[name], rows).to(torch.float32, copy=True)
+def _held_delta(held: Mapping[str, torch.Tensor], name: str, rows: slice | None, device: torch.device) -> torch.Tensor:
+    """M for one piece of a parameter, as `OuterOptimizer._hold` computed it (a new tensor, on `device`)."""
+    return _rows(held[name], rows).to(device=device, dtype=torch.float32, copy=True)
 
 
 class OuterOptimizer:
-    def __init__(self, model: nn.Module, config: OuterConfig = OuterConfig()) -> None:
+    """The outer state of one peer and its outer step (see the module's docstring).
+
+    The state (anchor, origin, momentum, residual) lives with the model, or with `host_state` in host memory
+    (pinned for a model on CUDA, so that the card holds no copy of it): each round's arithmetic then brings one
+    piece at a time to the model's device (`_fetch`) and writes what it changed back (`_store`)."""
+
+    def __init__(self, model: nn.Module, config: OuterConfig = OuterConfig(), *, host_state: bool = False) -> None:
         self.model = model
         self.config = config
         self.params = dict(model.named_parameters())
+        self.device = next((p.device for p in self.params.values()), torch.device("cpu"))
+        self.host_state = host_state
+        self.state_device = torch.device("cpu") if host_state else self.device
+        self._pin = host_state and self.device.type == "cuda"
         # the run's initial model, the same on every peer: anchors are offered relative to it, which changes
         # nothing for their difference but lets a quantized anchor spend its precision on what training moved.
         # It is kept in fp16 (half a copy of the model less), and the model starts from it, rounded: a fresh
         # peer's offered anchor is then exactly zero, as robust aggregation expects of a peer that has not
         # moved (with the rounding left in it, a partner's first steps read as "opposing" it). A tensor that
         # fp16 cannot hold (beyond its range) stays in fp32.
-        self.origin = {n: _origin(p) for n, p in self.params.items()}
-        self.anchor = {n: o.float() for n, o in self.origin.items()}
+        self.origin = {n: self._keep(_origin(p)) for n, p in self.params.items()}
+        self.anchor = {n: self._keep(o.float()) for n, o in self.origin.items()}
         for name, param in self.params.items():
             param.detach().copy_(self.anchor[name])
         # the outer momentum, only with momentum > 0 (with none, m is just this round's d: nothing to keep)
-        self.momentum = {n: torch.zeros_like(a) for n, a in self.anchor.items()} if config.momentum > 0 else {}
+        self.momentum = (
+            {n: self._keep(torch.zeros_like(a)) for n, a in self.anchor.items()} if config.momentum > 0 else {}
+        )
         self.error_feedback = ErrorFeedback(RESIDUAL_DTYPES[config.residual_precision])
         if config.error_feedback:  # held from the start: the first exchange does not allocate it among its temporaries
-            self.error_feedback.reserve(self.anchor)
+            self.error_feedback.reserve(self.anchor, pin_memory=self._pin)
         self.pieces = [(piece, name, rows) for piece, name, rows, _ in pieces(model, config)]
         self.shapes, self.modes = offer_layout(model, config)
         self.step = 0  # outer steps taken
@@ -166,6 +178,22 @@ class OuterOptimizer:
         self.lock = threading.Lock()
         self.held: dict[str, torch.Tensor] | None = None  # where an overlapped offer's M is, until its `apply`
         self._scratch: dict[str, torch.Tensor] | None = None  # M's memory with no error feedback (made once)
+
+    def _keep(self, tensor: torch.Tensor) -> torch.Tensor:
+        """`tensor` where the state lives (pinned host memory for a CUDA model's state kept off the card)."""
+        tensor = tensor.to(self.state_device)
+        return tensor.pin_memory() if self._pin and not tensor.is_pinned() else tensor
+
+    def _fetch(self, state: Mapping[str, torch.Tensor], name: str, rows: slice | None) -> torch.Tensor:
+        """A piece of a state tensor on the model's device, for the round's arithmetic: the state's own memory (a
+        view) where it lives with the model, else a copy, which `_store` writes back if it was changed."""
+        piece = _rows(state[name], rows)
+        return piece.to(self.device, copy=True, non_blocking=self._pin) if self.host_state else piece
+
+    def _store(self, state: Mapping[str, torch.Tensor], name: str, rows: slice | None, value: torch.Tensor) -> None:
+        """Write back a piece `_fetch` gave and the caller changed in place (nothing to do for a view)."""
+        if self.host_state:
+            _rows(state[name], rows).copy_(value)
 
     def offer(self, *, overlap: bool = False) -> Offer:
         """This round's offer, computed tensor by tensor when read (`averaging.lazy.Lazy`): it holds no copy of
@@ -182,7 +210,7 @@ class OuterOptimizer:
         states: dict[str, Callable[[], torch.Tensor]] = {}  # for the digest, views: the anchors themselves
         # (equal anchors, equal relative ones: no subtraction to hash them) and the momentum
         for piece, name, rows in self.pieces:
-            delta = partial(_held_delta, held, name, rows) if held else partial(self._delta, name, rows)
+            delta = partial(_held_delta, held, name, rows, self.device) if held else partial(self._delta, name, rows)
             makers[f"delta/{piece}"] = delta
             if f"anchor/{piece}" in self.modes:
                 makers[f"anchor/{piece}"] = partial(self._relative_anchor, name, rows)
@@ -194,7 +222,7 @@ class OuterOptimizer:
     @torch.no_grad()
     def _delta(self, name: str, rows: slice | None) -> torch.Tensor:
         """M = (φ − θ) + e for one piece of a parameter (a new tensor)."""
-        own = _rows(self.anchor[name], rows) - _rows(self.params[name].detach(), rows).float()
+        own = self._fetch(self.anchor, name, rows) - _rows(self.params[name].detach(), rows).float()
         return self.error_feedback.add_residual_(name, own, rows)
 
     @torch.no_grad()
@@ -207,13 +235,14 @@ class OuterOptimizer:
             if self._scratch is None:
                 dtype = RESIDUAL_DTYPES[self.config.residual_precision]
                 specs = {n: torch.empty(a.shape, dtype=dtype, device="meta") for n, a in self.anchor.items()}
-                self._scratch = allocate(specs, next(iter(self.anchor.values())).device)
+                self._scratch = allocate(specs, self.state_device, pin_memory=self._pin)
             held = self._scratch
         for _, name, rows in self.pieces:
-            param, update = _rows(self.params[name].detach(), rows), _rows(held[name], rows)
+            param, update = _rows(self.params[name].detach(), rows), self._fetch(held, name, rows)
             if self.config.error_feedback:
                 param.sub_(update)  # θ ← θ − e: the model carries the residual while its memory holds M
-            update.copy_(_rows(self.anchor[name], rows) - param)
+            update.copy_(self._fetch(self.anchor, name, rows) - param)
+            self._store(held, name, rows, update)
         self.held = held
         return held
 
@@ -225,17 +254,17 @@ class OuterOptimizer:
             param = _rows(self.params[name], rows)
             param.copy_(_rows(self.anchor[name], rows))
             if self.held is not None:
-                param.sub_(_rows(self.held[name], rows))
+                param.sub_(self._fetch(self.held, name, rows))
 
     @torch.no_grad()
     def _relative_anchor(self, name: str, rows: slice | None) -> torch.Tensor:
-        return _rows(self.anchor[name], rows) - _rows(self.origin[name], rows)
+        return self._fetch(self.anchor, name, rows) - self._fetch(self.origin, name, rows)
 
     def _anchor(self, name: str, rows: slice | None) -> torch.Tensor:
-        return _rows(self.anchor[name], rows)
+        return self._fetch(self.anchor, name, rows)
 
     def _momentum(self, name: str, rows: slice | None) -> torch.Tensor:
-        return _rows(self.momentum[name], rows)
+        return self._fetch(self.momentum, name, rows)
 
     @torch.no_grad()
     def apply(self, offer: Offer, result: GroupResult | None, *, alone: bool = False) -> bool:
@@ -254,8 +283,10 @@ class OuterOptimizer:
             mu, lr = self.config.momentum, self.config.lr
             for piece, name, rows in self.pieces:
                 delta = offer.tensors[f"delta/{piece}"]
+                param, anchor = _rows(self.params[name], rows), self._fetch(self.anchor, name, rows)
+                momentum = self._fetch(self.momentum, name, rows) if mu > 0 else None
                 if overlapped:  # the model holds the steps taken since the offer: θ − (φ − M), kept below
-                    _rows(self.params[name], rows).add_(delta).sub_(_rows(self.anchor[name], rows))
+                    param.add_(delta).sub_(anchor)
                 if result is None:
                     d = delta
                     self.error_feedback.reset(name, rows)  # e ← 0 for these rows (the later pieces' are still to
@@ -268,17 +299,18 @@ class OuterOptimizer:
                         self.error_feedback.keep(name, residual, owned=True, rows=rows, shape=self.anchor[name].shape)
                     else:
                         self.error_feedback.keep(name, None)
-                    for group in ("anchor", "momentum"):
-                        if f"{group}/{piece}" in offer.tensors:
-                            self._pull(group, name, rows, result.projections[f"{group}/{piece}"])
-                anchor = _rows(self.anchor[name], rows)
-                if mu > 0:
-                    m = _rows(self.momentum[name], rows)
-                    m.mul_(mu).add_(d)
-                    anchor -= lr * (mu * m + d)
+                    if f"anchor/{piece}" in offer.tensors:
+                        origin = self._fetch(self.origin, name, rows)
+                        _pull(anchor, origin, result.projections[f"anchor/{piece}"])
+                    if f"momentum/{piece}" in offer.tensors:
+                        _pull(momentum, None, result.projections[f"momentum/{piece}"])
+                if momentum is not None:
+                    momentum.mul_(mu).add_(d)
+                    anchor -= lr * (mu * momentum + d)
+                    self._store(self.momentum, name, rows, momentum)
                 else:
                     anchor.sub_(d, alpha=lr)
-                param = _rows(self.params[name], rows)
+                self._store(self.anchor, name, rows, anchor)
                 param.add_(anchor) if overlapped else param.copy_(anchor)
             self.step += 1
             return True
@@ -304,35 +336,26 @@ class OuterOptimizer:
             if result is None:
                 return False
             for piece, name, rows in self.pieces:
-                self._pull("anchor", name, rows, result.projections[f"anchor/{piece}"])
-                _rows(self.params[name], rows).copy_(_rows(self.anchor[name], rows))
+                anchor = self._fetch(self.anchor, name, rows)
+                _pull(anchor, self._fetch(self.origin, name, rows), result.projections[f"anchor/{piece}"])
+                self._store(self.anchor, name, rows, anchor)
+                _rows(self.params[name], rows).copy_(anchor)
             return True
 
     def held_bytes(self, exchange_copies: int = 6) -> int:
-        """Bytes this optimizer will hold at most: its state (anchor, the fp16 origin, momentum and the
-        error-feedback residual, reserved from the start, or with no error feedback the block an overlapped
-        offer holds its update in) and an exchange's working set, which goes tensor by tensor (an offer's, the
-        decoded contributions' and the projection's copies of the largest piece: `pieces`)."""
+        """Bytes this optimizer will hold at most on the model's device: its state (anchor, the fp16 origin,
+        momentum and the error-feedback residual, reserved from the start, or with no error feedback the block an
+        overlapped offer holds its update in), unless it is kept in host memory, and an exchange's working set,
+        which goes tensor by tensor (an offer's, the decoded contributions' and the projection's copies of the
+        largest piece: `pieces`; with the state in host memory, also the pieces of it brought over)."""
         numel = sum(a.numel() for a in self.anchor.values())
         largest = max((4 * math.prod(shape) for shape in self.shapes.values()), default=0)
+        if self.host_state:  # a piece each of the anchor, the origin or momentum, and the residual
+            return (exchange_copies + 3) * largest
         residual = RESIDUAL_DTYPES[self.config.residual_precision].itemsize
         state = (4 * (1 + bool(self.momentum)) + residual) * numel  # anchor, momentum, residual
         origin = sum(o.numel() * o.element_size() for o in self.origin.values())
         return state + origin + exchange_copies * largest
-
-    def _pull(self, group: str, name: str, rows: slice | None, projection: Projection) -> None:
-        """Move a state's piece to the round's agreement: exactly to its mean (adopt: the same bits on every
-        member), or by mean − own (its part in a shared subspace). Anchors are offered relative to the run's
-        start."""
-        state = self.anchor if group == "anchor" else self.momentum
-        if projection.adopt:
-            target = _rows(state[name], rows)  # in place, as the rest of the state
-            if group == "anchor":  # origin + mean, in float32 as the sum would be, without a temporary
-                target.copy_(_rows(self.origin[name], rows)).add_(projection.mean)
-            else:
-                target.copy_(projection.mean)
-        else:
-            _rows(state[name], rows).add_(projection.mean - projection.own)
 
     def state_dict(self) -> dict:
         return {
@@ -357,10 +380,25 @@ class OuterOptimizer:
         residuals = check_tensors(state.get("error_feedback"), shapes, "error-feedback residual", partial=True)
 
         def own(tensors: Mapping[str, torch.Tensor]) -> dict[str, torch.Tensor]:
-            return {n: t.to(device=self.params[n].device, dtype=torch.float32).clone() for n, t in tensors.items()}
+            return {
+                n: self._keep(t.to(device=self.state_device, dtype=torch.float32).clone()) for n, t in tensors.items()
+            }
 
         anchor, momentum, residuals = own(anchor), own(momentum), own(residuals)
         with self.lock:  # checked and copied before: only the swap holds a donor's copy back
             self.anchor, self.momentum = anchor, momentum
             self.error_feedback.load_state_dict(residuals)
             self.step = step
+
+
+def _pull(state: torch.Tensor, origin: torch.Tensor | None, projection: Projection) -> None:
+    """Move a state's piece (in place) to the round's agreement: exactly to its mean (adopt: the same bits on
+    every member), or by mean − own (its part in a shared subspace). Anchors are offered relative to the run's
+    start, `origin` (None for the momentum)."""
+    if projection.adopt:
+        if origin is not None:  # origin + mean, in float32 as the sum would be, without a temporary
+            state.copy_(origin).add_(projection.mean)
+        else:
+            state.copy_(projection.mean)
+    else:
+        state.add_(projection.mean - projection.own)

@@ -57,7 +57,7 @@ class Trainer:
         self.model = workload.model.to(runtime.device)
         self.inner = workload.optimizer(self.model.parameters())
         self._base_lrs = [group["lr"] for group in self.inner.param_groups]  # the warmup scales each group's own
-        self.outer = OuterOptimizer(self.model, config.outer())
+        self.outer = OuterOptimizer(self.model, config.outer(), host_state=runtime.host_state)
         self.eval_set = workload.eval_set
         self.scaler = torch.amp.GradScaler(runtime.device.type) if runtime.precision.scaler else None
         self.batches_drawn = 0  # how far into its data stream: a resumed trainer skips as many

@@ -1,6 +1,6 @@
 """Murmur on one CUDA device against plain training of the same model: tokens/s, memory, compression.
 
-    python scripts/gpu_check.py                                   # gpt2-small and gpt-20m, about 6 minutes
+    python scripts/gpu_check.py                                   # gpt2-small and gpt-20m, about 8 minutes
     python scripts/gpu_check.py --models gpt-20m --duration 20
     python scripts/gpu_check.py --device cpu --models gpt-tiny --duration 5   # a smoke run of the script
 
@@ -9,10 +9,11 @@ For each model, in one process on one card:
 - **plain**: two trainers, each on its own thread, run the peer's own inner loop (`Trainer.inner_phase`,
   H steps at a time, with the held-out evaluation every 5 rounds a peer makes) with no outer state
   and no network: the ceiling a swarm on this card is held to;
-- **murmur** (and **murmur-overlap**, the peers training through their exchanges: `--overlap`): a
-  2-peer swarm, both peers real (a bootstrap DHT node, two DHT nodes with their p2pd, libp2p
-  streams on 127.0.0.1), sharing the card as the two plain trainers did, with the run's defaults (H,
-  batch size, codecs).
+- **murmur**: a 2-peer swarm, both peers real (a bootstrap DHT node, two DHT nodes with their p2pd,
+  libp2p streams on 127.0.0.1), sharing the card as the two plain trainers did, with the run's
+  defaults (H, batch size, codecs); **murmur-host**, the same with the outer state in pinned host
+  memory (`--outer-state host`); **murmur-overlap**, the peers training through their exchanges
+  (`--overlap`).
 
 It reports each phase's tokens/s (summed over its two trainers or peers; each one's samples × block
 over its wall time), murmur ÷ plain, the phase's peak GPU memory (`torch.cuda.max_memory_allocated`)
@@ -153,7 +154,14 @@ def plain(config: TrainConfig, duration: float, device: str) -> dict:
     }
 
 
-def swarm(config: TrainConfig, duration: float, device: str, *, overlap: bool) -> dict:
+MODES = {  # a swarm phase's peers: Peer's keyword arguments
+    "murmur": {},
+    "murmur-host": {"outer_state": "host"},
+    "murmur-overlap": {"overlap": True},
+}
+
+
+def swarm(config: TrainConfig, duration: float, device: str, mode: str) -> dict:
     """A 2-peer swarm on loopback, the peers sharing the device."""
     run_id = f"gpu-check-{uuid.uuid4().hex[:6]}"
     timer = CompressionTimer()
@@ -163,7 +171,7 @@ def swarm(config: TrainConfig, duration: float, device: str, *, overlap: bool) -
         try:
             for i in range(PEERS):
                 peers.append(Peer(run=run_id, initial_peers=bootstrap.initial_peers, data_seed=i + 1,
-                                  duration=duration, device=device, overlap=overlap).start())  # fmt: skip
+                                  duration=duration, device=device, **MODES[mode]).start())  # fmt: skip
             reports = train_together(peers)
         finally:
             for peer in peers:
@@ -222,7 +230,7 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--models", default="gpt2-small,gpt-20m", help="registry models, comma-separated")
     parser.add_argument("--duration", type=float, default=40.0, help="seconds each phase trains (default: 40)")
     parser.add_argument("--batch-size", type=int, default=None, help="the run's batch size (default: the run's)")
-    parser.add_argument("--modes", default="murmur,murmur-overlap", help="swarm phases after plain, comma-separated")
+    parser.add_argument("--modes", default=",".join(MODES), help="swarm phases after plain, comma-separated")
     parser.add_argument("--device", choices=("cuda", "cpu"), default="cuda", help="cpu: a smoke run of the script")
     parser.add_argument("--out", type=Path, default=RESULTS)
     args = parser.parse_args(argv)
@@ -231,8 +239,8 @@ def main(argv: list[str] | None = None) -> int:
         if name not in MODELS:
             parser.error(f"unknown model {name!r}; choose from {', '.join(MODELS)}")
     for mode in modes:
-        if mode not in ("murmur", "murmur-overlap"):
-            parser.error(f"unknown mode {mode!r}; choose from murmur, murmur-overlap")
+        if mode not in MODES:
+            parser.error(f"unknown mode {mode!r}; choose from {', '.join(MODES)}")
     message = no_cuda_message() if args.device == "cuda" else None
     if message is not None:
         print(message, file=sys.stderr)
@@ -259,7 +267,7 @@ def main(argv: list[str] | None = None) -> int:
         args.out.write_text(json.dumps(result, indent=2) + "\n")
         for mode in modes:
             try:
-                row[mode] = swarm(config, args.duration, args.device, overlap=mode == "murmur-overlap")
+                row[mode] = swarm(config, args.duration, args.device, mode)
             except Exception as e:  # one phase's failure is recorded, and the next phase still runs
                 traceback.print_exc()
                 row[mode] = {"error": f"{type(e).__name__}: {e}"}

@@ -170,6 +170,16 @@ def test_a_volunteer_can_make_its_peer_train_through_its_exchanges():
     assert _join_options(parser.parse_args([*JOIN, "--overlap"])).overlap is True
 
 
+def test_a_volunteer_can_keep_the_outer_state_off_the_card():
+    from murmur.peer.cli import _join_options
+
+    parser = build_parser()
+    assert _join_options(parser.parse_args(JOIN)).device.outer_state == "device"
+    assert _join_options(parser.parse_args([*JOIN, "--outer-state", "host"])).device.outer_state == "host"
+    with pytest.raises(SystemExit):
+        parser.parse_args([*JOIN, "--outer-state", "disk"])
+
+
 def test_console_entry_point_reports_a_bad_address_in_one_line():
     done = subprocess.run(
         [sys.executable, "-m", "murmur.peer.cli", "join", "--initial-peers", "/ip4/1.2.3/tcp/1", "--run", "r"],

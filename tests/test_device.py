@@ -232,13 +232,14 @@ def _gpu_check():
 
 
 def test_gpu_check_runs_plain_and_a_real_swarm_on_the_cpu(tmp_path) -> None:
-    """The script's smoke run (--device cpu): plain training, then a 2-peer swarm over real DHT nodes; the
-    ratio is the swarm's tokens/s over plain's, and no GPU memory is claimed."""
+    """The script's smoke run (--device cpu): plain training, then a 2-peer swarm over real DHT nodes (its peers
+    keeping their outer state apart, as `--outer-state host` does); the ratio is the swarm's tokens/s over
+    plain's, and no GPU memory is claimed."""
     out = tmp_path / "gpu_check.json"
-    argv = ["--device", "cpu", "--models", "gpt-tiny", "--duration", "2", "--modes", "murmur", "--out", str(out)]
+    argv = ["--device", "cpu", "--models", "gpt-tiny", "--duration", "2", "--modes", "murmur-host", "--out", str(out)]
     assert _gpu_check().main(argv) == 0
     (row,) = json.loads(out.read_text())["models"]
-    plain, murmur = row["plain"], row["murmur"]
+    plain, murmur = row["plain"], row["murmur-host"]
     assert row["parameters"] > 0 and plain["tokens_per_s"] > 0 and min(plain["steps"]) > 0
     assert murmur["tokens_ratio"] == pytest.approx(murmur["tokens_per_s"] / plain["tokens_per_s"])
     assert len(murmur["peers"]) == 2 and all(p["steps"] > 0 for p in murmur["peers"])
@@ -251,3 +252,30 @@ def test_gpu_check_refuses_an_unknown_model_or_mode(tmp_path) -> None:
             _gpu_check().main([*argv, "--device", "cpu", "--out", str(tmp_path / "x.json")])
         assert info.value.code == 2
     assert not (tmp_path / "x.json").exists()
+
+
+def test_the_outer_state_in_host_memory_reaches_the_trainer_and_a_bad_place_is_one_line(corpus) -> None:
+    runtime = Runtime.resolve(DeviceConfig(device="cpu", outer_state="host"), NO_GPU)
+    assert runtime.host_state and not Runtime.resolve(DeviceConfig(device="cpu"), NO_GPU).host_state
+    trainer = Trainer(CONFIG, corpus, data_seed=1, runtime=runtime)
+    assert trainer.outer.host_state and not trainer.outer._pin  # pinned only for a model on CUDA
+    trainer.inner_phase()
+    assert trainer.finish_round(trainer.outer.offer(), None, alone=True)
+    for name, p in trainer.model.named_parameters():
+        assert torch.equal(p.detach(), trainer.outer.anchor[name])
+    with pytest.raises(DeviceError, match="unknown --outer-state 'disk'") as info:
+        DeviceConfig(outer_state="disk")
+    assert "\n" not in str(info.value)
+
+
+@needs_cuda
+def test_a_cuda_model_s_outer_state_in_host_memory_is_pinned_and_rounds_match(corpus) -> None:
+    runtime = Runtime.resolve(DeviceConfig(device="cuda", outer_state="host"))
+    trainer = Trainer(CONFIG, corpus, data_seed=1, runtime=runtime)
+    outer = trainer.outer
+    assert all(t.device.type == "cpu" and t.is_pinned() for t in outer.anchor.values())
+    assert all(t.is_pinned() for t in outer.error_feedback.residuals.values())
+    trainer.inner_phase()
+    assert trainer.finish_round(outer.offer(), None, alone=True)
+    for name, p in trainer.model.named_parameters():
+        assert p.device.type == "cuda" and torch.equal(p.detach().cpu(), outer.anchor[name])

@@ -29,13 +29,13 @@ def test_row_blocks_cover_every_row_once_within_the_limit():
     assert [b.stop - b.start for b in row_blocks((50257, 768), 2**22)] == [5025, 5026, 5026] * 3 + [5026]
 
 
-def peers(block: int, momentum: float) -> list[OuterOptimizer]:
+def peers(block: int, momentum: float, *, host_state: bool = False) -> list[OuterOptimizer]:
     """Three peers on one initial model, their anchors apart (so that anchors travel) and a round trained."""
     out = []
     for seed in (1, 2, 3):
         torch.manual_seed(0)
         model = nn.Sequential(nn.Linear(64, 48), nn.Linear(48, 16))
-        opt = OuterOptimizer(model, OuterConfig(lr=0.7, momentum=momentum, block_elements=block))
+        opt = OuterOptimizer(model, OuterConfig(lr=0.7, momentum=momentum, block_elements=block), host_state=host_state)
         g = torch.Generator().manual_seed(seed)
         with torch.no_grad():
             for name, p in opt.params.items():
@@ -56,14 +56,15 @@ def averagers(net: InMemoryNetwork, opts: list[OuterOptimizer], *, finish: bool 
     return out
 
 
-def rounds(opts: list[OuterOptimizer]) -> list[int]:
-    """Two training rounds (the second starts from the first's residuals and pulled anchors) and a finish round,
-    every peer in one group; the bytes the first member sent in each."""
+def rounds(opts: list[OuterOptimizer], kinds: tuple[bool, ...] = (False, False, True)) -> list[int]:
+    """Two training rounds (the second starts from the first's residuals and pulled anchors) and a finish round
+    (or the rounds `kinds` says: True for a finish round), every peer in one group; the bytes the first member
+    sent in each."""
 
     async def main():
         net = InMemoryNetwork()
         sent = []
-        for finish in (False, False, True):
+        for finish in kinds:
             group = averagers(net, opts, finish=finish)
             for averager in group:
                 await averager.start()
@@ -210,13 +211,13 @@ def test_a_peer_alone_steps_with_every_row_block_s_residual():
         assert not blocked.error_feedback.residuals[name].any()
 
 
-def trained_peers(**config) -> list[OuterOptimizer]:
+def trained_peers(*, host_state: bool = False, **config) -> list[OuterOptimizer]:
     """Two peers on one initial model with a round trained and a residual left from an earlier round."""
     out = []
     for seed in (1, 2):
         torch.manual_seed(0)
         model = nn.Sequential(nn.Linear(64, 48), nn.Linear(48, 16))
-        opt = OuterOptimizer(model, OuterConfig(lr=0.7, block_elements=BLOCK, **config))
+        opt = OuterOptimizer(model, OuterConfig(lr=0.7, block_elements=BLOCK, **config), host_state=host_state)
         g = torch.Generator().manual_seed(seed)
         with torch.no_grad():
             for name, p in opt.params.items():
@@ -313,3 +314,66 @@ def test_an_overlapped_round_without_a_group_or_with_its_steps_dropped_loses_no_
     assert_same_state(dropped, reference, 2e-3)
     for name, p in dropped.params.items():
         torch.testing.assert_close(p.detach(), dropped.anchor[name], atol=2e-3, rtol=0)
+
+
+def assert_equal_state(a: OuterOptimizer, b: OuterOptimizer) -> None:
+    assert a.step == b.step
+    for name, p in a.params.items():
+        assert torch.equal(p, b.params[name]) and torch.equal(a.anchor[name], b.anchor[name])
+        assert torch.equal(a.origin[name], b.origin[name])
+        if name in a.error_feedback.residuals or name in b.error_feedback.residuals:
+            assert torch.equal(a.error_feedback.residuals[name], b.error_feedback.residuals[name])
+        if a.config.momentum:
+            assert torch.equal(a.momentum[name], b.momentum[name])
+
+
+def assert_apart(opt: OuterOptimizer) -> None:
+    """The state is its own memory, not the model's device's views (on this CPU: copies brought over and back)."""
+    assert opt.host_state and opt.state_device == torch.device("cpu")
+    params = {p.untyped_storage().data_ptr() for p in opt.params.values()}
+    assert not params & {t.untyped_storage().data_ptr() for t in opt.anchor.values()}
+
+
+@pytest.mark.parametrize("momentum", [0.0, 0.9])
+def test_the_outer_state_kept_in_host_memory_gives_the_same_rounds_bit_for_bit(momentum):
+    """`host_state` (`murmur join --outer-state host`): every piece of the state is brought to the model's device
+    for the round's arithmetic and written back. On this CPU machine the "device" copy is a real copy, so a
+    piece changed and not written back would show here: two training rounds with anchors apart, row blocks and
+    a finish round give the same bits as a state kept with the model."""
+    kept, host = peers(BLOCK, momentum), peers(BLOCK, momentum, host_state=True)
+    assert rounds(kept) == rounds(host)
+    for a, b in zip(kept, host, strict=True):
+        assert_apart(b)
+        assert_equal_state(a, b)
+        assert a.held_bytes() > b.held_bytes()  # the state is not counted on the model's device
+    kept, host = peers(BLOCK, momentum), peers(BLOCK, momentum, host_state=True)
+    assert rounds(kept, (True,)) == rounds(host, (True,))  # a finish round with the anchors apart
+    for a, b in zip(kept, host, strict=True):
+        assert_equal_state(a, b)
+
+
+@pytest.mark.parametrize("error_feedback", [True, False])
+def test_host_state_overlapped_lonely_dropped_and_restored_rounds_match_the_state_kept_with_the_model(error_feedback):
+    kept, host = trained_peers(error_feedback=error_feedback), trained_peers(error_feedback=error_feedback,
+                                                                              host_state=True)  # fmt: skip
+    for opts in (kept, host):
+        one_round(opts, overlap=True)  # trains through the exchange
+        one_round(opts, overlap=False)
+        a = opts[0]
+        offer = a.offer(overlap=True)  # no group: the work stays pending
+        drift(a, 5)
+        assert a.apply(offer, None) is False
+        offer = a.offer(overlap=True)
+        drift(a, 6)
+        a.reset_model()  # a non-finite step during the exchange
+        assert a.apply(offer, None, alone=True) is True
+        drift(a, 7)
+        assert a.flush() is True
+    for a, b in zip(kept, host, strict=True):
+        assert_apart(b)
+        assert_equal_state(a, b)
+    restored = trained_peers(error_feedback=error_feedback, host_state=True)[0]
+    restored.load_state_dict(kept[0].state_dict())
+    assert_apart(restored)
+    for name, anchor in kept[0].anchor.items():
+        assert torch.equal(restored.anchor[name], anchor)

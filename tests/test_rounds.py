@@ -23,6 +23,7 @@ from murmur.dht.node import NodeConfig
 from murmur.peer.api import Swarm
 from murmur.peer.config import TrainConfig
 from murmur.peer.data import load_corpus
+from murmur.peer.device import DeviceConfig
 from murmur.peer.metrics import consensus_distance
 from murmur.peer.rounds import FINISH_GRID, Phase, ReplayMismatch, RoundConfig, RoundEngine, Seen, Step, replay
 from murmur.peer.runner import PeerOptions, VolunteerPeer
@@ -265,7 +266,8 @@ def test_virtual_peers_that_overlap_train_through_their_exchanges_on_the_same_ro
 def test_real_loopback_peers_run_the_same_engine_and_their_traces_replay():
     """Two real peers (DHT, p2pd, libp2p streams) on the wall clock: the engine's inputs and decisions, recorded
     by each, replay into fresh engines with the same decisions; the peers averaged in groups, and, given the same
-    `until`, ended on the same round with the same model, one of them training through its exchanges."""
+    `until`, ended on the same round with the same model, one of them training through its exchanges and the other
+    keeping its outer state apart (`--outer-state host`)."""
     config = TrainConfig(inner_steps=5, batch_size=4, eval_batches=1, warmup_steps=0)
     run = f"rounds-{uuid.uuid4().hex[:8]}"
     with Swarm(run, config) as swarm:
@@ -274,8 +276,9 @@ def test_real_loopback_peers_run_the_same_engine_and_their_traces_replay():
         try:
             for seed in (1, 2):
                 node = NodeConfig(initial_peers=tuple(swarm.initial_peers), run_id=run)
+                device = DeviceConfig(outer_state="host" if seed == 1 else "device")
                 options = PeerOptions(run_id=run, node=node, data_seed=seed, until=until, trace_rounds=True,
-                                      state_download=False, overlap=seed == 2)  # fmt: skip
+                                      state_download=False, overlap=seed == 2, device=device)  # fmt: skip
                 peers.append(VolunteerPeer.create(options))
             reports = [None, None]
             threads = [threading.Thread(target=lambda i=i: reports.__setitem__(i, peers[i].run(threading.Event())))
@@ -295,4 +298,5 @@ def test_real_loopback_peers_run_the_same_engine_and_their_traces_replay():
         # the second trains through its exchanges (`PeerOptions.overlap`): it tells the pace what it waited
         waited = [e[8] for e in trace if e[0] == "ended"]
         assert all(w is None for w in waited) if not peer.options.overlap else all(0 <= w < 5 for w in waited)
+    assert peers[0].trainer.outer.host_state and not peers[1].trainer.outer.host_state
     assert consensus_distance([p.trainer.outer.anchor for p in peers]) == 0.0  # the same last round: one model
