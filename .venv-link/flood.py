@@ -1,0 +1,422 @@
+"""The flood scenario of `scripts/bench_attack.py`: real peers on loopback, left alone and then flooded.
+
+Two phases, one after the other, each with its own bootstrap node, run id and `--peers` `murmur join`
+processes on the same training config and data seeds:
+
+* clean: the peers train for `--duration` seconds;
+* flood: the same, while an attacker process (this file, `attack`) floods them:
+  - **connections**: `--connections` streams to every honest peer at once (half to its exchange protocol,
+    half to its state-download protocol), each sending maximum-size frames: a header claiming 256 MiB
+    followed by junk as fast as the peer takes it, or a frame of exactly the first-message cap (64 kB)
+    of junk; a stream that is closed is opened again at once;
+  - **announcements**: `--announcements` fake peers (fresh RSA keys, so each record is validly signed)
+    announced every 5 s on the run's DHT key, each training toward the honest swarm's current appointment,
+    at an address (`--fake-host`) where nobody listens.
+
+The honest peers' process trees (peer, DHT worker, p2pd) are sampled every second for RSS. Reported:
+swarm samples/s in each phase (each peer's samples between the first and the last round it logged in the
+window, over the time between them, summed over the peers) and their ratio, each peer's peak RSS in each
+phase and the largest growth, the exchanges, and the peers that crashed. Targets (issue 17): RSS growth
+≤ 100 MB, samples/s ≥ 0.9× the clean run's, 0 crashes.
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import collections
+import json
+import os
+import shutil
+import statistics
+import sys
+import time
+from dataclasses import asdict, dataclass, field
+from functools import partial
+from pathlib import Path
+
+from murmur.averaging.group import FIRST_MESSAGE_BYTES
+from murmur.averaging.transport import BYTEORDER, HEADER_LEN
+from murmur.averaging.wire import PROTOCOL_VERSION
+from murmur.dht.node import stop_node
+from murmur.peer.config import TrainConfig
+from murmur.peer.metrics import read_metrics
+from murmur.peer.sim.simulate import TreeMeter, join_command, launch, start_bootstrap, stop_processes
+from murmur.peer.state import state_protocol
+
+LEAD = 3  # the fakes announce the honest appointment and the next LEAD - 1 ones
+BATCH = 25  # fake announcements stored per call into the attacker's DHT process
+GIANT = 256 * 2**20  # the length a giant frame's header claims: the wire's message cap
+TARGET_RSS_MB, TARGET_RATIO = 100.0, 0.9
+
+
+@dataclass(frozen=True, kw_only=True)
+class FloodConfig:
+    peers: int = 4
+    duration: float = 90.0  # seconds a phase is measured, from the moment every peer has logged a round
+    connections: int = 64  # flood streams to each honest peer at once
+    announcements: int = 1000  # fake peers announced on the DHT
+    fake_host: str = "127.66.0.1"  # where the fakes say they are (loopback: nothing listens there)
+    quick: bool = False
+    train: TrainConfig = field(default_factory=TrainConfig)
+    startup_grace: float = 120.0
+    stop_grace: float = 15.0
+    # the attackers on their own CPUs, as on their own machines: the honest side (the peers, the bootstrap node,
+    # this process) on the first half of this machine's CPUs in both phases, the attackers on the other half
+    pin: bool = False  # (the headline figures share the CPUs; bench_attack.py --pin keeps a pinned run beside them)
+
+    @classmethod
+    def of(cls, quick: bool, pin: bool = False) -> FloodConfig:
+        return cls(peers=2, duration=30.0, announcements=200, quick=True, pin=pin) if quick else cls(pin=pin)
+
+
+def _cpu_split(config: FloodConfig) -> tuple[set[int], set[int]] | None:
+    """(the honest side's CPUs, the attackers'), or None where the machine has one CPU or pinning is off."""
+    cpus = sorted(os.sched_getaffinity(0))
+    if not config.pin or len(cpus) < 2:
+        return None
+    return set(cpus[: len(cpus) // 2]), set(cpus[len(cpus) // 2 :])
+
+
+def _phase(config: FloodConfig, name: str, out: Path, flood: bool) -> dict:
+    shutil.rmtree(out, ignore_errors=True)
+    out.mkdir(parents=True)
+    split, mine = _cpu_split(config), os.sched_getaffinity(0)
+    if split:
+        os.sched_setaffinity(0, split[0])  # what this process starts from now on inherits it
+    try:
+        return _measure(config, name, out, flood, split)
+    finally:
+        os.sched_setaffinity(0, mine)
+
+
+def _measure(config: FloodConfig, name: str, out: Path, flood: bool, split) -> dict:
+    run_id = f"bench-{name}"
+    boot, maddrs = start_bootstrap(run_id, config.train)
+    procs, attackers = [], []
+    folders = [out / f"peer{i}" for i in range(config.peers)]
+    try:
+        for i, folder in enumerate(folders):
+            procs.append(launch(join_command(maddrs, run_id, folder, i + 1), out / f"peer{i}.log"))
+        deadline = time.monotonic() + config.startup_grace
+        while not all(read_metrics(f / "metrics.jsonl") for f in folders):
+            if time.monotonic() > deadline or any(p.poll() is not None for p in procs):
+                raise RuntimeError(f"{name}: peers did not start (see {out})")
+            time.sleep(0.5)
+        if flood:  # two attacker processes, as two machines would be: one floods streams, one announces fakes
+            for part in ("streams", "announcements"):
+                command = [sys.executable, __file__, "attack", "--part", part, "--initial-peers", *maddrs,
+                           "--run", run_id, "--duration", str(config.duration + 10),
+                           "--connections", str(config.connections), "--announcements", str(config.announcements),
+                           "--fake-host", config.fake_host, "--stats", str(out / f"attacker-{part}.json")]  # fmt: skip
+                attackers.append(launch(command, out / f"attacker-{part}.log"))
+                if split:  # before it forks its DHT worker and p2pd, which inherit it
+                    os.sched_setaffinity(attackers[-1].pid, split[1])
+            ready = [out / "attacker-streams.json", out / "attacker-announcements.json"]
+            wait_for(lambda: all(f.exists() for f in ready) or any(a.poll() is not None for a in attackers), 120)
+            if any(a.poll() is not None for a in attackers):
+                raise RuntimeError(f"an attacker stopped early (see {out}/attacker-*.log)")
+        meter, attack_meter = TreeMeter(), TreeMeter()
+        pids = [p.pid for p in procs]
+        meter.sample(pids)
+        attack_meter.sample([a.pid for a in attackers])
+        cpu0, attack_cpu0, roles0 = meter.total(), attack_meter.total(), meter.by_role()
+        start = time.time()
+        crashed = []
+        while time.time() < start + config.duration:
+            meter.sample(pids)
+            attack_meter.sample([a.pid for a in attackers])
+            crashed = [i for i, p in enumerate(procs) if p.poll() is not None]
+            if crashed:
+                break
+            time.sleep(1.0)
+        end = time.time()
+        cpu, attack_cpu = meter.total() - cpu0, attack_meter.total() - attack_cpu0
+        roles = {role: round(seconds - roles0.get(role, 0.0), 1) for role, seconds in meter.by_role().items()}
+        stop_processes(procs, config.stop_grace)
+        crashed += [i for i, p in enumerate(procs) if p.returncode not in (0, None) and i not in crashed]
+    finally:
+        stop_processes([*procs, *attackers], config.stop_grace)
+        stop_node(boot)
+    rounds = ok = failed = unreachable = 0
+    pace = 0.0  # the swarm's samples/s: the sum of the peers' own paces over the window
+    for folder in folders:
+        records = read_metrics(folder / "metrics.jsonl")
+        rounds += sum(start <= r["t"] <= end for r in records)
+        pace += samples_per_second(records, start, end)
+        if records:
+            ok += records[-1]["exchanges_ok"]
+            failed += records[-1]["exchanges_failed"]
+            unreachable += records[-1]["exchanges_unreachable"]
+    row = {
+        "seconds": round(end - start, 1),
+        "rounds": rounds,
+        "samples_per_second": round(pace, 2),
+        "exchanges_ok": ok,
+        "exchanges_failed": failed,
+        "partners_unreachable": unreachable,
+        "peak_rss_mb": [round(meter.peak.get(pid, 0.0), 1) for pid in pids],
+        # each process's own peak, per peer: where a growth is (the peer, its DHT worker, its p2pd)
+        "peak_rss_mb_by_process": [
+            {role: round(mb, 1) for role, mb in meter.peak_by_role.get(pid, {}).items()} for pid in pids
+        ],  # fmt: skip
+        "crashed": [f"peer{i}" for i in crashed],
+        "honest_cpu_seconds": round(cpu, 1),  # the peers' process trees, over the window
+        "honest_cpu_seconds_by_process": roles,
+        "samples_per_honest_cpu_second": round(pace * (end - start) / max(cpu, 1e-9), 2),
+        "attacker_cpu_seconds": round(attack_cpu, 1),  # on its own CPUs when pinned, else taken from the honest
+        "cpus": {"honest": sorted(split[0]), "attackers": sorted(split[1])} if split else "shared",
+    }
+    if flood:
+        row["attacker"] = {}
+        for part in ("streams", "announcements"):
+            if (out / f"attacker-{part}.json").exists():
+                row["attacker"] |= json.loads((out / f"attacker-{part}.json").read_text())
+    return row
+
+
+def samples_per_second(records: list[dict], start: float, end: float) -> float:
+    """One peer's pace over the window [start, end]: the samples it trained between the first and the last round
+    it logged in the window, over the time between them (0 with fewer than two). Whole rounds only: an automatic
+    round's length in steps varies (6 to 33 steps in one run), so a count of rounds is not a count of samples, and
+    a round cut by the window's edge is neither counted whole nor lost."""
+    inside = [r for r in records if start <= r["t"] <= end]
+    if len(inside) < 2:
+        return 0.0
+    first, last = inside[0], inside[-1]
+    return (last["samples"] - first["samples"]) / max(last["t"] - first["t"], 1e-9)
+
+
+def wait_for(condition, seconds: float) -> None:
+    deadline = time.monotonic() + seconds
+    while not condition() and time.monotonic() < deadline:
+        time.sleep(0.2)
+
+
+def run_flood(config: FloodConfig, runs: Path = Path("runs/bench_attack")) -> dict:
+    """The clean phase, then the flooded one; their ratios and whether the targets are met."""
+    clean = _phase(config, "flood-clean", runs / "flood-clean", flood=False)
+    flooded = _phase(config, "flood", runs / "flood", flood=True)
+    growth = max(f - c for f, c in zip(flooded["peak_rss_mb"], clean["peak_rss_mb"], strict=True))
+    pairs = list(zip(flooded["peak_rss_mb_by_process"], clean["peak_rss_mb_by_process"], strict=True))
+    by_process = {role: round(max(f.get(role, 0.0) - c.get(role, 0.0) for f, c in pairs), 1)
+                  for role in sorted({role for f, _ in pairs for role in f})}  # fmt: skip
+    ratio = flooded["samples_per_second"] / max(clean["samples_per_second"], 1e-9)
+    efficiency = flooded["samples_per_honest_cpu_second"] / max(clean["samples_per_honest_cpu_second"], 1e-9)
+    crashes = len(clean["crashed"]) + len(flooded["crashed"])
+    return {
+        "config": {k: v for k, v in asdict(config).items() if k != "train"},
+        "clean": clean,
+        "flood": flooded,
+        "samples_per_second_ratio": round(ratio, 3),
+        # the same per CPU-second the honest peers got: what the flood costs them, apart from the CPU the attacker
+        # itself takes on this shared machine
+        "samples_per_honest_cpu_second_ratio": round(efficiency, 3),
+        "rss_growth_mb": round(growth, 1),
+        "rss_growth_mb_by_process": by_process,  # each process's largest growth over the peers
+        "crashes": crashes,
+        "targets": {"rss_growth_mb": TARGET_RSS_MB, "samples_per_second_ratio": TARGET_RATIO, "crashes": 0},
+        "met": growth <= TARGET_RSS_MB and ratio >= TARGET_RATIO and crashes == 0,
+    }
+
+
+# -- the attacker ----------------------------------------------------------------------------------------
+
+
+def _forger(run_id: str, keys: dict[str, bytes]):
+    """A record validator that signs each fake peer's announcement with that peer's own key (the DER bytes,
+    loaded in the DHT's process, where validators run), and checks everyone's as a peer's node does."""
+    from cryptography.hazmat.primitives import hashes, serialization
+
+    from murmur.dht import signing
+
+    class Forger(signing.RunValidator):
+        def __init__(self) -> None:
+            super().__init__(run_id, None)
+            self.keys, self.loaded = keys, {}
+
+        def sign_value(self, record):
+            import base64
+
+            import msgpack
+
+            if self._kinds.get(record.key) != "peers":
+                return record.value
+            pid = msgpack.unpackb(record.subkey, raw=False)
+            if pid not in self.loaded:
+                self.loaded[pid] = serialization.load_der_private_key(self.keys[pid], password=None)
+            key = self.loaded[pid]
+            public = signing._public_der(key)
+            signature = key.sign(signing._payload(record, record.value), signing._PADDING, hashes.SHA256())
+            return record.value + b"[murmur-sig:" + base64.b64encode(msgpack.packb([public, signature])) + b"]"
+
+        def __getstate__(self):
+            return {**self.__dict__, "loaded": {}}
+
+    return Forger()
+
+
+async def _hammer(p2p, peer: str, protocol: str, giant: bool, stop_at: float, stats: collections.Counter) -> None:
+    """One flood connection: a maximum-size frame, again and again; reopened whenever it is closed."""
+    from hivemind.p2p import PeerID
+
+    junk = os.urandom(2**20)
+    length = GIANT if giant else FIRST_MESSAGE_BYTES
+    while time.monotonic() < stop_at:
+        try:
+            _, reader, writer = await asyncio.wait_for(
+                p2p.call_binary_stream_handler(PeerID.from_base58(peer), protocol), 5
+            )
+        except Exception:  # refused, or the daemon is busy: try again shortly
+            stats["open_failed"] += 1
+            await asyncio.sleep(0.1)
+            continue
+        stats["opened"] += 1
+        try:
+            writer.write(length.to_bytes(HEADER_LEN, BYTEORDER))
+            sent = 0
+            while sent < length and time.monotonic() < stop_at:
+                chunk = junk[: min(len(junk), length - sent)]
+                writer.write(chunk)
+                await asyncio.wait_for(writer.drain(), 10)
+                sent += len(chunk)
+                stats["bytes"] += len(chunk)
+            await asyncio.wait_for(reader.read(1), 5)  # until the peer closes it
+        except Exception:  # closed by the peer: that is the point
+            pass
+        finally:
+            writer.close()
+
+
+async def _store_all(key: str, expiration: float, values: list[dict], _dht, node) -> int:
+    """In the attacker's DHT process: every fake announcement in one traversal (each signed by its own key)."""
+    done = await node.store_many([key] * len(values), values, expiration, subkeys=[v["peer_id"] for v in values])
+    return len(values) if done and all(done.values()) else 0
+
+
+def _ahead(key: str | None, rounds: int) -> str | None:
+    """The appointment `rounds` after `key` ("seconds@slot"): the fakes are spread over the next few rounds, so
+    that some of them are expected at every appointment between two refreshes."""
+    if key is None or "@" not in key:
+        return key
+    seconds, slot = key.rsplit("@", 1)
+    return f"{seconds}@{int(slot) + rounds}" if slot.isdigit() else key
+
+
+async def _write_stats(path: str, stats: collections.Counter, stop_at: float) -> None:
+    while time.monotonic() < stop_at:
+        Path(path).write_text(json.dumps(dict(stats)))
+        await asyncio.sleep(2.0)
+
+
+async def _attack(args) -> None:
+    import hivemind
+    from cryptography.hazmat.primitives import serialization
+    from cryptography.hazmat.primitives.asymmetric import rsa
+    from hivemind.dht.routing import DHTID
+    from hivemind.utils import get_dht_time
+
+    from murmur.dht.records import Announcement, RunRecords
+    from murmur.dht.signing import _public_der, peer_id_of_public_key
+
+    keys = {}
+    for _ in range(
+        args.announcements if args.part == "announcements" else 0
+    ):  # 1024-bit keys: the validator takes any RSA key, and they are fast
+        key = rsa.generate_private_key(public_exponent=65537, key_size=1024)
+        der = key.private_bytes(serialization.Encoding.DER, serialization.PrivateFormat.PKCS8,
+                                serialization.NoEncryption())  # fmt: skip
+        keys[peer_id_of_public_key(_public_der(key))] = der
+    # the announcer is a DHT server whose node id is the roster key's own: the nearest replica of the roster, asked
+    # by every read, which keeps whatever it stores for itself (the honest replicas refuse a peer record stored by
+    # any node but its peer's own: dht.sybil); the stream flooder needs no storage
+    node_id = DHTID.generate(source=f"{args.run}:peers") if keys else None
+    dht = hivemind.DHT(initial_peers=args.initial_peers, host_maddrs=["/ip4/127.0.0.1/tcp/0"], nat_port_map=False,
+                       client_mode=not keys, node_id=node_id, start=True,
+                       record_validators=[_forger(args.run, keys)])  # fmt: skip
+    records = RunRecords(dht, args.run)
+    stats: collections.Counter = collections.Counter()
+    stop_at = time.monotonic() + args.duration
+    try:
+        honest = {pid: a for pid, a in (await records.a_peers()).items() if pid not in keys}
+        Path(args.stats).write_text(json.dumps({"started": True}))
+        if args.part == "streams":
+            p2p = await dht.replicate_p2p()
+            protocols = [f"murmur/{args.run}/avg/{PROTOCOL_VERSION}", state_protocol(args.run)]
+            hammers = [_hammer(p2p, peer, protocols[k % 2], k % 4 < 2, stop_at, stats)
+                       for peer in honest for k in range(args.connections)]  # fmt: skip
+            writer = asyncio.create_task(_write_stats(args.stats, stats, stop_at))
+            await asyncio.gather(*hammers, writer, return_exceptions=True)
+            return
+        tasks = []
+        view = {"seen": honest}  # the honest announcements, read in the background: stores never wait on a read
+
+        async def watch() -> None:
+            while time.monotonic() < stop_at:
+                try:
+                    found = await asyncio.wait_for(records.a_peers(), 10)
+                    view["seen"] = {pid: a for pid, a in found.items() if pid not in keys} or view["seen"]
+                except Exception:  # a slow DHT: keep the last view
+                    stats["read_failed"] += 1
+                await asyncio.sleep(1.0)
+
+        tasks.append(asyncio.create_task(watch()))
+        while time.monotonic() < stop_at:
+            began = time.monotonic()
+            seen = view["seen"]
+            keys_now = [a.appointment for a in seen.values() if a.appointment]
+            appointment = collections.Counter(keys_now).most_common(1)[0][0] if keys_now else None
+            step_seconds = [a.step_seconds for a in seen.values() if a.step_seconds]
+            fakes = [Announcement(peer_id=pid, addresses=[f"/ip4/{args.fake_host}/tcp/{4000 + i}/p2p/{pid}"],
+                                  step=max(a.step for a in seen.values()), samples_per_second=1.0, state="training",
+                                  appointment=_ahead(appointment, i % LEAD),
+                                  step_seconds=statistics.median(step_seconds) if step_seconds else None)
+                     for i, pid in enumerate(keys)]  # fmt: skip
+            expiration = get_dht_time() + records.announce_ttl
+            values = [a.model_dump(mode="json") for a in fakes]
+            batches = [dht.run_coroutine(partial(_store_all, records.peers_key, expiration, values[k : k + BATCH]),
+                                         return_future=True) for k in range(0, len(values), BATCH)]  # fmt: skip
+            try:  # (small batches: hivemind's pipe to its DHT process chokes on large messages)
+                stored = sum(await asyncio.wait_for(asyncio.gather(*batches), 30))
+            except Exception:
+                stats["store_failed"] += 1
+                stored = 0
+            stats["announced"] += stored
+            stats["announce_seconds"] = round(stats["announce_seconds"] + time.monotonic() - began, 1)
+            stats["announcement_rounds"] += 1
+            Path(args.stats).write_text(json.dumps(dict(stats)))
+            await asyncio.sleep(max(0.0, 5.0 - (time.monotonic() - began)))
+        await asyncio.gather(*tasks, return_exceptions=True)
+    finally:
+        Path(args.stats).write_text(json.dumps(dict(stats)))
+        dht.shutdown()
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    sub = parser.add_subparsers(dest="command", required=True)
+    attack = sub.add_parser("attack", help="flood a run (started by the bench, in its own process group)")
+    attack.add_argument("--part", choices=["streams", "announcements"], required=True)
+    attack.add_argument("--initial-peers", nargs="+", required=True)
+    attack.add_argument("--run", required=True)
+    attack.add_argument("--duration", type=float, required=True)
+    attack.add_argument("--connections", type=int, default=64)
+    attack.add_argument("--announcements", type=int, default=1000)
+    attack.add_argument("--fake-host", default="127.66.0.1")
+    attack.add_argument("--stats", required=True)
+    bench = sub.add_parser("bench", help="the clean and the flooded phase, alone")
+    bench.add_argument("--quick", action="store_true")
+    bench.add_argument("--pin", action="store_true", help="the attackers on half the CPUs, the honest side on the rest")
+    bench.add_argument("--out", type=Path, default=Path("scripts/results"))
+    args = parser.parse_args()
+    if args.command == "attack":
+        asyncio.run(_attack(args))
+    else:
+        result = run_flood(FloodConfig.of(args.quick, args.pin))
+        args.out.mkdir(parents=True, exist_ok=True)
+        (args.out / "bench_attack_flood.json").write_text(json.dumps(result, indent=2))
+        print(json.dumps({k: result[k] for k in ("samples_per_second_ratio", "rss_growth_mb", "crashes", "met")}))
+
+
+if __name__ == "__main__":
+    main()
