@@ -53,7 +53,7 @@ def peak_rss() -> int:
     return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024  # Linux: kB
 
 
-def plain_peers(name: str) -> list:
+def plain_peers(name: str, device: str = "cpu") -> list:
     """Two peers' models after one AdamW step each: (model, optimizer) pairs."""
     import torch
 
@@ -61,11 +61,11 @@ def plain_peers(name: str) -> list:
 
     peers = []
     for seed in (1, 2):
-        model = build_model(name, seed=0)
+        model = build_model(name, seed=0).to(device)
         optimizer = torch.optim.AdamW(model.parameters(), lr=1e-4)
         gen = torch.Generator().manual_seed(seed)
         block = min(SEQUENCE, model.config.block_size)
-        idx = torch.randint(0, 256, (BATCH, block + 1), generator=gen)
+        idx = torch.randint(0, 256, (BATCH, block + 1), generator=gen).to(device)
         loss_of(model(idx[:, :-1], idx[:, 1:])).backward()
         optimizer.step()
         optimizer.zero_grad(set_to_none=True)
@@ -78,7 +78,10 @@ def run_plain(name: str) -> dict:
     return {"peak_rss": peak_rss()}
 
 
-def run_murmur(name: str) -> dict:
+def run_murmur(name: str, peers: list | None = None, *, host_state: bool = False) -> dict:
+    """The murmur phase on `peers` (`plain_peers`, on their device; default: made here, on the CPU), with the
+    outer state where a peer keeps it (`host_state`: `murmur join --outer-state host`). Times on a GPU are
+    taken with the device synchronized."""
     import torch
 
     from murmur.averaging.group import GroupAverager, GroupConfig, GroupPlan
@@ -92,18 +95,24 @@ def run_murmur(name: str) -> dict:
     from murmur.peer.outer import OuterOptimizer
 
     config = TrainConfig(model=name)
-    peers = plain_peers(name)
+    peers = plain_peers(name) if peers is None else peers
     params = count_parameters(peers[0][0])
-    outers = [OuterOptimizer(model, config.outer()) for model, _ in peers]
+    device = next(peers[0][0].parameters()).device
+    outers = [OuterOptimizer(model, config.outer(), host_state=host_state) for model, _ in peers]
     gen = torch.Generator().manual_seed(0)
+
+    def clock() -> float:
+        if device.type == "cuda":
+            torch.cuda.synchronize()
+        return time.perf_counter()
 
     @torch.no_grad()
     def inner_steps() -> None:
         for i, (outer, (model, _)) in enumerate(zip(outers, peers, strict=True)):
             for name, p in model.named_parameters():
                 if i:  # the two come from different groups last round: their anchors differ, and travel (int8)
-                    outer.anchor[name].add_(torch.randn(p.shape, generator=gen), alpha=1e-4)
-                p.add_(torch.randn(p.shape, generator=gen), alpha=1e-3)  # the round's inner steps moved the model
+                    outer.anchor[name].add_(torch.randn(p.shape, generator=gen).to(device), alpha=1e-4)
+                p.add_(torch.randn(p.shape, generator=gen).to(device), alpha=1e-3)  # the round's inner steps moved it
 
     async def exchange(slot: int) -> tuple[list, list, dict[str, float]]:
         appointment, timing = Appointment(seconds=600.0, slot=slot), {}
@@ -116,16 +125,16 @@ def run_murmur(name: str) -> dict:
             await averager.start()
             averager.expect(appointment.key)
             averagers.append(averager)
-        started = time.perf_counter()
+        started = clock()
         offers = [outer.offer() for outer in outers]
-        timing["offer"] = time.perf_counter() - started
+        timing["offer"] = clock() - started
         now = asyncio.get_running_loop().time()
         ids = [a.peer_id for a in averagers]
         plans = [GroupPlan(key=appointment.key, candidates=tuple(ids[: i + 1]), planned=tuple(ids[i + 1 :]),
                            deadline=now + 600.0, not_before=now, group_size=2) for i in range(2)]  # fmt: skip
-        started = time.perf_counter()
+        started = clock()
         results = await asyncio.gather(*(a.average(o, p) for a, o, p in zip(averagers, offers, plans, strict=True)))
-        timing["exchange"] = time.perf_counter() - started
+        timing["exchange"] = clock() - started
         for a in averagers:
             await a.stop()
         return offers, results, timing
@@ -138,19 +147,19 @@ def run_murmur(name: str) -> dict:
         offers, results, timing = asyncio.run(exchange(slot))
         if any(r is None for r in results):
             raise SystemExit(f"{name}: the exchange failed")
-        started = time.perf_counter()
+        started = clock()
         for outer, offer, result in zip(outers, offers, results, strict=True):
             outer.apply(offer, result)
-        timing["apply"] = time.perf_counter() - started
+        timing["apply"] = clock() - started
         sent = results[0].bytes_sent
         del offers, results
         timings += [timing] if slot > 1 else []
     timing = min(timings, key=lambda t: sum(t.values()))
     rss_exchange = peak_rss()
 
-    state = {f"model/{n}": p.detach() for n, p in peers[0][0].named_parameters()}
+    state = {f"model/{n}": p.detach().cpu() for n, p in peers[0][0].named_parameters()}  # a peer's snapshot
     outer_state = outers[0].state_dict()
-    state |= {f"outer/{k}/{n}": t for k, d in outer_state.items() if isinstance(d, dict) for n, t in d.items()}
+    state |= {f"outer/{k}/{n}": t.cpu() for k, d in outer_state.items() if isinstance(d, dict) for n, t in d.items()}
     download = asyncio.run(state_download(state, StateDonor, StateDownloader, TransferConfig, InMemoryNetwork))
     with tempfile.TemporaryDirectory() as folder:
         started = time.perf_counter()

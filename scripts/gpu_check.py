@@ -1,8 +1,8 @@
 """Murmur on one CUDA device against plain training of the same model: tokens/s, memory, compression.
 
-    python scripts/gpu_check.py                                   # gpt2-small and gpt-20m, about 8 minutes
+    python scripts/gpu_check.py                                   # about 7 minutes on an H200
     python scripts/gpu_check.py --models gpt-20m --duration 20
-    python scripts/gpu_check.py --device cpu --models gpt-tiny --duration 5   # a smoke run of the script
+    python scripts/gpu_check.py --device cpu --models gpt-tiny --duration 5 --scale-models gpt-tiny  # a smoke run
 
 For each model, in one process on one card:
 
@@ -14,6 +14,13 @@ For each model, in one process on one card:
   defaults (H, batch size, codecs); **murmur-host**, the same with the outer state in pinned host
   memory (`--outer-state host`); **murmur-overlap**, the peers training through their exchanges
   (`--overlap`).
+
+and then, for each of `--scale-models`, `scripts/bench_model_scale.py`'s figures on the card: two
+peers in this process take an AdamW step (plain), then average four rounds over the in-memory
+transport with the run's codecs, anchors apart, once with the outer state on the card and once in
+pinned host memory (`--outer-state host`): exchange seconds per side (device synchronized),
+nanoseconds per parameter, the GPU memory added per peer in fp32 copies, bytes, the state download
+and a checkpoint write.
 
 It reports each phase's tokens/s (summed over its two trainers or peers; each one's samples × block
 over its wall time), murmur ÷ plain, the phase's peak GPU memory (`torch.cuda.max_memory_allocated`)
@@ -200,6 +207,40 @@ def swarm(config: TrainConfig, duration: float, device: str, mode: str) -> dict:
     }
 
 
+def exchange_costs(name: str, device: str, *, host_state: bool) -> dict:
+    """bench_model_scale's murmur phase on `device`, and the device memory it adds per peer in fp32 copies."""
+    sys.path.insert(0, str(Path(__file__).resolve().parent))
+    import bench_model_scale as scale
+
+    fresh_peak()
+    peers = scale.plain_peers(name, device)
+    plain_peak = peak_memory()
+    if torch.cuda.is_available():
+        torch.cuda.reset_peak_memory_stats()
+    row = scale.run_murmur(name, peers, host_state=host_state)
+    murmur_peak = peak_memory()
+    row |= {"model": name, "outer_state": "host" if host_state else "device", "plain_peak_gpu_memory_bytes": plain_peak,
+            "peak_gpu_memory_bytes": murmur_peak}  # fmt: skip
+    if plain_peak is not None and murmur_peak is not None:
+        row["added_fp32_copies"] = (murmur_peak - plain_peak) / PEERS / (4 * row["params"])
+        row["memory_target_met"] = row["added_fp32_copies"] <= TARGET_COPIES
+    del peers
+    return row
+
+
+def scale_line(row: dict) -> str:
+    s = row["seconds_per_side"]
+    text = (
+        f"{row['model']:<12} state on {row['outer_state']:<6} {row['params'] / 1e6:8.2f}M  "
+        f"offer {s['offer']:.3f} s  exchange {s['exchange']:.3f} s  apply {s['apply']:.3f} s  "
+        f"{row['ns_per_param_per_side']:6.1f} ns/param  sent/fp32 {row['bytes_over_fp32']:.4f}  "
+        f"state {row['state_download_seconds']:.2f} s  ckpt {row['checkpoint_write_seconds']:.2f} s"
+    )
+    if "added_fp32_copies" in row:
+        text += f"  +{row['added_fp32_copies']:.2f} fp32 copies a peer"
+    return text
+
+
 def compare(row: dict, mode: str) -> None:
     """Murmur's phase `mode` against plain: the ratio, the memory added and the targets, into `row`."""
     murmur, base = row[mode], row["plain"]
@@ -227,15 +268,21 @@ def line(model: str, mode: str, phase: dict) -> str:
 
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--models", default="gpt2-small,gpt-20m", help="registry models, comma-separated")
-    parser.add_argument("--duration", type=float, default=40.0, help="seconds each phase trains (default: 40)")
+    parser.add_argument("--models", default="gpt2-small", help="registry models for the swarm, comma-separated")
+    parser.add_argument("--duration", type=float, default=30.0, help="seconds each phase trains (default: 30)")
     parser.add_argument("--batch-size", type=int, default=None, help="the run's batch size (default: the run's)")
     parser.add_argument("--modes", default=",".join(MODES), help="swarm phases after plain, comma-separated")
+    parser.add_argument(
+        "--scale-models",
+        default="gpt2-small,gpt2-medium",
+        help="models for bench_model_scale's figures on the card, comma-separated ('' for none)",
+    )
     parser.add_argument("--device", choices=("cuda", "cpu"), default="cuda", help="cpu: a smoke run of the script")
     parser.add_argument("--out", type=Path, default=RESULTS)
     args = parser.parse_args(argv)
-    models, modes = args.models.split(","), args.modes.split(",")
-    for name in models:
+    models, modes = [m for m in args.models.split(",") if m], args.modes.split(",")
+    scale_models = [m for m in args.scale_models.split(",") if m]
+    for name in [*models, *scale_models]:
         if name not in MODELS:
             parser.error(f"unknown model {name!r}; choose from {', '.join(MODELS)}")
     for mode in modes:
@@ -252,6 +299,7 @@ def main(argv: list[str] | None = None) -> int:
         "cuda": torch.version.cuda,
         "duration_s": args.duration,
         "models": [],
+        "exchange": [],
     }
     args.out.parent.mkdir(parents=True, exist_ok=True)
     failed = False
@@ -275,6 +323,23 @@ def main(argv: list[str] | None = None) -> int:
                 continue
             compare(row, mode)
             print(line(name, mode, row[mode]), flush=True)
+            args.out.write_text(json.dumps(result, indent=2) + "\n")
+    for name in scale_models:
+        for host_state in (False, True):
+            try:
+                result["exchange"].append(exchange_costs(name, args.device, host_state=host_state))
+            except Exception as e:  # recorded; the next one still runs
+                traceback.print_exc()
+                result["exchange"].append(
+                    {
+                        "model": name,
+                        "outer_state": "host" if host_state else "device",
+                        "error": f"{type(e).__name__}: {e}",
+                    }
+                )
+                failed = True
+                continue
+            print(scale_line(result["exchange"][-1]), flush=True)
             args.out.write_text(json.dumps(result, indent=2) + "\n")
     args.out.write_text(json.dumps(result, indent=2) + "\n")
     print(f"targets: tokens/s >= {TARGET_RATIO} x plain, added memory <= {TARGET_COPIES:g} fp32 copies a peer; "

@@ -236,18 +236,25 @@ def test_gpu_check_runs_plain_and_a_real_swarm_on_the_cpu(tmp_path) -> None:
     keeping their outer state apart, as `--outer-state host` does); the ratio is the swarm's tokens/s over
     plain's, and no GPU memory is claimed."""
     out = tmp_path / "gpu_check.json"
-    argv = ["--device", "cpu", "--models", "gpt-tiny", "--duration", "2", "--modes", "murmur-host", "--out", str(out)]
+    argv = ["--device", "cpu", "--models", "gpt-tiny", "--duration", "2", "--modes", "murmur-host",
+            "--scale-models", "gpt-tiny", "--out", str(out)]  # fmt: skip
     assert _gpu_check().main(argv) == 0
-    (row,) = json.loads(out.read_text())["models"]
+    result = json.loads(out.read_text())
+    (row,) = result["models"]
     plain, murmur = row["plain"], row["murmur-host"]
     assert row["parameters"] > 0 and plain["tokens_per_s"] > 0 and min(plain["steps"]) > 0
     assert murmur["tokens_ratio"] == pytest.approx(murmur["tokens_per_s"] / plain["tokens_per_s"])
     assert len(murmur["peers"]) == 2 and all(p["steps"] > 0 for p in murmur["peers"])
     assert plain["peak_gpu_memory_bytes"] is None and "added_fp32_copies" not in murmur
+    # bench_model_scale's exchange on the device, the outer state on it and in host memory: the same bytes
+    kept, host = result["exchange"]
+    assert (kept["outer_state"], host["outer_state"]) == ("device", "host")
+    assert kept["bytes_sent_per_side"] == host["bytes_sent_per_side"] > 0
+    assert all(r["ns_per_param_per_side"] > 0 and "added_fp32_copies" not in r for r in (kept, host))
 
 
 def test_gpu_check_refuses_an_unknown_model_or_mode(tmp_path) -> None:
-    for argv in (["--models", "gpt-huge"], ["--modes", "murmur,fast"]):
+    for argv in (["--models", "gpt-huge"], ["--modes", "murmur,fast"], ["--scale-models", "gpt-tiny,gpt-huge"]):
         with pytest.raises(SystemExit) as info:
             _gpu_check().main([*argv, "--device", "cpu", "--out", str(tmp_path / "x.json")])
         assert info.value.code == 2
