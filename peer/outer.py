@@ -186,9 +186,11 @@ class OuterOptimizer:
 
     def _fetch(self, state: Mapping[str, torch.Tensor], name: str, rows: slice | None) -> torch.Tensor:
         """A piece of a state tensor on the model's device, for the round's arithmetic: the state's own memory (a
-        view) where it lives with the model, else a copy, which `_store` writes back if it was changed."""
+        view) where it lives with the model, else a copy, which `_store` writes back if it was changed. The copy
+        is synchronous (no `non_blocking`): the host may write the state (a residual zeroed, a checkpoint loaded)
+        right after, which an asynchronous copy still reading it would race."""
         piece = _rows(state[name], rows)
-        return piece.to(self.device, copy=True, non_blocking=self._pin) if self.host_state else piece
+        return piece.to(self.device, copy=True) if self.host_state else piece
 
     def _store(self, state: Mapping[str, torch.Tensor], name: str, rows: slice | None, value: torch.Tensor) -> None:
         """Write back a piece `_fetch` gave and the caller changed in place (nothing to do for a view)."""
