@@ -209,7 +209,8 @@ def swarm(config: TrainConfig, duration: float, device: str, mode: str) -> dict:
 
 def exchange_costs(name: str, device: str, *, host_state: bool) -> dict:
     """bench_model_scale's murmur phase on `device`, and the device memory it adds per peer in fp32 copies."""
-    sys.path.insert(0, str(Path(__file__).resolve().parent))
+    if (here := str(Path(__file__).resolve().parent)) not in sys.path:
+        sys.path.insert(0, here)
     import bench_model_scale as scale
 
     fresh_peak()
