@@ -286,3 +286,21 @@ def test_a_cuda_model_s_outer_state_in_host_memory_is_pinned_and_rounds_match(co
     assert trainer.finish_round(outer.offer(), None, alone=True)
     for name, p in trainer.model.named_parameters():
         assert p.device.type == "cuda" and torch.equal(p.detach().cpu(), outer.anchor[name])
+
+
+def test_a_joiner_keeping_its_outer_state_in_host_memory_takes_a_donor_s_state(corpus) -> None:
+    """A state download (`peer.state`) into a peer with `--outer-state host`: the anchor and model become the
+    donor's, the state stays in its own memory, and the joiner can serve it on in turn."""
+    from murmur.peer.state import apply_training_state, training_state
+
+    donor = Trainer(CONFIG, corpus, data_seed=1)
+    donor.inner_phase()
+    assert donor.finish_round(donor.outer.offer(), None, alone=True)
+    joiner = Trainer(CONFIG, corpus, data_seed=2, runtime=Runtime.resolve(DeviceConfig(outer_state="host"), NO_GPU))
+    apply_training_state(joiner, training_state(donor))
+    assert joiner.outer.host_state and joiner.outer.step == donor.outer.step == 1 and joiner.steps == donor.steps
+    for name, p in joiner.model.named_parameters():
+        assert torch.equal(p.detach(), donor.outer.anchor[name]) and torch.equal(joiner.outer.anchor[name], p.detach())
+        assert joiner.outer.anchor[name].untyped_storage().data_ptr() != p.untyped_storage().data_ptr()
+    served = training_state(joiner)
+    assert all(torch.equal(t, training_state(donor).tensors[n]) for n, t in served.tensors.items())
