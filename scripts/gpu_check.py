@@ -194,6 +194,8 @@ def swarm(config: TrainConfig, duration: float, device: str, mode: str) -> dict:
                 "rounds": r.rounds,
                 "exchanges_ok": r.exchanges_ok,
                 "exchanges_failed": r.exchanges_failed,
+                "exchanges_declined": r.exchanges_declined,
+                "rounds_alone": r.rounds_alone,
                 "compute_utilization": r.compute_utilization,
                 "final_eval_loss": r.final_eval_loss,
                 "bytes_sent": r.bytes_sent,
