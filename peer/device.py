@@ -15,17 +15,20 @@ CUDA, each behind `torch.cuda.is_available()`.
 from __future__ import annotations
 
 import argparse
+import asyncio
 import contextlib
 import ctypes
 import math
 import sys
+from collections.abc import Coroutine
 from dataclasses import dataclass
-from typing import Literal
+from typing import Any, Literal, TypeVar
 
 import torch
 
 from murmur.peer.flags import DEVICES, OUTER_STATES, PRECISIONS  # --device, --precision, --outer-state choices
 
+T = TypeVar("T")
 DeviceChoice = Literal["auto", "cpu", "cuda"]
 PrecisionChoice = Literal["auto", "fp32", "bf16", "fp16"]
 _DTYPES = {"bf16": torch.bfloat16, "fp16": torch.float16}
@@ -220,3 +223,33 @@ def probe_step_memory(step, sample_batch) -> tuple[int, int]:
         torch.cuda.synchronize()
         peaks.append(torch.cuda.max_memory_allocated() - baseline)
     return peaks[0], peaks[1]
+
+
+def side_stream(device: torch.device) -> torch.cuda.Stream | None:
+    """A CUDA stream of its own for work another thread does while this one trains (None off CUDA)."""
+    return torch.cuda.Stream(device) if device.type == "cuda" else None
+
+
+def on_stream(stream: torch.cuda.Stream | None, work: Coroutine[Any, Any, T]) -> Coroutine[Any, Any, T]:
+    """`work`, a coroutine to be run on another thread's event loop, with `stream` as that thread's current
+    CUDA stream: it starts after everything the calling thread has queued on its own stream so far (the
+    offer it just made), and it returns only once everything it queued has run, so what it hands back is
+    ready for any stream. Without a stream (off CUDA), `work` itself.
+
+    A peer that trains through its exchanges (`--overlap`) needs this: on the training stream, each of the
+    exchange's copies to the host would wait behind the inner steps queued meanwhile."""
+    if stream is None:
+        return work
+    ready = torch.cuda.current_stream(stream.device).record_event()
+
+    async def run() -> T:
+        stream.wait_event(ready)
+        with torch.cuda.stream(stream):
+            try:
+                return await work
+            finally:  # the event loop stays free while the last kernels run
+                done = stream.record_event()
+                while not done.query():
+                    await asyncio.sleep(0.0005)
+
+    return run()

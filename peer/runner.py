@@ -42,7 +42,7 @@ from murmur.dht.node import NodeConfig, start_node, stop_node, visible_addresses
 from murmur.dht.records import Announcement, PeerState, RunRecord, RunRecords
 from murmur.peer.checkpoint import CheckpointWriter, check_tensors, latest_checkpoint
 from murmur.peer.config import TrainConfig
-from murmur.peer.device import DeviceConfig, Runtime, keep_freed_memory
+from murmur.peer.device import DeviceConfig, Runtime, keep_freed_memory, on_stream, side_stream
 from murmur.peer.journal import Journal
 from murmur.peer.metrics import PeerReport
 from murmur.peer.outer import finish_layout
@@ -181,6 +181,8 @@ class VolunteerPeer:
                                   trace=options.trace_rounds)  # fmt: skip
         self.samples_per_second = 0.0
         self.loop = LoopThread()
+        # a peer that trains through its exchanges runs them on a CUDA stream of their own (`on_stream`)
+        self.exchange_stream = side_stream(trainer.runtime.device) if options.overlap else None
         self.averager: GroupAverager | None = None
         self.finisher: GroupAverager | None = None  # the averager of finish rounds, once training is over
         self.heartbeat: Heartbeat | None = None
@@ -428,7 +430,8 @@ class VolunteerPeer:
         then dropped, and the peer waits for the exchange)."""
         plan = self.engine.gather(time.time(), self.roster())
         self._announce(averager)
-        future = self.loop.submit(_average(averager, offer, plan, self.trainer.config.group_size))
+        work = _average(averager, offer, plan, self.trainer.config.group_size)
+        future = self.loop.submit(on_stream(self.exchange_stream if train else None, work))
         steps, computing, finite = 0, 0.0, True
         while train and finite and not future.done() and not stop.is_set():
             started = time.monotonic()

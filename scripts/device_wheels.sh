@@ -17,7 +17,7 @@ cd "$(dirname "$0")/.."
 PY=${PY:-3.12}
 DIST=(hivemind annotated-types base58 blake3 cffi cryptography idna mmh3 morphys multiaddr netaddr
       prefetch_generator protobuf py-cid py-multibase py-multicodec py-multihash pycparser pydantic
-      pydantic_core python-baseconv typing_extensions typing-inspection varint)
+      pydantic_core python-baseconv safetensors typing_extensions typing-inspection varint)
 mkdir -p .whl
 for dist in "${DIST[@]}"; do
     version=$(.venv/bin/python -c "import importlib.metadata as m; print(m.version('$dist'))")

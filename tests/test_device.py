@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import asyncio
 import importlib.util
 import json
 from pathlib import Path
@@ -22,7 +23,9 @@ from murmur.peer.device import (
     StepMemory,
     choose_precision,
     fit_grad_accum,
+    on_stream,
     resolve_device,
+    side_stream,
     split_batch,
     step_memory,
 )
@@ -304,3 +307,30 @@ def test_a_joiner_keeping_its_outer_state_in_host_memory_takes_a_donor_s_state(c
         assert joiner.outer.anchor[name].untyped_storage().data_ptr() != p.untyped_storage().data_ptr()
     served = training_state(joiner)
     assert all(torch.equal(t, training_state(donor).tensors[n]) for n, t in served.tensors.items())
+
+
+def test_off_cuda_the_exchange_runs_as_it_is():
+    async def work():
+        return 7
+
+    coroutine = work()
+    assert side_stream(torch.device("cpu")) is None
+    assert on_stream(None, coroutine) is coroutine
+    assert asyncio.run(coroutine) == 7
+
+
+@needs_cuda
+def test_the_exchange_stream_starts_after_the_offer_and_hands_back_finished_work():
+    stream = side_stream(torch.device("cuda"))
+    offer = torch.zeros(1 << 24, device="cuda")
+    for _ in range(50):  # queued on the training stream ahead of the exchange
+        offer.add_(1)
+    seen = {}
+
+    async def exchange():
+        seen["stream"] = torch.cuda.current_stream()
+        return (offer * 2).to("cpu", non_blocking=True)  # its last copy is still queued when the coroutine returns
+
+    result = asyncio.run(on_stream(stream, exchange()))
+    assert seen["stream"] == stream and torch.cuda.current_stream() != stream
+    assert torch.equal(result, torch.full((1 << 24,), 100.0))
