@@ -111,7 +111,8 @@ def run_murmur(name: str, peers: list | None = None, *, host_state: bool = False
         for i, (outer, (model, _)) in enumerate(zip(outers, peers, strict=True)):
             for name, p in model.named_parameters():
                 if i:  # the two come from different groups last round: their anchors differ, and travel (int8)
-                    outer.anchor[name].add_(torch.randn(p.shape, generator=gen).to(device), alpha=1e-4)
+                    anchor = outer.anchor[name]  # in host memory with host_state
+                    anchor.add_(torch.randn(p.shape, generator=gen).to(anchor.device), alpha=1e-4)
                 p.add_(torch.randn(p.shape, generator=gen).to(device), alpha=1e-3)  # the round's inner steps moved it
 
     async def exchange(slot: int) -> tuple[list, list, dict[str, float]]:
