@@ -28,6 +28,12 @@ def test_the_smallest_model_s_row_is_measured_and_its_targets_judged(tmp_path: P
     assert result["repeats"] == len(runs) == 3 and row["added_fp32_copies"] == max(runs)
     assert row["added_fp32_copies"] == (row["peak_rss"] - row["plain_peak_rss"]) / 2 / (4 * 437_760)
     assert row["state_download_seconds"] > 0 and row["checkpoint_write_seconds"] > 0
+    # the fixed cost, measured on an 8,432-parameter model, is taken out of the copies beside them
+    fixed = result["fixed_cost_bytes"]
+    assert len(result["fixed_cost_runs"]) == 3 and fixed == pytest.approx(sum(result["fixed_cost_runs"]) / 3)
+    assert 0 < fixed < row["peak_rss"] - row["plain_peak_rss"]
+    assert row["added_fp32_copies_beyond_fixed"] == pytest.approx(row["added_fp32_copies"] - fixed / 2 / (4 * 437_760))
+    assert "fixed cost (a model of 8,432 parameters, two peers)" in done.stdout
     # no size from 57M up: that target cannot be met by this run alone
     assert result["targets"]["ns_per_param_at_most_25_from_57M"] is False
     assert "gpt-tiny" in done.stdout and "target added_fp32_copies_at_most_3" in done.stdout
