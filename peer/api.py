@@ -102,7 +102,7 @@ class Peer:
         exchange: GroupConfig | None = None,
         verbose: bool = False,
         overlap: bool = False,
-        outer_state: str = "device",
+        outer_state: str = "auto",
     ) -> None:
         if (build_model is None) != (build_batches is None):
             raise WorkloadError("give both build_model and build_batches, or neither for the built-in GPT")

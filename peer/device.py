@@ -152,7 +152,8 @@ class DeviceConfig:
     precision: str = "auto"
     grad_accum: int | None = None  # micro-batches per inner step
     micro_batch: int | None = None  # or: sequences per forward pass
-    outer_state: str = "device"  # where the outer state lives: with the model, or "host" (off the card)
+    outer_state: str = "auto"  # where the outer state lives: with the model ("device"), off the card ("host"), or
+    # "auto": with the model unless a training step does not fit beside it (`Trainer.fit_memory`)
 
     def __post_init__(self) -> None:
         if self.outer_state not in OUTER_STATES:
@@ -172,7 +173,7 @@ def device_config(args: argparse.Namespace) -> DeviceConfig:
     return DeviceConfig(
         device=args.device, precision=args.precision,
         grad_accum=getattr(args, "grad_accum", None), micro_batch=getattr(args, "micro_batch", None),
-        outer_state=getattr(args, "outer_state", "device"),
+        outer_state=getattr(args, "outer_state", "auto"),
     )  # fmt: skip
 
 
@@ -185,6 +186,7 @@ class Runtime:
     grad_accum: int | None = None  # None (and no micro_batch): 1 on the CPU, measured on CUDA
     micro_batch: int | None = None
     host_state: bool = False  # the outer state in host memory (`peer.outer.OuterOptimizer`), pinned on CUDA
+    state_fallback: bool = False  # it may move there if a training step does not fit beside it on the card
 
     @classmethod
     def resolve(cls, config: DeviceConfig, caps: Capabilities | None = None) -> Runtime:
@@ -192,7 +194,7 @@ class Runtime:
         device = resolve_device(config.device, caps)
         precision = choose_precision(config.precision, device, caps)
         return cls(device=device, precision=precision, grad_accum=config.grad_accum, micro_batch=config.micro_batch,
-                   host_state=config.outer_state == "host")  # fmt: skip
+                   host_state=config.outer_state == "host", state_fallback=config.outer_state == "auto")  # fmt: skip
 
     def accumulation(self, batch_size: int) -> int | None:
         """Micro-batches per inner step as the user asked, or None if the peer is to choose."""

@@ -19,7 +19,7 @@ from murmur.peer.config import TrainConfig
 
 DEVICES: tuple[str, ...] = ("auto", "cpu", "cuda")
 PRECISIONS: tuple[str, ...] = ("auto", "fp32", "bf16", "fp16")
-OUTER_STATES: tuple[str, ...] = ("device", "host")
+OUTER_STATES: tuple[str, ...] = ("auto", "device", "host")
 # the defaults of GroupConfig (exchange_timeout) and PeerOptions, as --help shows them
 JOIN_DEFAULTS = {"exchange_timeout": 10.0, "eval_every": 5, "checkpoint_every": 1, "checkpoint_interval": 30.0,
                  "overlap": False}  # fmt: skip
@@ -133,10 +133,11 @@ def device_flags(parser: argparse.ArgumentParser, *, batching: bool) -> None:
                            help="sequences per forward pass; the run's batch size is reached by accumulation "
                            "(default: fit the card's free memory)")  # fmt: skip
         group.add_argument("--grad-accum", type=integer(1), metavar="N", help="micro-batches per inner step")
-        group.add_argument("--outer-state", choices=OUTER_STATES, default="device",
-                           help="where the outer state (anchor, origin, momentum, residual) lives: with the model, or "
-                           "host: in pinned host memory, off the card, a piece at a time brought over each round "
-                           "(default: device)")  # fmt: skip
+        group.add_argument("--outer-state", choices=OUTER_STATES, default="auto",
+                           help="where the outer state (anchor, origin, momentum, residual) lives: device, with "
+                           "the model; host, in pinned host memory, off the card, a piece at a time brought over "
+                           "each round; auto, on the card unless a training step does not fit beside it "
+                           "(default: auto)")  # fmt: skip
 
 
 def workload_flags(parser: argparse.ArgumentParser, *, joining: bool) -> None:

@@ -209,6 +209,9 @@ class VolunteerPeer:
             workload = options.workload.build(config)
             trainer = Trainer.fitted(config, workload, data_seed=options.data_seed, runtime=runtime)
             peer = cls(options, dht, trainer, records)
+            if trainer.outer.host_state and not runtime.host_state:  # `--outer-state auto` moved it
+                peer._log(logging.INFO, "the outer state is kept in host memory: a training step does not fit "
+                                        "beside it on the card")  # fmt: skip
             peer.creator = record.created_by  # signed by that key (dht.signing): join lines name it
             peer.averager = peer.loop.run(peer._start_averager(), timeout=30)
             peer.sharing = peer.loop.run(

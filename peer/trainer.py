@@ -22,7 +22,15 @@ from murmur.averaging.group import GroupResult, Offer
 from murmur.peer.checkpoint import CheckpointError, check_count, check_tensors
 from murmur.peer.config import TrainConfig
 from murmur.peer.data import Corpus, evaluate
-from murmur.peer.device import Runtime, capabilities, fit_grad_accum, probe_step_memory, split_batch, step_memory
+from murmur.peer.device import (
+    DeviceError,
+    Runtime,
+    capabilities,
+    fit_grad_accum,
+    probe_step_memory,
+    split_batch,
+    step_memory,
+)
 from murmur.peer.model import loss_of
 from murmur.peer.outer import OuterOptimizer
 from murmur.peer.workload import Workload, WorkloadError, builtin
@@ -173,7 +181,9 @@ class Trainer:
 
     def fit_memory(self, free_bytes: int, measure: Callable[[], tuple[int, int]] | None = None) -> int:
         """Choose `grad_accum` so a micro-batch fits in `free_bytes`, from one measured step's peak (CUDA), beside
-        everything else the peer keeps on the card: AdamW's moments and the outer state and exchange."""
+        everything else the peer keeps on the card: AdamW's moments and the outer state and exchange. With
+        `--outer-state auto`, if not even one sample fits beside the outer state, the state moves to host memory
+        (`Runtime.state_fallback`); DeviceError if it still does not fit."""
         if self.runtime.accumulation(self.config.batch_size) is not None:  # the user chose
             return self.grad_accum
         sample = next(self._workload.stream(seed=self.data_seed, batch_size=2, skip=0))
@@ -183,9 +193,19 @@ class Trainer:
             self.model.zero_grad(set_to_none=True)
 
         peaks = measure() if measure is not None else probe_step_memory(probe, sample)
-        # AdamW's two moments (allocated at the first step) and what the outer optimizer will hold on the card
-        held = 2 * self.dense_model_bytes + self.outer.held_bytes()
-        self.grad_accum = fit_grad_accum(self.config.batch_size, free_bytes, step_memory(*peaks, held))
+
+        def fit(outer: OuterOptimizer) -> int:  # AdamW's two moments (allocated at the first step) and what the
+            held = 2 * self.dense_model_bytes + outer.held_bytes()  # outer optimizer will hold on the card
+            return fit_grad_accum(self.config.batch_size, free_bytes, step_memory(*peaks, held))
+
+        try:
+            self.grad_accum = fit(self.outer)
+        except DeviceError:  # `--outer-state auto`: a fresh state (nothing trained yet) moves to host memory
+            if not self.runtime.state_fallback or self.outer.host_state:
+                raise
+            outer = OuterOptimizer(self.model, self.config.outer(), host_state=True)
+            self.grad_accum = fit(outer)
+            self.outer = outer
         return self.grad_accum
 
     @torch.no_grad()

@@ -174,8 +174,9 @@ def test_a_volunteer_can_keep_the_outer_state_off_the_card():
     from murmur.peer.cli import _join_options
 
     parser = build_parser()
-    assert _join_options(parser.parse_args(JOIN)).device.outer_state == "device"
-    assert _join_options(parser.parse_args([*JOIN, "--outer-state", "host"])).device.outer_state == "host"
+    assert _join_options(parser.parse_args(JOIN)).device.outer_state == "auto"
+    for place in ("host", "device"):
+        assert _join_options(parser.parse_args([*JOIN, "--outer-state", place])).device.outer_state == place
     with pytest.raises(SystemExit):
         parser.parse_args([*JOIN, "--outer-state", "disk"])
 

@@ -29,6 +29,7 @@ from murmur.peer.device import (
     split_batch,
     step_memory,
 )
+from murmur.peer.outer import OuterOptimizer
 from murmur.peer.trainer import Trainer
 
 CPU, CUDA = torch.device("cpu"), torch.device("cuda")
@@ -266,7 +267,8 @@ def test_gpu_check_refuses_an_unknown_model_or_mode(tmp_path) -> None:
 
 def test_the_outer_state_in_host_memory_reaches_the_trainer_and_a_bad_place_is_one_line(corpus) -> None:
     runtime = Runtime.resolve(DeviceConfig(device="cpu", outer_state="host"), NO_GPU)
-    assert runtime.host_state and not Runtime.resolve(DeviceConfig(device="cpu"), NO_GPU).host_state
+    assert runtime.host_state and not runtime.state_fallback
+    assert not Runtime.resolve(DeviceConfig(device="cpu", outer_state="device"), NO_GPU).host_state
     trainer = Trainer(CONFIG, corpus, data_seed=1, runtime=runtime)
     assert trainer.outer.host_state and not trainer.outer._pin  # pinned only for a model on CUDA
     trainer.inner_phase()
@@ -276,6 +278,38 @@ def test_the_outer_state_in_host_memory_reaches_the_trainer_and_a_bad_place_is_o
     with pytest.raises(DeviceError, match="unknown --outer-state 'disk'") as info:
         DeviceConfig(outer_state="disk")
     assert "\n" not in str(info.value)
+
+
+def test_auto_moves_a_fresh_outer_state_off_the_card_only_when_a_step_does_not_fit_beside_it(corpus) -> None:
+    runtime = Runtime.resolve(DeviceConfig(device="cpu"), NO_GPU)  # --outer-state auto, the default
+    assert runtime.state_fallback and not runtime.host_state
+    config = CONFIG.with_overrides(batch_size=64)
+    trainer = Trainer(config, corpus, data_seed=1, runtime=runtime)
+    dense, on_card = trainer.dense_model_bytes, trainer.outer.held_bytes()
+    off_card = OuterOptimizer(trainer.model, config.outer(), host_state=True).held_bytes()
+    assert off_card < on_card - 10_000
+
+    def peaks():  # gradients, and 1000 bytes a sample
+        return dense + 1_000, dense + 2_000
+
+    roomy = int((3 * dense + on_card + 10 * 1_000) / 0.8)  # 10 samples fit beside the state on the card
+    assert trainer.fit_memory(roomy, measure=peaks) == 7 and not trainer.outer.host_state
+    tight = int((3 * dense + off_card + 10 * 1_000) / 0.8)  # not one, unless the state leaves the card
+    asked = Trainer(config, corpus, data_seed=1, runtime=Runtime.resolve(DeviceConfig(outer_state="device"), NO_GPU))
+    with pytest.raises(DeviceError, match="one sample needs"):
+        asked.fit_memory(tight, measure=peaks)  # kept where the user asked: one line
+    assert not asked.outer.host_state
+    assert trainer.fit_memory(tight, measure=peaks) == 7 and trainer.outer.host_state
+    for name, p in trainer.model.named_parameters():  # a fresh state: the model is its anchor
+        assert torch.equal(p.detach(), trainer.outer.anchor[name])
+    trainer.inner_phase()
+    assert trainer.finish_round(trainer.outer.offer(), None, alone=True)
+    for name, p in trainer.model.named_parameters():
+        assert torch.equal(p.detach(), trainer.outer.anchor[name])
+    too_small = Trainer(config, corpus, data_seed=1, runtime=runtime)
+    with pytest.raises(DeviceError, match="one sample needs"):  # neither fits: one line, the state as it was
+        too_small.fit_memory(int((3 * dense + off_card) / 0.8), measure=peaks)
+    assert not too_small.outer.host_state
 
 
 @needs_cuda
