@@ -5,6 +5,7 @@ from __future__ import annotations
 import asyncio
 import importlib.util
 import json
+from dataclasses import replace
 from pathlib import Path
 
 import pytest
@@ -280,8 +281,9 @@ def test_the_outer_state_in_host_memory_reaches_the_trainer_and_a_bad_place_is_o
     assert "\n" not in str(info.value)
 
 
-def test_auto_moves_a_fresh_outer_state_off_the_card_only_when_a_step_does_not_fit_beside_it(corpus) -> None:
-    runtime = Runtime.resolve(DeviceConfig(device="cpu"), NO_GPU)  # --outer-state auto, the default
+@pytest.mark.parametrize("device", ["cpu", pytest.param("cuda", marks=needs_cuda)])
+def test_auto_moves_a_fresh_outer_state_off_the_card_only_when_a_step_does_not_fit_beside_it(corpus, device) -> None:
+    runtime = Runtime.resolve(DeviceConfig(device=device), None if device == "cuda" else NO_GPU)  # auto: the default
     assert runtime.state_fallback and not runtime.host_state
     config = CONFIG.with_overrides(batch_size=64)
     trainer = Trainer(config, corpus, data_seed=1, runtime=runtime)
@@ -295,17 +297,19 @@ def test_auto_moves_a_fresh_outer_state_off_the_card_only_when_a_step_does_not_f
     roomy = int((3 * dense + on_card + 10 * 1_000) / 0.8)  # 10 samples fit beside the state on the card
     assert trainer.fit_memory(roomy, measure=peaks) == 7 and not trainer.outer.host_state
     tight = int((3 * dense + off_card + 10 * 1_000) / 0.8)  # not one, unless the state leaves the card
-    asked = Trainer(config, corpus, data_seed=1, runtime=Runtime.resolve(DeviceConfig(outer_state="device"), NO_GPU))
+    asked = Trainer(config, corpus, data_seed=1, runtime=replace(runtime, state_fallback=False))
     with pytest.raises(DeviceError, match="one sample needs"):
         asked.fit_memory(tight, measure=peaks)  # kept where the user asked: one line
     assert not asked.outer.host_state
     assert trainer.fit_memory(tight, measure=peaks) == 7 and trainer.outer.host_state
+    anchor = trainer.outer.anchor
+    assert all(a.device.type == "cpu" and a.is_pinned() == (device == "cuda") for a in anchor.values())
     for name, p in trainer.model.named_parameters():  # a fresh state: the model is its anchor
-        assert torch.equal(p.detach(), trainer.outer.anchor[name])
+        assert torch.equal(p.detach().cpu(), anchor[name])
     trainer.inner_phase()
     assert trainer.finish_round(trainer.outer.offer(), None, alone=True)
     for name, p in trainer.model.named_parameters():
-        assert torch.equal(p.detach(), trainer.outer.anchor[name])
+        assert p.device.type == device and torch.equal(p.detach().cpu(), anchor[name])
     too_small = Trainer(config, corpus, data_seed=1, runtime=runtime)
     with pytest.raises(DeviceError, match="one sample needs"):  # neither fits: one line, the state as it was
         too_small.fit_memory(int((3 * dense + off_card) / 0.8), measure=peaks)
