@@ -185,8 +185,7 @@ class Runtime:
     precision: Precision = Precision()
     grad_accum: int | None = None  # None (and no micro_batch): 1 on the CPU, measured on CUDA
     micro_batch: int | None = None
-    host_state: bool = False  # the outer state in host memory (`peer.outer.OuterOptimizer`), pinned on CUDA
-    state_fallback: bool = False  # it may move there if a training step does not fit beside it on the card
+    outer_state: str = "device"  # where the outer state starts (`DeviceConfig.outer_state`)
 
     @classmethod
     def resolve(cls, config: DeviceConfig, caps: Capabilities | None = None) -> Runtime:
@@ -194,7 +193,17 @@ class Runtime:
         device = resolve_device(config.device, caps)
         precision = choose_precision(config.precision, device, caps)
         return cls(device=device, precision=precision, grad_accum=config.grad_accum, micro_batch=config.micro_batch,
-                   host_state=config.outer_state == "host", state_fallback=config.outer_state == "auto")  # fmt: skip
+                   outer_state=config.outer_state)  # fmt: skip
+
+    @property
+    def host_state(self) -> bool:
+        """The outer state in host memory from the start (`peer.outer.OuterOptimizer`), pinned on CUDA."""
+        return self.outer_state == "host"
+
+    @property
+    def state_fallback(self) -> bool:
+        """The outer state may move to host memory if a training step does not fit beside it on the card."""
+        return self.outer_state == "auto"
 
     def accumulation(self, batch_size: int) -> int | None:
         """Micro-batches per inner step as the user asked, or None if the peer is to choose."""

@@ -297,7 +297,7 @@ def test_auto_moves_a_fresh_outer_state_off_the_card_only_when_a_step_does_not_f
     roomy = int((3 * dense + on_card + 10 * 1_000) / 0.8)  # 10 samples fit beside the state on the card
     assert trainer.fit_memory(roomy, measure=peaks) == 7 and not trainer.outer.host_state
     tight = int((3 * dense + off_card + 10 * 1_000) / 0.8)  # not one, unless the state leaves the card
-    asked = Trainer(config, corpus, data_seed=1, runtime=replace(runtime, state_fallback=False))
+    asked = Trainer(config, corpus, data_seed=1, runtime=replace(runtime, outer_state="device"))
     with pytest.raises(DeviceError, match="one sample needs"):
         asked.fit_memory(tight, measure=peaks)  # kept where the user asked: one line
     assert not asked.outer.host_state
