@@ -382,6 +382,9 @@ class VolunteerPeer:
             if options.eval_every and rounds % options.eval_every == 0:
                 eval_loss = self._evaluate()
             self.journal.round(self, rounds, loss, eval_loss, result, blocked, overlapped)
+            # the round's payloads, this peer's codes and its partners' (which `result` holds: up to 0.6 of a model
+            # copy), are not held through the next round's training and exchange
+            del offer, result
             if (
                 rounds - saved >= options.checkpoint_every
                 and time.monotonic() - saved_at >= options.checkpoint_interval
@@ -474,6 +477,7 @@ class VolunteerPeer:
             result, *_ = self._exchange(self.finisher, offer, stop)
             done += trainer.outer.apply_finish(offer, result)
             self._ended(self.finisher, result)
+            del offer, result  # as in training's rounds: no round's payloads held into the next
         self.heartbeat.poke()
         self.sharing.publish(trainer)
         self._log(logging.INFO, f"finished: {done} finish exchanges")

@@ -165,7 +165,7 @@ def run_murmur(name: str, peers: list | None = None, *, host_state: bool = False
             outer.apply(offer, result)
         timing["apply"] = clock() - started
         sent = results[0].bytes_sent
-        del offers, results
+        del offers, results, offer, result  # a peer holds no round's payloads into the next (`peer.runner`)
         timings += [timing] if slot > 1 else []
     timing = min(timings, key=lambda t: sum(t.values()))
     rss_exchange = peak_rss()

@@ -5,6 +5,7 @@ import math
 import threading
 import time
 import uuid
+import weakref
 
 import pytest
 
@@ -262,6 +263,21 @@ def test_virtual_peers_that_overlap_train_through_their_exchanges_on_the_same_ro
     assert samples[True] > 1.1 * samples[False]
 
 
+def watch_results(peer: VolunteerPeer, held: list[str]) -> None:
+    """Note in `held` each exchange that began while the peer still held its previous round's result (and so
+    the round's payloads: this peer's codes and its partners')."""
+    exchange, last = peer._exchange, [lambda: None]
+
+    def watched(*args, **kwargs):
+        if last[0]() is not None:
+            held.append(f"{peer.peer_id[-8:]}: a result held into the next round")
+        result, *rest = exchange(*args, **kwargs)
+        last[0] = (lambda: None) if result is None else weakref.ref(result)
+        return result, *rest
+
+    peer._exchange = watched
+
+
 @pytest.mark.slow
 def test_real_loopback_peers_run_the_same_engine_and_their_traces_replay():
     """Two real peers (DHT, p2pd, libp2p streams) on the wall clock: the engine's inputs and decisions, recorded
@@ -270,6 +286,7 @@ def test_real_loopback_peers_run_the_same_engine_and_their_traces_replay():
     keeping its outer state apart (`--outer-state host`)."""
     config = TrainConfig(inner_steps=5, batch_size=4, eval_batches=1, warmup_steps=0)
     run = f"rounds-{uuid.uuid4().hex[:8]}"
+    held: list[str] = []  # rounds whose result (its payloads) was still alive when the next exchange began
     with Swarm(run, config) as swarm:
         peers = []
         until = time.time() + 14.0  # one wall-clock end: they stop on the same round
@@ -280,6 +297,7 @@ def test_real_loopback_peers_run_the_same_engine_and_their_traces_replay():
                 options = PeerOptions(run_id=run, node=node, data_seed=seed, until=until, trace_rounds=True,
                                       state_download=False, overlap=seed == 2, device=device)  # fmt: skip
                 peers.append(VolunteerPeer.create(options))
+                watch_results(peers[-1], held)
             reports = [None, None]
             threads = [threading.Thread(target=lambda i=i: reports.__setitem__(i, peers[i].run(threading.Event())))
                        for i in range(2)]  # fmt: skip
@@ -299,4 +317,5 @@ def test_real_loopback_peers_run_the_same_engine_and_their_traces_replay():
         waited = [e[8] for e in trace if e[0] == "ended"]
         assert all(w is None for w in waited) if not peer.options.overlap else all(0 <= w < 5 for w in waited)
     assert peers[0].trainer.outer.host_state and not peers[1].trainer.outer.host_state
+    assert not held, held
     assert consensus_distance([p.trainer.outer.anchor for p in peers]) == 0.0  # the same last round: one model
