@@ -40,7 +40,7 @@ import torch
 
 from murmur.averaging.compression import Mode, Projection
 from murmur.averaging.lazy import Lazy
-from murmur.averaging.mixing import group_mean
+from murmur.averaging.mixing import gram, group_mean
 
 logger = logging.getLogger("murmur.averaging")
 
@@ -142,6 +142,7 @@ class RobustAggregator:
         me: int,
         modes: Mapping[str, Mode],
         offered: Mapping[str, float],
+        grams: Mapping[str, torch.Tensor] | None = None,
     ) -> tuple[Lazy[Projection], dict[int, str]]:
         """A group exchange's projections, each other member judged as a pair's partner would be.
 
@@ -154,7 +155,10 @@ class RobustAggregator:
         Both the judging and the projections go tensor by tensor (`contributions` may compute each tensor
         when read, and the projections are computed when read), so no step holds a model's worth
         of any member's tensors: one pass sums each member's dot products, and each projection decodes its
-        tensor's contributions again."""
+        tensor's contributions again. The judging needs only the dot products ⟨c_j, c_k⟩ of each tensor's
+        contributions, which `grams` may hold (`averaging.mixing.gram`; `GroupRound.grams` makes them from sign
+        codes without decoding them); a tensor it lacks is read from `contributions`. In a group of three or
+        more, a state's contributions are read whole as well, for their coordinate-wise median."""
         if not contributions:  # nothing travelled (the group's states already agree)
             return Lazy({}), {}
         judged = {group_of(n) for n in contributions}
@@ -167,15 +171,13 @@ class RobustAggregator:
             states[group] = states.get(group, 0.0) + offered[name]
             if name not in contributions:
                 continue
-            c = contributions[name]
+            products = grams[name] if grams is not None and name in grams else None
+            c = contributions[name] if products is None or (len(products) >= 3 and modes[name] == "diff") else None
+            products = gram(c) if products is None else products  # (G, G): ⟨c_j, c_k⟩
             if not members:
-                members = len(c)
+                members = len(products)
                 squares = [{} for _ in range(members)]  # per member: group -> Σ‖c_j‖²
                 pairs = {j: {} for j in range(members) if j != me}  # per other member: group -> pair dot sums
-            # in a group of three or more, the others' mean sets the direction: one honest update can be near
-            # orthogonal to ours late in training, while the rest of the group, noise averaged out, still
-            # points where we do
-            total = torch.stack(list(c)).sum(0) if members >= 3 and modes[name] == "mean" else None
             if members >= 3 and modes[name] == "diff":  # each state's distance from the members' median state
                 stacked = torch.stack([cj.reshape(-1).float() for cj in c])  # (G, numel)
                 median = stacked.median(dim=0).values
@@ -184,22 +186,24 @@ class RobustAggregator:
                     far[0][j] += float((stacked[j] - median).square().sum())
                 far[1] += float(median.square().sum())
                 del stacked
-            flats = [cj.reshape(-1).float() for cj in c]
-            norms = [float(torch.dot(f, f)) for f in flats]
-            if total is not None:
-                total = total.reshape(-1).float()
-                tt = float(torch.dot(total, total))
-            for j, flat in enumerate(flats):
+            del c
+            norms = products.diagonal().tolist()
+            # in a group of three or more, the others' mean sets the direction: one honest update can be near
+            # orthogonal to ours late in training, while the rest of the group, noise averaged out, still
+            # points where we do. With the total t = Σ c_k: ⟨t, c_j⟩ = Σ_k ⟨c_k, c_j⟩ and ‖t‖² = Σ_jk ⟨c_j, c_k⟩
+            total = members >= 3 and modes[name] == "mean"
+            tt = float(products.sum()) if total else 0.0
+            for j in range(members):
                 squares[j][group] = squares[j].get(group, 0.0) + norms[j]
                 if j == me:
                     continue
                 # the pair's dot products [‖b‖², ‖(b + c_j)/2‖², ⟨b, (b + c_j)/2⟩], b the base c_j is judged
-                # against, from ‖b‖² and ⟨b, c_j⟩ alone: one dot product a member, no temporaries
-                if total is not None:  # b = (total − c_j) / (G − 1)
-                    k, tc = members - 1, float(torch.dot(total, flat))
+                # against, from ‖b‖² and ⟨b, c_j⟩ alone
+                if total:  # b = (t − c_j) / (G − 1)
+                    k, tc = members - 1, float(products[j].sum())
                     bb, bc = max(0.0, tt - 2 * tc + norms[j]) / k**2, (tc - norms[j]) / k
                 else:  # b = our own contribution
-                    bb, bc = norms[me], float(torch.dot(flats[me], flat))
+                    bb, bc = norms[me], float(products[me, j])
                 acc = pairs[j].setdefault(group, [0.0, 0.0, 0.0])
                 acc[0] += bb
                 acc[1] += (bb + 2 * bc + norms[j]) / 4

@@ -361,9 +361,10 @@ class SealedExchange:
         return self.seal.members
 
     # -- the run -----------------------------------------------------------------------------------------
-    async def run(self) -> tuple[list[int], Mapping[str, list[torch.Tensor]]] | None:
-        """Both phases and the leader's decisions; every member's contribution per tensor, in the order of
-        the members that went on (None if this member was left out). Raises ExchangeFailed."""
+    async def run(self) -> tuple[list[int], Mapping[str, list[torch.Tensor]], Mapping[str, torch.Tensor]] | None:
+        """Both phases and the leader's decisions: the members that went on, every one's contribution per tensor
+        in their order, and the dot products between those contributions for each tensor sent in phase 1
+        (`GroupRound.grams`); None if this member was left out. Raises ExchangeFailed."""
         seal, m = self.seal, self.messenger
         session, step, me, leader = seal.session, self.offer.step, seal.me, seal.members[0]
         mine = self.round.phase1(allocate(self.spec1, self.round.device))
@@ -402,7 +403,7 @@ class SealedExchange:
                 else:
                     self.phase2.set_result(None)
                 await self._commit() if me == 0 else await self._committed()
-                return self.going, self.round.finish(first, second)
+                return self.going, self.round.finish(first, second), self.round.grams(first)
         except TimeoutError:
             if self.awaiting_commit:
                 raise self._withheld(f"timed out after {time.monotonic() - started:.1f} s") from None

@@ -405,10 +405,11 @@ class GroupAverager:
             self._exchange = None
         if outcome is None:
             return None
-        going, contributions = outcome
+        going, contributions, grams = outcome
         index = going.index(seal.me)
         ignored_before = self.aggregator.ignored
-        checked, refused = self.aggregator.check_group(contributions, index, self.modes, exchange.round.squares)
+        checked, refused = self.aggregator.check_group(contributions, index, self.modes, exchange.round.squares,
+                                                       grams)  # fmt: skip
         ignored = self.aggregator.ignored != ignored_before  # a state left out of the pull: nobody adopts a mean
         makers = {}
         for name, slot in self.slots.items():

@@ -41,6 +41,43 @@ from murmur.averaging.compression import (
 from murmur.averaging.lazy import Lazy
 
 
+def gram(tensors: Sequence[torch.Tensor]) -> torch.Tensor:
+    """The (G, G) matrix of dot products ⟨t_j, t_k⟩ of G tensors of one size, in float64 on the CPU."""
+    flats = [t.detach().reshape(-1).float() for t in tensors]
+    out = torch.empty(len(flats), len(flats), dtype=torch.float64)
+    for j, a in enumerate(flats):
+        for k in range(j, len(flats)):
+            out[j, k] = out[k, j] = float(torch.dot(a, flats[k]))
+    return out
+
+
+_M1, _M2, _M4, _H01 = 0x5555555555555555, 0x3333333333333333, 0x0F0F0F0F0F0F0F0F, 0x0101010101010101
+
+
+def popcount64(words: torch.Tensor) -> torch.Tensor:
+    """The set bits of each int64 (0 to 64), without a loop over bits: the classic SWAR sum of bit pairs, then
+    nibbles, then bytes (every mask leaves the sign bit clear, so the arithmetic shifts shift in zeros)."""
+    x = words - ((words >> 1) & _M1)
+    x = (x & _M2) + ((x >> 2) & _M2)
+    x = (x + (x >> 4)) & _M4
+    return (x * _H01) >> 56  # the bytes' sum lands in the top byte (the product wraps, as int64 does)
+
+
+def sign_gram(slot: Slot, codes: Sequence[torch.Tensor], scales: Sequence[torch.Tensor]) -> torch.Tensor:
+    """`gram` of G members' sign-coded contributions to `slot` (a matrix of whole 64-bit words a row), from the
+    codes themselves: c_j = s_j,r · σ_j in row r, so ‖c_j‖² = cols · Σ_r s_j,r² and ⟨c_j, c_k⟩ = Σ_r s_j,r · s_k,r ·
+    (cols − 2 · the bits where the rows' signs differ). One XOR and one popcount a 64 entries; nothing decoded."""
+    words = [c.reshape(-1).view(torch.int64).reshape(slot.rows, slot.cols // 64) for c in codes]
+    rows = [s.reshape(-1).double() for s in scales]
+    out = torch.empty(len(codes), len(codes), dtype=torch.float64)
+    for j in range(len(codes)):
+        out[j, j] = slot.cols * float(rows[j].square().sum())
+        for k in range(j + 1, len(codes)):
+            agree = slot.cols - 2 * popcount64(words[j] ^ words[k]).sum(dim=1)
+            out[j, k] = out[k, j] = float((rows[j] * rows[k] * agree).sum())
+    return out
+
+
 def pivoted_basis(columns: torch.Tensor, rank: int, eps: float = 1e-12) -> torch.Tensor:
     """An orthonormal basis (n, rank) of the `rank` directions that carry most of `columns` (n, k):
     Gram-Schmidt, each time on the column with the largest residual. float64 on the CPU, deterministic;
@@ -169,6 +206,19 @@ class GroupRound:
                 self._next_q[name] = pivoted_basis(torch.cat([q - mean for q in qs], dim=1), slot.rank).float()
         return Lazy(makers)
 
+    def grams(self, payloads: Sequence[Mapping[str, torch.Tensor]]) -> Lazy[torch.Tensor]:
+        """The judging's statistics (`averaging.aggregation.RobustAggregator.check_group`) of each sign-coded slot
+        whose rows are whole 64-bit words of codes: the `gram` of the members' contributions, from their
+        phase-1 `payloads` (in member order) by `sign_gram`, without decoding them (the judging decodes the
+        other slots' contributions, and the projections decode every one once more when the outer step reads
+        them)."""
+        words = [n for n, s in self.slots.items() if s.sign and s.cols % 64 == 0]
+        return Lazy({n: partial(self._sign_gram, self.slots[n], payloads) for n in words})
+
+    def _sign_gram(self, slot: Slot, payloads: Sequence[Mapping[str, torch.Tensor]]) -> torch.Tensor:
+        codes = [_aligned(p[slot.name].to(self.device)) for p in payloads]
+        return sign_gram(slot, codes, [p[slot.name + SCALE_SUFFIX].to(self.device) for p in payloads])
+
     def _decoded_all(self, slot: Slot, payloads: Sequence[Mapping[str, torch.Tensor]]) -> list[torch.Tensor]:
         return [self._decoded(slot, payload) for payload in payloads]
 
@@ -187,6 +237,11 @@ class GroupRound:
             codes, scale = payload[slot.name].to(self.device), payload[slot.name + SCALE_SUFFIX].to(self.device)
             return scaled_decode(slot, codes, scale)
         return payload[slot.name].to(self.device).float().reshape(slot.shape)
+
+
+def _aligned(codes: torch.Tensor) -> torch.Tensor:
+    """`codes` where they can be read as int64 words (a copy only if they start off an 8-byte boundary)."""
+    return codes if codes.storage_offset() % 8 == 0 else codes.clone()
 
 
 def group_mean(contributions: Sequence[torch.Tensor], weights: Sequence[float] | None = None) -> torch.Tensor:

@@ -187,3 +187,33 @@ def test_a_negated_state_is_rejected():
     p = projections()
     p["anchor/w"] = Projection(own=p["anchor/w"].own, mean=torch.zeros_like(p["anchor/w"].own))  # theirs = -own
     refused(p, own_of(p), "anchor.*state opposes ours")
+
+
+@pytest.mark.parametrize("partner", ["honest", "large", "flipped"])
+def test_judging_from_sign_codes_decides_as_judging_the_decoded_contributions(partner):
+    """A group of three's sign-coded updates judged from `GroupRound.grams` (no decoding) and from the decoded
+    contributions: the same members left out, the same clipping, the same projections."""
+    from murmur.averaging.compression import LowRankCompressor, LowRankConfig
+    from murmur.averaging.mixing import GroupRound
+
+    g = torch.Generator().manual_seed(31)
+    modes = {"delta/w": "mean", "delta/b": "mean"}
+    base = {"delta/w": torch.randn(16, 64, generator=g), "delta/b": torch.randn(64, generator=g)}
+    factor = {"honest": 1.0, "large": 4.0, "flipped": -1.0}[partner]
+    members = [{n: (factor if i == 2 else 1.0) * (t + 0.3 * torch.randn(t.shape, generator=g)) for n, t in base.items()}
+               for i in range(3)]  # fmt: skip
+    comp = LowRankCompressor(LowRankConfig(rank=4, mean_codec="sign"))
+    slots = comp.plan({n: tuple(t.shape) for n, t in base.items()}, modes)
+    rounds = [GroupRound(comp, slots, t, modes, {}) for t in members]
+    payloads = [r.phase1() for r in rounds]  # (each round measures its `squares` as it encodes)
+    config = AggregationConfig(clip=2.0, reject=20.0)
+    verdicts = []
+    for grams in (None, rounds[0].grams(payloads)):
+        agg = RobustAggregator(config)
+        checked, out = agg.check_group(rounds[0].finish(payloads, None), 0, modes, rounds[0].squares, grams)
+        verdicts.append((out, agg.clipped, {n: checked[n].mean for n in checked}))
+    (out, clipped, means), (out_g, clipped_g, means_g) = verdicts
+    assert out == out_g and clipped == clipped_g
+    assert (partner == "flipped") == (2 in out) and (partner == "large") == (clipped == 1)
+    for name in means:
+        torch.testing.assert_close(means_g[name], means[name])

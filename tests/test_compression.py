@@ -15,7 +15,7 @@ from murmur.averaging.compression import (
     sign_encode,
 )
 from murmur.averaging.memory import allocate
-from murmur.averaging.mixing import GroupRound, group_mean, pivoted_basis
+from murmur.averaging.mixing import GroupRound, gram, group_mean, pivoted_basis, popcount64
 
 F32 = LowRankConfig(rank=4, factor_dtype=torch.float32, dense_dtype=torch.float32)
 
@@ -313,3 +313,42 @@ def test_reserved_residuals_are_zeros_in_one_block_kept_in_place_and_loaded_in_p
     ef.load_state_dict({"w": torch.full((6, 4), 5.0)})  # "b" not in it: zero, as if none were kept
     assert ef.residuals["w"] is w and w.eq(5.0).all() and ef.residuals["b"] is b and not b.any()
     assert torch.equal(ef.add_residual_("b", torch.ones(4)), torch.ones(4))
+
+
+def test_popcount64_counts_the_set_bits_of_every_word_negative_ones_included():
+    g = torch.Generator().manual_seed(21)
+    words = torch.cat([torch.randint(-(2**63), 2**63 - 1, (500,), generator=g), torch.tensor([0, -1, 1, -(2**63)])])
+    expected = [bin(w & (2**64 - 1)).count("1") for w in words.tolist()]
+    assert popcount64(words).tolist() == expected
+
+
+def test_the_judging_statistics_of_sign_codes_are_those_of_the_decoded_contributions_without_decoding():
+    """`GroupRound.grams` on three members' phase-1 payloads: the dot products of what each member's sign codes
+    stand for, as the decoded contributions give them, for every sign-coded tensor whose rows are whole words,
+    and none for the others (the int8 anchors, a row of 96 signs, the dense bias), which the judging decodes."""
+    g = torch.Generator().manual_seed(22)
+    shapes = {"d": (24, 128), "odd": (16, 96), "a": (24, 128), "b": (128,)}
+    modes = {"d": "mean", "odd": "mean", "a": "diff", "b": "mean"}
+    comp = LowRankCompressor(SIGN)
+    slots = comp.plan(shapes, modes)
+    members = [{n: torch.randn(s, generator=g) for n, s in shapes.items()} for _ in range(3)]
+    rounds = [GroupRound(comp, slots, t, modes, comp.warm_starts(slots)) for t in members]
+    payloads = [r.phase1() for r in rounds]
+    grams, decoded = rounds[1].grams(payloads), rounds[1].finish(payloads, None)
+    assert list(grams) == ["d"]
+    torch.testing.assert_close(grams["d"], gram(decoded["d"]), rtol=1e-6, atol=0)
+    assert grams["d"][0, 1] != grams["d"][0, 2]  # (three members, each pair its own)
+
+
+def test_sign_codes_off_a_word_boundary_are_read_from_a_copy():
+    """A payload's codes may start anywhere in a received buffer: `grams` reads them as 64-bit words all the same."""
+    shapes, modes = {"d": (8, 64)}, {"d": "mean"}
+    comp = LowRankCompressor(SIGN)
+    slots = comp.plan(shapes, modes)
+    g = torch.Generator().manual_seed(23)
+    rounds = [GroupRound(comp, slots, {"d": torch.randn(8, 64, generator=g)}, modes, {}) for _ in range(2)]
+    payloads = [r.phase1() for r in rounds]
+    shifted = dict(payloads[1])
+    shifted["d"] = torch.cat([torch.zeros(3, dtype=torch.uint8), payloads[1]["d"]])[3:]  # 3 bytes in
+    assert shifted["d"].storage_offset() % 8 and torch.equal(shifted["d"], payloads[1]["d"])
+    assert torch.equal(rounds[0].grams([payloads[0], shifted])["d"], rounds[0].grams(payloads)["d"])
