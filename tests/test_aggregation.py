@@ -9,8 +9,9 @@ import torch
 
 from murmur.averaging import wire
 from murmur.averaging.aggregation import AggregationConfig, RobustAggregator, group_stats
-from murmur.averaging.compression import Projection
+from murmur.averaging.compression import LowRankCompressor, LowRankConfig, Projection
 from murmur.averaging.cooldown import Cooldown, CooldownConfig
+from murmur.averaging.mixing import GroupRound
 from murmur.averaging.transport import InMemoryNetwork
 from tests.groupkit import FAST, led_by, make_averager, make_offer, started
 
@@ -193,9 +194,6 @@ def test_a_negated_state_is_rejected():
 def test_judging_from_sign_codes_decides_as_judging_the_decoded_contributions(partner):
     """A group of three's sign-coded updates judged from `GroupRound.grams` (no decoding) and from the decoded
     contributions: the same members left out, the same clipping, the same projections."""
-    from murmur.averaging.compression import LowRankCompressor, LowRankConfig
-    from murmur.averaging.mixing import GroupRound
-
     g = torch.Generator().manual_seed(31)
     modes = {"delta/w": "mean", "delta/b": "mean"}
     base = {"delta/w": torch.randn(16, 64, generator=g), "delta/b": torch.randn(64, generator=g)}
