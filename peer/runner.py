@@ -337,11 +337,15 @@ class VolunteerPeer:
         return line + (f" --creator {self.creator}" if self.creator else "")
 
     def _announce(self, averager: GroupAverager | None = None) -> None:
-        """Publish the engine's state (from the heartbeat's thread) and tell the averager what to expect."""
+        """Publish the engine's state (from the heartbeat's thread), tell the averager what to expect, and have
+        the roster read afresh just before the appointment, where the engine plans the group from it."""
         if self.heartbeat is not None:
             self.heartbeat.poke()
         averager = averager or self.averager
-        key = self.engine.appointment.key if self.engine.appointment is not None else None
+        appointment = self.engine.appointment
+        if appointment is not None:
+            self.watch.due(appointment.at)
+        key = appointment.key if appointment is not None else None
         self.loop.loop.call_soon_threadsafe(averager.expect, key)
 
     def run(self, stop: threading.Event) -> PeerReport:

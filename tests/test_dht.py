@@ -35,6 +35,7 @@ from murmur.dht import (
     NodeConfig,
     NodeError,
     PeerState,
+    RosterWatch,
     RunRecord,
     RunRecords,
     ensure_identity,
@@ -393,6 +394,41 @@ def test_heartbeat_beats_and_withdraws() -> None:
     assert heartbeat.period == 0.02 and Heartbeat(records, announcement).period == pytest.approx(0.1)
 
 
+class TimedDHT(FakeDHT):
+    """A FakeDHT that notes when each read was made."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.reads: list[float] = []
+
+    def get(self, key: str, latest: bool = False, **kwargs: Any) -> MPFuture:
+        self.reads.append(time.time())
+        return super().get(key, latest, **kwargs)
+
+
+def test_roster_watch_reads_once_just_before_an_appointment_and_otherwise_every_period() -> None:
+    dht = TimedDHT()
+    watch = RosterWatch(RunRecords(dht, "r"), period=30.0, lead=0.2).start()  # type: ignore[arg-type]
+    try:
+        wait_for(lambda: len(dht.reads), lambda n: n == 1)  # the first read, at once
+        at = time.time() + 0.8
+        watch.due(at)
+        time.sleep(0.3)
+        assert len(dht.reads) == 1  # not yet: a read now could miss who announces for `at` meanwhile
+        wait_for(lambda: len(dht.reads), lambda n: n == 2, timeout=2.0)
+        assert at - 0.2 - 0.1 <= dht.reads[1] <= at - 0.2  # `lead` before it, less twice what a read takes
+        watch.due(time.time() - 1.0)  # an appointment already past asks for nothing
+        watch.due(at)  # nor one already read for
+        time.sleep(0.5)
+        assert len(dht.reads) == 2 and watch.reads == 2
+    finally:
+        started = time.monotonic()
+        watch.stop()
+    assert time.monotonic() - started < 1.0  # a long period does not hold up a stop
+    with pytest.raises(ValueError, match="period"):
+        RosterWatch(RunRecords(dht, "r"), period=0.0)  # type: ignore[arg-type]
+
+
 def test_config_keeper_stores_at_once_then_every_third_of_the_ttl_and_refuses_a_dht_that_drops_it() -> None:
     dht = FakeDHT()
     records = RunRecords(dht, "r", config_ttl=0.06)  # type: ignore[arg-type]
@@ -498,6 +534,23 @@ def test_joiners_see_each_other_and_withdraw(swarm: list[Any]) -> None:
     assert records[b].withdraw(ann_b.peer_id)
     for node in swarm:
         wait_for(records[node].peers, lambda peers: peers == {ann_a.peer_id: ann_a})
+
+
+@pytest.mark.slow
+def test_the_roster_read_for_an_appointment_shows_who_announced_for_it(swarm: list[Any]) -> None:
+    boot, a, b = swarm
+    run = new_run()
+    watch = RosterWatch(RunRecords(a, run), period=60.0, lead=0.3).start()
+    try:
+        wait_for(lambda: watch.reads, lambda n: n == 1)
+        at = time.time() + 2.0
+        watch.due(at)
+        ann_b = live_announcement(b, state=PeerState.TRAINING)
+        assert RunRecords(b, run).announce(ann_b)  # after the last read, before the appointment
+        time.sleep(max(0.0, at - time.time()))
+        assert watch.peers == {ann_b.peer_id: ann_b} and watch.reads == 2
+    finally:
+        watch.stop()
 
 
 @pytest.mark.slow
