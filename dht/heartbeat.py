@@ -173,22 +173,23 @@ class RosterWatch(_Background):
     the first), so a training loop reads the roster without waiting on the DHT.
 
     A read asks the DHT for every peer's record, so it costs CPU and bytes (in the DHT worker and ``p2pd``) that
-    grow with the swarm. The roster matters at two moments, and the thread reads for them: when the caller says
-    it will look (``due(at)``, a round's appointment: the read then ends ``lead`` seconds before it, when every
-    peer of that appointment has announced it), and at least every ``period`` seconds otherwise. A poll every
-    0.5 s did the same job with about four reads a round of 2 s instead of one or two."""
+    grow with the swarm. The roster matters most just before a round's appointment, where the round engine plans
+    the group from it, so the thread reads every ``fast`` seconds from ``window`` seconds (plus twice what reads
+    take) before the appointment the caller names (``due(at)``) until it, and every ``period`` seconds otherwise.
+    Slow reads (a busy DHT) widen that window, back to reading without pause as a fixed poll did. A poll every
+    0.5 s made four reads a round of 2 s, and sixty in a round of 30 s."""
 
     thread_name = "murmur-roster"
 
-    def __init__(self, records: RunRecords, period: float = 5.0, lead: float = 0.3) -> None:
+    def __init__(self, records: RunRecords, period: float = 5.0, window: float = 1.0, fast: float = 0.5) -> None:
         super().__init__()
-        if not (period > 0 and lead >= 0):
-            raise ValueError(f"period must be positive and lead not negative, got {period!r} and {lead!r}")
-        self.records, self.period, self.lead = records, period, lead
+        if not (period > 0 and fast > 0 and window >= 0):
+            raise ValueError(f"period and fast must be positive and window not negative, got {period!r}, "
+                             f"{fast!r} and {window!r}")  # fmt: skip
+        self.records, self.period, self.window, self.fast = records, period, window, fast
         self.peers: dict[str, Announcement] = {}
         self.reads = 0
         self._due: float | None = None  # the Unix time at which the caller reads `peers` next, if it said so
-        self._served: float | None = None  # the last `_due` a read was made for
         self._took = 0.0  # how long reads take (the longest of the last few, decaying)
         self._wake = threading.Event()
 
@@ -203,28 +204,24 @@ class RosterWatch(_Background):
         self._stop_thread(timeout)
 
     def due(self, at: float) -> None:
-        """The caller will read ``peers`` at Unix time ``at`` (a round's appointment): have a read end before it,
-        started ``lead`` plus twice what reads take before ``at``. An instant already past asks for nothing."""
+        """The caller will read ``peers`` at Unix time ``at`` (a round's appointment): read often just before it.
+        An instant already past asks for nothing."""
         if at > time.time():
             self._due = at
             self._wake.set()
 
-    def _before(self, due: float) -> float:
-        """When a read for an appointment at ``due`` starts."""
-        return due - self.lead - 2 * self._took
-
     def _next_read(self, last: float) -> float:
         """When to read next (Unix time), the last read having started at Unix time ``last``."""
-        due = self._due
-        if due is not None and due != self._served:
-            return min(last + self.period, self._before(due))
-        return last + self.period
+        at = last + self.period
+        if (due := self._due) is not None:
+            sooner = max(due - self.window - 2 * self._took, last + self.fast)
+            if sooner < due:  # a read that starts at the appointment or after it is not for it
+                at = min(at, sooner)
+        return at
 
     def _run(self) -> None:
         while not self._stopping.is_set():
-            started, due = time.time(), self._due
-            if due is not None and started >= self._before(due):
-                self._served = due  # this read is the one for that appointment
+            started = time.time()
             try:
                 self.peers = self.records.peers()
                 self.reads += 1
