@@ -48,7 +48,7 @@ class Journal:
                 exchanges_ok=stats.ok, exchanges_failed=stats.failed, partner=partner,
                 exchanges_unreachable=stats.unreachable, peer=peer.peer_id, peers=self.peers_alive,
                 bytes_sent=traffic.bytes_sent, bytes_received=traffic.bytes_received, blocked=round(blocked, 3),
-                overlapped=overlapped,
+                overlapped=overlapped, appointment=peer.engine.appointment.key if peer.engine.appointment else None,
             )  # fmt: skip
         if time.monotonic() - self._metrics_at >= self.metrics_interval:
             self._metrics_at = time.monotonic()

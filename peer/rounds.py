@@ -129,6 +129,8 @@ class RoundEngine:
         self._step = _Mean()  # this peer's seconds per inner step
         self._exchange = _Mean(span=5)  # ... and from an appointment to the end of its exchange
         self._roster: tuple[Seen, ...] = ()
+        self._paced: tuple[Seen, ...] | None = None  # the roster the last training round's group was planned from
+        self._pace: tuple[float | None, float | None] = (None, None)  # the step and exchange times announced
         self.standing = Standing(config.standing)
         self.trace: list[tuple] | None = [] if trace else None
 
@@ -143,6 +145,7 @@ class RoundEngine:
         self._started = now
         self._observe(now, roster)
         seconds = self._seconds()
+        self._pace = (self._step.value, self._exchange.value)  # what this round announces, from now to its end
         self.appointment = None if seconds is None else next_appointment(now, seconds, self.config.schedule)
         self._log("begin", now, self._roster, self.appointment)
         return self.appointment
@@ -171,6 +174,7 @@ class RoundEngine:
             self.appointment = Appointment(seconds=max(now, 1e-3), slot=1)
         if self.phase != Phase.FINISHING:
             self.phase = Phase.GATHERING
+            self._paced = self._roster
         key = self.appointment.key
         seen = [s for s in self._roster if s.appointment == key and self._same_kind(s) and s.peer != self.peer]
         standing = self.standing
@@ -261,7 +265,7 @@ class RoundEngine:
     @property
     def announced(self) -> Seen:
         key = self.appointment.key if self.appointment is not None else None
-        return Seen(self.peer, str(self.phase), key, self.step_seconds, self._exchange.value, self.client)
+        return Seen(self.peer, str(self.phase), key, *self._own_pace(), self.client)
 
     # -- helpers -------------------------------------------------------------------------------------------
     def _observe(self, now: float, roster: Iterable[Seen]) -> None:
@@ -272,15 +276,29 @@ class RoundEngine:
         if self.trace is not None:
             self.trace.append(entry)
 
+    def _own_pace(self) -> tuple[float | None, float | None]:
+        """The step and exchange times this round announces: measured up to its beginning, so that every
+        announcement of one round says the same (the live values until the peer has any)."""
+        step, exchange = self._pace
+        return (self._step.value if step is None else step), (self._exchange.value if exchange is None else exchange)
+
     def _seconds(self) -> float | None:
-        seen = [s for s in self._roster if s.peer != self.peer]
-        steps = [s.step_seconds for s in seen if s.step_seconds is not None]
+        """The round length, decided from what the peers that gathered last agree on: the roster that planned the
+        last training round's group (read at nearly the same instant by all its members), with this peer as they
+        saw it, its announced pace and appointment. Each peer's live pace, or a roster read while some peers had
+        announced their next round and others had not, made peers a few percent apart choose different lengths
+        near a switch, and a swarm split over two grids lost a round or more."""
+        roster = self._paced if self._paced is not None else self._roster
+        seen = [s for s in roster if s.peer != self.peer]
+        step, exchange = self._own_pace()
+        steps = [s.step_seconds for s in seen if s.step_seconds is not None] + ([step] if step is not None else [])
         exchanges = [s.exchange_seconds for s in seen if s.exchange_seconds is not None]
-        steps += [self.step_seconds] if self.step_seconds is not None else []
-        exchanges += [self._exchange.value] if self._exchange.value is not None else []
+        exchanges += [exchange] if exchange is not None else []
         estimate = pace(self.config.inner_steps, steps, exchanges)
         training = (Phase.TRAINING, Phase.GATHERING)  # a finishing peer's appointments are on a finer grid
         announced = [r for s in seen if s.state in training and (r := Appointment.seconds_of(s.appointment))]
+        if self._paced is not None and self.appointment is not None:  # its own vote, as the others count it
+            announced.append(self.appointment.seconds)
         return round_seconds(self.config.round_seconds, estimate, announced, self.config.shortest_round)
 
     def _same_kind(self, seen: Seen) -> bool:

@@ -117,6 +117,68 @@ def test_a_first_round_sets_its_appointment_after_its_first_step():
     assert engine.announced.appointment == engine.appointment.key and engine.announced.step_seconds == 0.1
 
 
+def _train_round(engine: RoundEngine, begin_roster, gather_roster, step: float, members: int = 3) -> Appointment:
+    """One round of `engine` on a virtual clock: begin from `begin_roster`, inner steps of `step` seconds until
+    the appointment, a gather that reads `gather_roster` (a function of the appointment's key), a group."""
+    now = engine.appointment.at + 0.2 if engine.appointment is not None else 100.0
+    appointment = engine.begin(now, begin_roster)
+    taken = 0
+    while engine.step_fits(now, step if taken else None):
+        now, taken = now + step, taken + 1
+    engine.gather(appointment.at, gather_roster(appointment.key))
+    engine.ended(appointment.at + 0.2, members, [p for p in "abc" if p != engine.peer][: members - 1])
+    return appointment
+
+
+def test_peers_that_gathered_together_choose_the_same_round_length_whatever_they_read_since():
+    """Near a switch of the round length, three peers that planned their last group from one roster decide the
+    next length alike, though one of them read the others' newer announcements since and its own steps sped up.
+    With each peer's live pace and latest read, one peer switched alone (a lonely round for it, 6 peers in 120 s
+    on loopback)."""
+    engines = {p: RoundEngine(p, CONFIG) for p in "abc"}
+
+    def roster(key, step, exclude):
+        return [seen(p, key, step) for p in "abc" if p != exclude]
+
+    for _ in range(2):  # two rounds at 0.2 s a step: every engine's announced pace is 0.2 s
+        keys = {p: _train_round(e, roster(None, 0.2, p), lambda k, p=p: roster(k, 0.2, p), 0.2)
+                for p, e in engines.items()}  # fmt: skip
+    assert len(set(keys.values())) == 1
+    # a round in which "a" sped up to 0.1 s a step and read "b" and "c" announcing 0.1 s too, after the gather
+    lengths = {}
+    for p, engine in engines.items():
+        fast = p == "a"
+        _train_round(engine, roster(None, 0.2, p), lambda k, p=p: roster(k, 0.2, p), 0.1 if fast else 0.2)
+        later = roster(None, 0.1, p) if fast else roster(engine.appointment.key, 0.2, p)
+        lengths[p] = engine.begin(engine.appointment.at + 0.2, later).seconds
+    assert len(set(lengths.values())) == 1, lengths
+    # what the round announces is what the others will decide from: measured up to its beginning
+    a = engines["a"]
+    announced = a.announced.step_seconds
+    a.step_fits(a.appointment.at - 1.0, 0.01)
+    assert a.announced.step_seconds == announced != a.step_seconds
+
+
+def test_a_swarm_split_over_two_lengths_rejoins_one():
+    """Three peers on one grid and three on another: each counts its own vote as the others count it, so all
+    six see three against three and take the same length (the longer). Without its own vote each peer saw the
+    other grid in the majority, and the two halves swapped grids round after round."""
+    short, long = quantize_round(2.0), quantize_round(2.4)
+    engines = {p: RoundEngine(p, CONFIG) for p in "abcdef"}
+    grid = {p: (short if p in "abc" else long) for p in engines}
+    for p, engine in engines.items():
+        engine.begin(100.0, [])
+        engine.appointment = Appointment(seconds=grid[p], slot=math.ceil(101.0 / grid[p]))
+        engine._step.add(0.208)  # a pace of 2.18 s, between the two grids
+    roster = [seen(p, Appointment(seconds=grid[p], slot=math.ceil(101.0 / grid[p])).key, 0.208) for p in engines]
+    chosen = set()
+    for p, engine in engines.items():
+        engine.gather(engine.appointment.at, [s for s in roster if s.peer != p])
+        engine.ended(engine.appointment.at + 0.1, 3)
+        chosen.add(engine.begin(engine.appointment.at + 0.2, [s for s in roster if s.peer != p]).seconds)
+    assert chosen == {long}
+
+
 def test_the_plan_groups_peers_of_the_same_appointment_and_kind_and_client_peers_never_lead():
     key = Appointment(seconds=1.0, slot=5).key
     roster = [seen("a", key), seen("b", key), seen("c", "1.0@6"), seen("d", key, state="finishing"),
