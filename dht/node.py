@@ -42,9 +42,11 @@ _ORPHAN_POLL = 0.25  # seconds between a DHT worker's looks at its parent
 _forking_worker_of: int | None = None  # the pid that is forking a DHT worker right now (see _guard_worker)
 _guard_registered = False
 # A DHT worker and its p2pd run this much nicer than the peer that starts them: under a flood of junk streams
-# the CPU goes to training first (4 peers pinned to one CPU kept 0.81-0.97x of their clean pace with it,
-# 0.83-0.84x without: docs/attack.md), and an idle machine runs the network as fast as before.
-NETWORK_NICENESS = 10
+# more of the CPU goes to training (docs/attack.md). Not much nicer: at +10, against a peer whose training keeps
+# the cores busy, a DHT worker that had used a burst of CPU waited seconds for the next (its scheduler weight
+# is a tenth of training's at +10, under half at +4), every other peer's roster read waited the 3 s
+# RPC timeout on it, and 6 peers on 2 cores lost whole rounds at once, in 8 runs of 9 (docs/how-it-works.md).
+NETWORK_NICENESS = 4
 
 
 def _not_shutdown_noise(record: logging.LogRecord) -> bool:

@@ -33,6 +33,7 @@ to its first exchange.
 from __future__ import annotations
 
 import argparse
+import collections
 import json
 import os
 import random
@@ -227,9 +228,13 @@ class Phase:
         rounds = exchanges_ok = exchanges_failed = unreachable = 0
         max_blocked = 0.0
         first_exchange: list[float] = []
+        lonely: list[str | None] = []
+        logged: collections.Counter = collections.Counter()  # appointment -> peers that logged a round for it
         for slot in self.slots:
             records = read_metrics(slot.folder / "metrics.jsonl")
             rounds += sum(start <= r["t"] <= end for r in records)
+            lonely += lonely_rounds(records, start, end)
+            logged.update(r.get("appointment") for r in records if start <= r["t"] <= end)
             max_blocked = max([max_blocked, *(r["blocked"] for r in records if start <= r["t"] <= end)])
             ends = process_totals(records)
             exchanges_ok += sum(r["exchanges_ok"] for r in ends)
@@ -243,6 +248,7 @@ class Phase:
         reports = [PeerReport.model_validate_json((s.folder / "report.json").read_text()) for s in reported]
         anchors = [read_anchor(s.folder / ANCHOR) for s in reported]
         losses = [r.final_eval_loss for r in reports]
+        swarm_lonely = sum(1 for k, n in collections.Counter(lonely).items() if k and 2 <= n == logged[k])
         return {
             "restart": self.restart if self.churn else None,
             "peers_live_at_end": len(live),
@@ -254,6 +260,8 @@ class Phase:
             "rounds": rounds,
             "samples_per_second": round(rounds * c.train.batch_size * c.train.inner_steps / (end - start), 2),
             "exchanges_ok": exchanges_ok,
+            "lonely_rounds": len(lonely),  # peer-rounds without an exchange
+            "swarm_lonely_rounds": swarm_lonely,  # appointments at which every peer there (two or more) went without
             "exchanges_failed": exchanges_failed,
             "partners_unreachable": unreachable,  # dials to dead peers still announced: no exchange began
             "max_blocked_seconds": round(max_blocked, 2),
@@ -273,6 +281,18 @@ def process_totals(records: list[dict]) -> list[dict]:
     so its last line is the one before the next round 1, or the log's last. A peer added just before the end may
     have written none."""
     return [r for i, r in enumerate(records) if i + 1 == len(records) or records[i + 1]["round"] == 1]
+
+
+def lonely_rounds(records: list[dict], start: float, end: float) -> list[str | None]:
+    """The appointments of one slot's rounds logged between `start` and `end` that gave no exchange (the
+    process's exchange count did not grow; every process's log restarts at round 1)."""
+    lonely, before = [], 0
+    for r in records:
+        before = 0 if r["round"] == 1 else before
+        if start <= r["t"] <= end and r["exchanges_ok"] == before:
+            lonely.append(r.get("appointment"))
+        before = r["exchanges_ok"]
+    return lonely
 
 
 def bench(config: BenchConfig, runs: Path) -> dict:

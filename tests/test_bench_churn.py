@@ -22,6 +22,16 @@ def test_each_process_totals_are_its_last_line_and_a_peer_with_no_line_has_none(
     assert [r["exchanges_ok"] for r in process_totals(records)] == [30, 20, 10]
 
 
+def test_lonely_rounds_are_the_rounds_in_the_window_whose_process_count_did_not_grow():
+    from scripts.bench_churn import lonely_rounds
+
+    rows = [(1, 0, "a@1"), (2, 1, "a@2"), (3, 1, "a@3"), (4, 2, "a@4"), (1, 0, "a@6"), (2, 0, "a@7"), (3, 1, "a@8")]
+    records = [{"t": float(i), "round": r, "exchanges_ok": ok, "appointment": k} for i, (r, ok, k) in enumerate(rows)]
+    # a restart (round 1 again) starts its count at 0: its first round without an exchange is lonely too
+    assert lonely_rounds(records, 0.0, 9.0) == ["a@1", "a@3", "a@6", "a@7"]
+    assert lonely_rounds(records, 2.0, 4.5) == ["a@3", "a@6"]  # only the window's
+
+
 @pytest.mark.slow
 def test_quick_churn_bench_writes_every_field_and_reaps_everything(tmp_path):
     tag = f"bench-churn-{uuid.uuid4()}"
@@ -45,6 +55,7 @@ def test_quick_churn_bench_writes_every_field_and_reaps_everything(tmp_path):
         assert 0 <= p["consensus_distance"] < 1
         assert p["crashed_without_kill"] == 0, p["crashes"]
         assert p["cpu_seconds"] > 0 and 0 < p["cpu_seconds_per_round"] < 60
+        assert 0 <= p["swarm_lonely_rounds"] <= p["lonely_rounds"] < p["rounds"]
     assert result["no_churn"]["kills"] == 0
     churn = result["churn"]
     assert churn["kills"] >= 2
