@@ -20,13 +20,21 @@ a second. A node of the run therefore (``install``, run inside its DHT worker):
   honest replica holds only the run's live peers. hivemind merges what a read finds into the first copy it
   holds, which is the node's own stored one where it is a replica of the key, and then serves it as stored: a
   read of these keys starts from a copy of it instead (``_CopyOnRead``), so no answer, under the cap or not,
-  is passed on by an honest replica.
+  is passed on by an honest replica;
+* **as a reader**, waits ``answer_seconds`` at most for one node's answer about these keys, where hivemind waits
+  its RPC timeout (3 s) on every node it asks: a read of the roster asks every replica, so one replica that
+  answers late, stalled (a DHT worker waiting seconds for a busy CPU) or on purpose (a Sybil's server that
+  answers just inside the timeout, which hivemind counts a success), held every reader's roster that long,
+  and a roster seconds old at an appointment leaves its reader alone that round. A late answer counts as none:
+  hivemind leaves the node out of its traversals for 5 s, twice as long after each failure in a row, and every
+  record it holds, each peer has stored on the other replicas too.
 
 Other keys, and the run's config (which anyone may republish unchanged), pass through untouched.
 """
 
 from __future__ import annotations
 
+import asyncio
 import collections
 import contextvars
 import logging
@@ -51,19 +59,26 @@ logger = logging.getLogger(__name__)
 MAX_ANSWER = 512  # a run's peers one node's answer may carry; more is a Sybil's server (murmur simulate: 64)
 SHUN_SECONDS = 60.0  # a node whose answer was too big is not asked for these keys for this long
 MAX_SHUNNED = 1024  # nodes remembered as shunned; the oldest go first
+# The longest a reader waits for one node's answer about the run's peers: a loopback answer takes milliseconds,
+# a replica 300 ms away on a connection already open about one round trip (the first contact, several: one
+# that misses this waits out hivemind's 5 s ban and is asked again)
+ANSWER_SECONDS = 1.5
 _OVERSIZED: contextvars.ContextVar[list[int] | None] = contextvars.ContextVar("murmur_oversized", default=None)
 _GUARDS: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()  # DHTProtocol -> its SybilGuard (in the worker)
 
 
 @dataclass
 class SybilGuard:
-    """The rules for one node of `run_id`; `refused` counts store entries turned away, `dropped` answers."""
+    """The rules for one node of `run_id`; `refused` counts store entries turned away, `dropped` answers too big
+    and `late` answers not given in time."""
 
     run_id: str
     max_answer: int = MAX_ANSWER
     shun_seconds: float = SHUN_SECONDS
+    answer_seconds: float = ANSWER_SECONDS
     refused: int = 0
     dropped: int = 0
+    late: int = 0
 
     def __post_init__(self) -> None:
         self.keys = set(run_key_ids(self.run_id, ("peers", "metrics")))
@@ -101,6 +116,10 @@ class SybilGuard:
         admitted = [self.admits(key, tag, sender) for key, tag in zip(request.keys, request.subkeys, strict=True)]
         self.refused += admitted.count(False)
         return admitted
+
+    def waits_briefly(self, keys: list[DHTID]) -> bool:
+        """Whether a reader waits `answer_seconds` at most, not hivemind's RPC timeout, for a node's answer."""
+        return any(key.to_bytes() in self.keys for key in keys)
 
     def too_big(self, key: bytes, value: object) -> bool:
         """Whether a reader drops one node's answer `value` (as hivemind decoded it) for `key`, unchecked."""
@@ -164,7 +183,16 @@ async def install(run_id: str, _dht, node) -> None:
         oversized: list[int] = []  # filled by `checked`, which hivemind's call_find calls in this task
         token = _OVERSIZED.set(oversized)
         try:
-            found = await find(peer, asked) if asked else {}
+            if not asked:
+                found = {}
+            elif guard.waits_briefly(asked):
+                found = await asyncio.wait_for(find(peer, asked), guard.answer_seconds)
+            else:
+                found = await find(peer, asked)
+        except TimeoutError:  # hivemind's call_find answers None for its own timeout: this is ours
+            guard.late += 1
+            logger.debug("%s did not answer for run %r within %g s", peer, run_id, guard.answer_seconds)
+            return None  # a failure: hivemind's traversals leave the node out for a while
         finally:
             _OVERSIZED.reset(token)
         if oversized:
@@ -203,6 +231,8 @@ async def install(run_id: str, _dht, node) -> None:
 
 
 async def counts(_dht, node) -> dict[str, int]:
-    """In the DHT worker: the store entries this node's guard refused and the answers it dropped."""
+    """In the DHT worker: the store entries this node's guard refused, and the answers it dropped and gave up on."""
     guard = _GUARDS.get(node.protocol)
-    return {"refused": 0, "dropped": 0} if guard is None else {"refused": guard.refused, "dropped": guard.dropped}
+    if guard is None:
+        return {"refused": 0, "dropped": 0, "late": 0}
+    return {"refused": guard.refused, "dropped": guard.dropped, "late": guard.late}

@@ -80,6 +80,18 @@ def read_metrics(path: Path) -> list[dict]:
     return records
 
 
+def lonely_rounds(records: list[dict], start: float, end: float) -> list[str | None]:
+    """The appointments of one slot's rounds logged between `start` and `end` that gave no exchange (the
+    process's exchange count did not grow; every process's log restarts at round 1)."""
+    lonely, before = [], 0
+    for r in records:
+        before = 0 if r["round"] == 1 else before
+        if start <= r["t"] <= end and r["exchanges_ok"] == before:
+            lonely.append(r.get("appointment"))
+        before = r["exchanges_ok"]
+    return lonely
+
+
 def consensus_distance(anchors: list[Mapping[str, torch.Tensor]]) -> float | None:
     """max_i ‖φ_i − φ̄‖ / ‖φ̄‖ over the peers' anchors, every parameter flattened together."""
     return max(anchor_distances(anchors), default=None)

@@ -48,7 +48,7 @@ from murmur.averaging.group import GroupConfig
 from murmur.dht.node import stop_node
 from murmur.peer.anchorfile import ANCHOR, read_anchor
 from murmur.peer.config import TrainConfig
-from murmur.peer.metrics import PeerReport, consensus_distance, read_metrics
+from murmur.peer.metrics import PeerReport, consensus_distance, lonely_rounds, read_metrics
 from murmur.peer.sim.simulate import (
     TreeMeter,
     group_leaders_below,
@@ -281,18 +281,6 @@ def process_totals(records: list[dict]) -> list[dict]:
     so its last line is the one before the next round 1, or the log's last. A peer added just before the end may
     have written none."""
     return [r for i, r in enumerate(records) if i + 1 == len(records) or records[i + 1]["round"] == 1]
-
-
-def lonely_rounds(records: list[dict], start: float, end: float) -> list[str | None]:
-    """The appointments of one slot's rounds logged between `start` and `end` that gave no exchange (the
-    process's exchange count did not grow; every process's log restarts at round 1)."""
-    lonely, before = [], 0
-    for r in records:
-        before = 0 if r["round"] == 1 else before
-        if start <= r["t"] <= end and r["exchanges_ok"] == before:
-            lonely.append(r.get("appointment"))
-        before = r["exchanges_ok"]
-    return lonely
 
 
 def bench(config: BenchConfig, runs: Path) -> dict:

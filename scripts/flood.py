@@ -13,11 +13,17 @@ processes on the same training config and data seeds:
     announced every 5 s on the run's DHT key, each training toward the honest swarm's current appointment,
     at an address (`--fake-host`) where nobody listens.
 
+The late-replica scenario (`FloodConfig.late`) is the same two phases with another attack in place of the
+flood: one DHT server, placed on the run's roster key so that every read of the roster asks it, answers every
+find `--late-answers` seconds late (2.8 s: inside hivemind's 3 s RPC timeout, so hivemind counts each answer a
+success and asks it again).
+
 The honest peers' process trees (peer, DHT worker, p2pd) are sampled every second for RSS. Reported:
 swarm samples/s in each phase (each peer's samples between the first and the last round it logged in the
 window, over the time between them, summed over the peers) and their ratio, each peer's peak RSS in each
-phase and the largest growth, the exchanges, and the peers that crashed. Targets (issue 17): RSS growth
-≤ 100 MB, samples/s ≥ 0.9× the clean run's, 0 crashes.
+phase and the largest growth, the exchanges, the peer-rounds without one, and the peers that crashed.
+Targets (issue 17): RSS growth ≤ 100 MB, samples/s ≥ 0.9× the clean run's, 0 crashes; and ours, the share of
+peer-rounds that exchanged ≥ 0.9× the clean run's.
 """
 
 from __future__ import annotations
@@ -31,7 +37,7 @@ import shutil
 import statistics
 import sys
 import time
-from dataclasses import asdict, dataclass, field
+from dataclasses import asdict, dataclass, field, replace
 from functools import partial
 from pathlib import Path
 
@@ -40,7 +46,7 @@ from murmur.averaging.transport import BYTEORDER, HEADER_LEN
 from murmur.averaging.wire import PROTOCOL_VERSION
 from murmur.dht.node import stop_node
 from murmur.peer.config import TrainConfig
-from murmur.peer.metrics import read_metrics
+from murmur.peer.metrics import lonely_rounds, read_metrics
 from murmur.peer.sim.simulate import TreeMeter, join_command, launch, start_bootstrap, stop_processes
 from murmur.peer.state import state_protocol
 
@@ -48,6 +54,8 @@ LEAD = 3  # the fakes announce the honest appointment and the next LEAD - 1 ones
 BATCH = 25  # fake announcements stored per call into the attacker's DHT process
 GIANT = 256 * 2**20  # the length a giant frame's header claims: the wire's message cap
 TARGET_RSS_MB, TARGET_RATIO = 100.0, 0.9
+TARGET_EXCHANGING = 0.9  # the share of peer-rounds with an exchange, attacked ÷ clean (ours: the issue sets none)
+LATE = 2.8  # how late the late replica answers: just inside hivemind's RPC timeout (3 s)
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -57,6 +65,8 @@ class FloodConfig:
     connections: int = 64  # flood streams to each honest peer at once
     announcements: int = 1000  # fake peers announced on the DHT
     fake_host: str = "127.66.0.1"  # where the fakes say they are (loopback: nothing listens there)
+    late_answers: float = 0.0  # seconds the attackers' DHT server holds every answer to a find (0: at once)
+    name: str = "flood"  # the attacked phase's; the clean one is "<name>-clean"
     quick: bool = False
     train: TrainConfig = field(default_factory=TrainConfig)
     startup_grace: float = 120.0
@@ -68,6 +78,16 @@ class FloodConfig:
     @classmethod
     def of(cls, quick: bool, pin: bool = False) -> FloodConfig:
         return cls(peers=2, duration=30.0, announcements=200, quick=True, pin=pin) if quick else cls(pin=pin)
+
+    @classmethod
+    def late(cls, quick: bool, pin: bool = False) -> FloodConfig:
+        """The late-replica scenario: no stream and no fake, one roster replica that answers `LATE` s late."""
+        return replace(cls.of(quick, pin), connections=0, announcements=0, late_answers=LATE, name="late")
+
+    def parts(self) -> list[str]:
+        """The attacker processes the attacked phase starts, as machines of their own would be."""
+        server = self.announcements > 0 or self.late_answers > 0
+        return [part for part, on in (("streams", self.connections > 0), ("announcements", server)) if on]
 
 
 def _cpu_split(config: FloodConfig) -> tuple[set[int], set[int]] | None:
@@ -103,16 +123,17 @@ def _measure(config: FloodConfig, name: str, out: Path, flood: bool, split) -> d
             if time.monotonic() > deadline or any(p.poll() is not None for p in procs):
                 raise RuntimeError(f"{name}: peers did not start (see {out})")
             time.sleep(0.5)
-        if flood:  # two attacker processes, as two machines would be: one floods streams, one announces fakes
-            for part in ("streams", "announcements"):
+        if flood:  # attacker processes, as machines would be: one floods streams, one announces fakes (or answers late)
+            for part in config.parts():
                 command = [sys.executable, __file__, "attack", "--part", part, "--initial-peers", *maddrs,
                            "--run", run_id, "--duration", str(config.duration + 10),
                            "--connections", str(config.connections), "--announcements", str(config.announcements),
+                           "--late-answers", str(config.late_answers),
                            "--fake-host", config.fake_host, "--stats", str(out / f"attacker-{part}.json")]  # fmt: skip
                 attackers.append(launch(command, out / f"attacker-{part}.log"))
                 if split:  # before it forks its DHT worker and p2pd, which inherit it
                     os.sched_setaffinity(attackers[-1].pid, split[1])
-            ready = [out / "attacker-streams.json", out / "attacker-announcements.json"]
+            ready = [out / f"attacker-{part}.json" for part in config.parts()]
             wait_for(lambda: all(f.exists() for f in ready) or any(a.poll() is not None for a in attackers), 120)
             if any(a.poll() is not None for a in attackers):
                 raise RuntimeError(f"an attacker stopped early (see {out}/attacker-*.log)")
@@ -138,11 +159,12 @@ def _measure(config: FloodConfig, name: str, out: Path, flood: bool, split) -> d
     finally:
         stop_processes([*procs, *attackers], config.stop_grace)
         stop_node(boot)
-    rounds = ok = failed = unreachable = 0
+    rounds = ok = failed = unreachable = lonely = 0
     pace = 0.0  # the swarm's samples/s: the sum of the peers' own paces over the window
     for folder in folders:
         records = read_metrics(folder / "metrics.jsonl")
         rounds += sum(start <= r["t"] <= end for r in records)
+        lonely += len(lonely_rounds(records, start, end))
         pace += samples_per_second(records, start, end)
         if records:
             ok += records[-1]["exchanges_ok"]
@@ -151,6 +173,7 @@ def _measure(config: FloodConfig, name: str, out: Path, flood: bool, split) -> d
     row = {
         "seconds": round(end - start, 1),
         "rounds": rounds,
+        "lonely_rounds": lonely,  # peer-rounds in the window without an exchange
         "samples_per_second": round(pace, 2),
         "exchanges_ok": ok,
         "exchanges_failed": failed,
@@ -169,7 +192,7 @@ def _measure(config: FloodConfig, name: str, out: Path, flood: bool, split) -> d
     }
     if flood:
         row["attacker"] = {}
-        for part in ("streams", "announcements"):
+        for part in config.parts():
             if (out / f"attacker-{part}.json").exists():
                 row["attacker"] |= json.loads((out / f"attacker-{part}.json").read_text())
     return row
@@ -194,9 +217,9 @@ def wait_for(condition, seconds: float) -> None:
 
 
 def run_flood(config: FloodConfig, runs: Path = Path("runs/bench_attack")) -> dict:
-    """The clean phase, then the flooded one; their ratios and whether the targets are met."""
-    clean = _phase(config, "flood-clean", runs / "flood-clean", flood=False)
-    flooded = _phase(config, "flood", runs / "flood", flood=True)
+    """The clean phase, then the attacked one; their ratios and whether the targets are met."""
+    clean = _phase(config, f"{config.name}-clean", runs / f"{config.name}-clean", flood=False)
+    flooded = _phase(config, config.name, runs / config.name, flood=True)
     growth = max(f - c for f, c in zip(flooded["peak_rss_mb"], clean["peak_rss_mb"], strict=True))
     pairs = list(zip(flooded["peak_rss_mb_by_process"], clean["peak_rss_mb_by_process"], strict=True))
     by_process = {role: round(max(f.get(role, 0.0) - c.get(role, 0.0) for f, c in pairs), 1)
@@ -204,6 +227,7 @@ def run_flood(config: FloodConfig, runs: Path = Path("runs/bench_attack")) -> di
     ratio = flooded["samples_per_second"] / max(clean["samples_per_second"], 1e-9)
     efficiency = flooded["samples_per_honest_cpu_second"] / max(clean["samples_per_honest_cpu_second"], 1e-9)
     crashes = len(clean["crashed"]) + len(flooded["crashed"])
+    exchanging = _exchanging(flooded) / max(_exchanging(clean), 1e-9)
     return {
         "config": {k: v for k, v in asdict(config).items() if k != "train"},
         "clean": clean,
@@ -215,9 +239,21 @@ def run_flood(config: FloodConfig, runs: Path = Path("runs/bench_attack")) -> di
         "rss_growth_mb": round(growth, 1),
         "rss_growth_mb_by_process": by_process,  # each process's largest growth over the peers
         "crashes": crashes,
-        "targets": {"rss_growth_mb": TARGET_RSS_MB, "samples_per_second_ratio": TARGET_RATIO, "crashes": 0},
-        "met": growth <= TARGET_RSS_MB and ratio >= TARGET_RATIO and crashes == 0,
+        # a swarm that stops averaging trains faster alone: the samples/s alone would call that a success
+        "exchanging_ratio": round(exchanging, 3),
+        "targets": {
+            "rss_growth_mb": TARGET_RSS_MB,
+            "samples_per_second_ratio": TARGET_RATIO,
+            "crashes": 0,
+            "exchanging_ratio": TARGET_EXCHANGING,
+        },  # fmt: skip
+        "met": growth <= TARGET_RSS_MB and ratio >= TARGET_RATIO and crashes == 0 and exchanging >= TARGET_EXCHANGING,
     }
+
+
+def _exchanging(phase: dict) -> float:
+    """The share of a phase's peer-rounds that gave an exchange."""
+    return 1.0 - phase["lonely_rounds"] / max(phase["rounds"], 1)
 
 
 # -- the attacker ----------------------------------------------------------------------------------------
@@ -303,6 +339,23 @@ def _ahead(key: str | None, rounds: int) -> str | None:
     return f"{seconds}@{int(slot) + rounds}" if slot.isdigit() else key
 
 
+async def answer_late(delay: float, _dht, node) -> None:
+    """In a DHT worker (``dht.run_coroutine(partial(answer_late, delay))``): answer every find request `delay`
+    seconds late, from now on."""
+    from hivemind.dht.protocol import DHTProtocol
+    from hivemind.proto import dht_pb2
+
+    find = node.protocol.rpc_find
+
+    async def late(request, context):
+        await asyncio.sleep(delay)
+        return await find(request, context)
+
+    name = f"{DHTProtocol.__name__}.rpc_find"  # the name hivemind registers it under (ServicerBase)
+    await node.protocol.p2p.remove_protobuf_handler(name)
+    await node.protocol.p2p.add_protobuf_handler(name, late, dht_pb2.FindRequest)
+
+
 async def _write_stats(path: str, stats: collections.Counter, stop_at: float) -> None:
     while time.monotonic() < stop_at:
         Path(path).write_text(json.dumps(dict(stats)))
@@ -330,10 +383,13 @@ async def _attack(args) -> None:
     # the announcer is a DHT server whose node id is the roster key's own: the nearest replica of the roster, asked
     # by every read, which keeps whatever it stores for itself (the honest replicas refuse a peer record stored by
     # any node but its peer's own: dht.sybil); the stream flooder needs no storage
-    node_id = DHTID.generate(source=f"{args.run}:peers") if keys else None
+    server = args.part == "announcements"
+    node_id = DHTID.generate(source=f"{args.run}:peers") if server else None
     dht = hivemind.DHT(initial_peers=args.initial_peers, host_maddrs=["/ip4/127.0.0.1/tcp/0"], nat_port_map=False,
-                       client_mode=not keys, node_id=node_id, start=True,
+                       client_mode=not server, node_id=node_id, start=True,
                        record_validators=[_forger(args.run, keys)])  # fmt: skip
+    if server and args.late_answers > 0:
+        dht.run_coroutine(partial(answer_late, args.late_answers))
     records = RunRecords(dht, args.run)
     stats: collections.Counter = collections.Counter()
     stop_at = time.monotonic() + args.duration
@@ -349,6 +405,11 @@ async def _attack(args) -> None:
             await asyncio.gather(*hammers, writer, return_exceptions=True)
             return
         tasks = []
+        if not keys:  # a late replica only: it serves reads until the end
+            while time.monotonic() < stop_at:
+                Path(args.stats).write_text(json.dumps(dict(stats)))
+                await asyncio.sleep(min(2.0, max(0.0, stop_at - time.monotonic())))
+            return
         view = {"seen": honest}  # the honest announcements, read in the background: stores never wait on a read
 
         async def watch() -> None:
@@ -403,6 +464,7 @@ def main() -> None:
     attack.add_argument("--connections", type=int, default=64)
     attack.add_argument("--announcements", type=int, default=1000)
     attack.add_argument("--fake-host", default="127.66.0.1")
+    attack.add_argument("--late-answers", type=float, default=0.0, help="seconds its DHT server holds every answer")
     attack.add_argument("--stats", required=True)
     bench = sub.add_parser("bench", help="the clean and the flooded phase, alone")
     bench.add_argument("--quick", action="store_true")

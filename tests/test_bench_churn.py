@@ -23,7 +23,7 @@ def test_each_process_totals_are_its_last_line_and_a_peer_with_no_line_has_none(
 
 
 def test_lonely_rounds_are_the_rounds_in_the_window_whose_process_count_did_not_grow():
-    from scripts.bench_churn import lonely_rounds
+    from murmur.peer.metrics import lonely_rounds
 
     rows = [(1, 0, "a@1"), (2, 1, "a@2"), (3, 1, "a@3"), (4, 2, "a@4"), (1, 0, "a@6"), (2, 0, "a@7"), (3, 1, "a@8")]
     records = [{"t": float(i), "round": r, "exchanges_ok": ok, "appointment": k} for i, (r, ok, k) in enumerate(rows)]

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import gc
+import time
 from collections.abc import Iterator
 from functools import partial
 from pathlib import Path
@@ -20,6 +21,7 @@ from murmur.dht import NodeConfig, RunRecord, RunRecords, start_node, stop_node,
 from murmur.dht.identity import ensure_identity, peer_id_of
 from murmur.dht.signing import RunValidator, _public_der, load_signing_key, peer_id_of_public_key
 from murmur.dht.sybil import SybilGuard
+from scripts.flood import answer_late  # the late replica of bench_attack's scenario
 from tests.test_dht import announcement, live_announcement, metrics, wait_for
 
 RUN = "signed-run"
@@ -223,6 +225,7 @@ def test_a_reader_drops_one_nodes_answer_that_carries_more_of_a_runs_peers_than_
 
     guard.shun("sybil")  # ... and a node whose answer was too big is not asked for the run's peers for a while
     assert guard.skips("sybil", roster) and not guard.skips("sybil", other) and not guard.skips("honest", roster)
+    assert guard.waits_briefly([other, roster]) and not guard.waits_briefly([other])  # a read of the roster
     brief = SybilGuard(RUN, shun_seconds=0.0)
     brief.shun("sybil")
     assert not brief.skips("sybil", roster)
@@ -268,6 +271,39 @@ def test_a_sybil_stores_no_fake_peer_on_an_honest_replica_and_its_own_servers_an
         assert set(roster.peers()) == {own_id} and (dropped := reader.run_coroutine(sybil.counts)["dropped"]) >= 1
         assert not set(fake_ids) & set(reader.run_coroutine(_checked))  # dropped unchecked
         assert set(roster.peers()) == {own_id} and reader.run_coroutine(sybil.counts)["dropped"] == dropped  # shunned
+    finally:
+        for node in nodes:
+            stop_node(node)
+        gc.collect()
+
+
+@pytest.mark.slow
+def test_a_replica_that_answers_late_holds_a_roster_read_for_the_answer_cap_once_then_is_skipped() -> None:
+    """A replica that answers every read 2.8 s late, inside hivemind's 3 s RPC timeout (a success to hivemind,
+    so it was asked again by every read): a reader waits for it `ANSWER_SECONDS` once, and hivemind then leaves
+    it out; the roster it holds comes from the other replicas."""
+    run, nodes = "late-run", []
+    try:
+        nodes.append(boot := start_node(NodeConfig(run_id=run)))
+        initial = tuple(visible_addresses(boot))
+        nodes.append(reader := start_node(NodeConfig(run_id=run, initial_peers=initial)))
+        nodes.append(late := start_node(NodeConfig(run_id=run, initial_peers=initial)))
+        roster = RunRecords(reader, run, request_timeout=30.0)
+        for node in nodes:  # every node's own record is on every replica, the late one included
+            assert RunRecords(node, run).announce(live_announcement(node))
+        ids = {node.peer_id.to_base58() for node in nodes}
+        wait_for(roster.peers, lambda peers: set(peers) == ids)
+        late.run_coroutine(partial(answer_late, 2.8))
+
+        started = time.monotonic()
+        assert set(roster.peers()) == ids  # every record, though the late replica's answer was not waited for
+        first = time.monotonic() - started
+        started = time.monotonic()
+        assert set(roster.peers()) == ids
+        second = time.monotonic() - started
+        assert reader.run_coroutine(sybil.counts)["late"] == 1
+        assert sybil.ANSWER_SECONDS - 0.1 < first < sybil.ANSWER_SECONDS + 1.0, first  # 2.8 s and more before
+        assert second < 1.0, second  # the late node sits out hivemind's 5 s ban
     finally:
         for node in nodes:
             stop_node(node)
