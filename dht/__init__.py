@@ -9,7 +9,8 @@
 * ``signing``    ``RunValidator``: every node of a run signs its records with its identity key and refuses
   forged, foreign-subkey, schema-breaking and config-hijacking records (``NodeConfig.run_id`` installs it)
 * ``sybil``      ``SybilGuard``: a run's per-peer records are stored only by the peer they name (a Sybil's fakes,
-  each validly signed, are refused unread), and one node's answer of more than 512 of them is dropped
+  each validly signed, are refused unread), one node's answer of more than 512 of them is dropped, and a node
+  that does not answer a find or store of them within 1.5 s is left out for a while
 * ``heartbeat``  ``Heartbeat`` re-announces a peer on a thread (now, and when poked) until stopped, then withdraws
   it; ``RosterWatch`` keeps the latest read of the live announcements for a loop that must not wait
 * ``loop``       ``LoopThread``: the one sync/async bridge, an event loop (uvloop) on a background thread

@@ -21,13 +21,15 @@ a second. A node of the run therefore (``install``, run inside its DHT worker):
   holds, which is the node's own stored one where it is a replica of the key, and then serves it as stored: a
   read of these keys starts from a copy of it instead (``_CopyOnRead``), so no answer, under the cap or not,
   is passed on by an honest replica;
-* **as a reader**, waits ``answer_seconds`` at most for one node's answer about these keys, where hivemind waits
-  its RPC timeout (3 s) on every node it asks: a read of the roster asks every replica, so one replica that
-  answers late, stalled (a DHT worker waiting seconds for a busy CPU) or on purpose (a Sybil's server that
-  answers just inside the timeout, which hivemind counts a success), held every reader's roster that long,
-  and a roster seconds old at an appointment leaves its reader alone that round. A late answer counts as none:
-  hivemind leaves the node out of its traversals for 5 s, twice as long after each failure in a row, and every
-  record it holds, each peer has stored on the other replicas too.
+* **as a reader and a writer**, waits ``answer_seconds`` at most for one node's answer to a find or a store of
+  these keys, where hivemind waits its RPC timeout (3 s) on every node it asks: a read of the roster asks every
+  replica and an announcement waits for every replica's store, so one replica that answers late, stalled (a DHT
+  worker waiting seconds for a busy CPU) or on purpose (a Sybil's server that answers just inside the timeout,
+  which hivemind counts a success), held every reader's roster and every peer's heartbeat that long, and a
+  roster seconds old at an appointment leaves its reader alone that round. A late answer counts as none, and
+  the node goes on hivemind's blacklist: its traversals leave it out for 5 s, twice as long after each failure
+  in a row, and no store of these keys goes to it meanwhile. Nothing is lost: each peer stores its own record
+  on every replica it finds.
 
 Other keys, and the run's config (which anyone may republish unchanged), pass through untouched.
 """
@@ -59,7 +61,7 @@ logger = logging.getLogger(__name__)
 MAX_ANSWER = 512  # a run's peers one node's answer may carry; more is a Sybil's server (murmur simulate: 64)
 SHUN_SECONDS = 60.0  # a node whose answer was too big is not asked for these keys for this long
 MAX_SHUNNED = 1024  # nodes remembered as shunned; the oldest go first
-# The longest a reader waits for one node's answer about the run's peers: a loopback answer takes milliseconds,
+# The longest a peer waits for one node's answer to a find or store of the run's records: a loopback answer takes ms,
 # a replica 300 ms away on a connection already open about one round trip (the first contact, several: one
 # that misses this waits out hivemind's 5 s ban and is asked again)
 ANSWER_SECONDS = 1.5
@@ -70,7 +72,7 @@ _GUARDS: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()  # DHTProtocol 
 @dataclass
 class SybilGuard:
     """The rules for one node of `run_id`; `refused` counts store entries turned away, `dropped` answers too big
-    and `late` answers not given in time."""
+    and `late` answers to finds or stores not given in time."""
 
     run_id: str
     max_answer: int = MAX_ANSWER
@@ -203,8 +205,28 @@ async def install(run_id: str, _dht, node) -> None:
             return None
         return found | {key: (None, {}) for key in keys if key not in found}  # skipped: not found, no neighbours
 
-    # DHTNode's traversals call these on the protocol; nothing else exposes one node's answer
+    call_store = protocol.call_store
+
+    async def guarded_call_store(peer, keys, values, expiration_time, subkeys=None, in_cache=None):
+        """A store of the run's records waits `answer_seconds` at most, as a read does. hivemind bans a node only for
+        a find it did not answer: one that answers finds at once and stores late held every announcement, and
+        the heartbeat that makes it, that long, every time."""
+        if not guard.waits_briefly(list(keys)):
+            return await call_store(peer, keys, values, expiration_time, subkeys, in_cache)
+        if peer in node.blacklist:  # its traversal leaves a banned node among the nearest, and stores on it
+            return None
+        try:
+            return await asyncio.wait_for(call_store(peer, keys, values, expiration_time, subkeys, in_cache),
+                                          guard.answer_seconds)  # fmt: skip
+        except TimeoutError:
+            guard.late += 1
+            logger.debug("%s did not take a store for run %r within %g s", peer, run_id, guard.answer_seconds)
+            node.blacklist.register_failure(peer)
+            return None  # not stored there: hivemind asks the next nearest node
+
+    # DHTNode's traversals and stores call these on the protocol; nothing else exposes one node's answer
     protocol.call_find, protocol._validate_dictionary = guarded_find, checked
+    protocol.call_store = guarded_call_store
     protocol.storage = _CopyOnRead(protocol.storage, guard.keys)
     if protocol.client_mode:
         return

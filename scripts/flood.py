@@ -15,7 +15,7 @@ processes on the same training config and data seeds:
 
 The late-replica scenario (`FloodConfig.late`) is the same two phases with another attack in place of the
 flood: one DHT server, placed on the run's roster key so that every read of the roster asks it, answers every
-find `--late-answers` seconds late (2.8 s: inside hivemind's 3 s RPC timeout, so hivemind counts each answer a
+find and store `--late-answers` seconds late (2.8 s: inside hivemind's 3 s RPC timeout, so hivemind counts each answer a
 success and asks it again).
 
 The honest peers' process trees (peer, DHT worker, p2pd) are sampled every second for RSS. Reported:
@@ -339,21 +339,24 @@ def _ahead(key: str | None, rounds: int) -> str | None:
     return f"{seconds}@{int(slot) + rounds}" if slot.isdigit() else key
 
 
-async def answer_late(delay: float, _dht, node) -> None:
-    """In a DHT worker (``dht.run_coroutine(partial(answer_late, delay))``): answer every find request `delay`
-    seconds late, from now on."""
+async def answer_late(delay: float, _dht, node, rpcs: tuple[str, ...] = ("rpc_find", "rpc_store")) -> None:
+    """In a DHT worker (``dht.run_coroutine(partial(answer_late, delay))``): answer every find and store request
+    (or only those of `rpcs`) `delay` seconds late, from now on."""
     from hivemind.dht.protocol import DHTProtocol
     from hivemind.proto import dht_pb2
 
-    find = node.protocol.rpc_find
+    def late(handler):
+        async def answer(request, context):
+            await asyncio.sleep(delay)
+            return await handler(request, context)
 
-    async def late(request, context):
-        await asyncio.sleep(delay)
-        return await find(request, context)
+        return answer
 
-    name = f"{DHTProtocol.__name__}.rpc_find"  # the name hivemind registers it under (ServicerBase)
-    await node.protocol.p2p.remove_protobuf_handler(name)
-    await node.protocol.p2p.add_protobuf_handler(name, late, dht_pb2.FindRequest)
+    requests = {"rpc_find": dht_pb2.FindRequest, "rpc_store": dht_pb2.StoreRequest}
+    for rpc, request in ((rpc, requests[rpc]) for rpc in rpcs):
+        name = f"{DHTProtocol.__name__}.{rpc}"  # the name hivemind registers it under (ServicerBase)
+        await node.protocol.p2p.remove_protobuf_handler(name)
+        await node.protocol.p2p.add_protobuf_handler(name, late(getattr(node.protocol, rpc)), request)
 
 
 async def _write_stats(path: str, stats: collections.Counter, stop_at: float) -> None:

@@ -59,3 +59,16 @@ def test_flood_pace_counts_samples_between_whole_rounds_in_the_window():
     assert samples_per_second(records, 0, 50) == pytest.approx(1120 / 40)
     assert samples_per_second(records, 20, 30) == 0.0  # one round in the window: no pace to measure
     assert samples_per_second([], 0, 50) == 0.0
+
+
+def test_the_late_replica_scenario_starts_only_a_late_server_and_counts_the_rounds_that_exchanged():
+    sys.path.insert(0, str(Path(__file__).parent.parent / "scripts"))
+    from flood import LATE, FloodConfig, _exchanging
+
+    late = FloodConfig.late(quick=False)
+    assert (late.connections, late.announcements, late.late_answers, late.name) == (0, 0, LATE, "late")
+    assert late.parts() == ["announcements"]  # the DHT server alone: no stream flooder
+    assert FloodConfig.of(quick=False).parts() == ["streams", "announcements"]
+    assert FloodConfig.late(quick=True).duration == FloodConfig.of(quick=True).duration
+    assert _exchanging({"lonely_rounds": 14, "rounds": 184}) == pytest.approx(170 / 184)
+    assert _exchanging({"lonely_rounds": 0, "rounds": 0}) == 1.0  # no round: nothing missed
