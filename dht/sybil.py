@@ -120,7 +120,7 @@ class SybilGuard:
         return admitted
 
     def waits_briefly(self, keys: list[DHTID]) -> bool:
-        """Whether a reader waits `answer_seconds` at most, not hivemind's RPC timeout, for a node's answer."""
+        """Whether a peer waits `answer_seconds` at most, not hivemind's RPC timeout, for a node's answer to `keys`."""
         return any(key.to_bytes() in self.keys for key in keys)
 
     def too_big(self, key: bytes, value: object) -> bool:

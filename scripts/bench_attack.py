@@ -26,7 +26,7 @@ worst honest peer within 8%, with zero non-finite values in any honest model.
 The flood scenario (`scripts/flood.py`) runs real `murmur join` processes on loopback, clean and then
 flooded with 64 connections per peer sending maximum-size frames and 1,000 fake announcements. The
 late-replica scenario runs the same two phases with, in place of the flood, one DHT server on the run's
-roster key that answers every read 2.8 s late (inside hivemind's 3 s RPC timeout).
+roster key that answers every find and store 2.8 s late (inside hivemind's 3 s RPC timeout).
 
 Runs are independent and seeded, in virtual time, so `--jobs` processes run them side by side with
 the same figures. Writes bench_attack.json into --out after every run.
