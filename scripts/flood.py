@@ -65,7 +65,7 @@ class FloodConfig:
     connections: int = 64  # flood streams to each honest peer at once
     announcements: int = 1000  # fake peers announced on the DHT
     fake_host: str = "127.66.0.1"  # where the fakes say they are (loopback: nothing listens there)
-    late_answers: float = 0.0  # seconds the attackers' DHT server holds every answer to a find (0: at once)
+    late_answers: float = 0.0  # seconds the attackers' DHT server holds every answer to a find or store (0: none)
     name: str = "flood"  # the attacked phase's; the clean one is "<name>-clean"
     quick: bool = False
     train: TrainConfig = field(default_factory=TrainConfig)
@@ -246,7 +246,7 @@ def run_flood(config: FloodConfig, runs: Path = Path("runs/bench_attack")) -> di
             "samples_per_second_ratio": TARGET_RATIO,
             "crashes": 0,
             "exchanging_ratio": TARGET_EXCHANGING,
-        },  # fmt: skip
+        },
         "met": growth <= TARGET_RSS_MB and ratio >= TARGET_RATIO and crashes == 0 and exchanging >= TARGET_EXCHANGING,
     }
 
