@@ -15,6 +15,7 @@ its ``p2pd`` and itself.
 from __future__ import annotations
 
 import functools
+import gc
 import ipaddress
 import logging
 import math
@@ -226,10 +227,15 @@ def _guard_worker() -> None:
     Ctrl-C to the parent. A terminal sends SIGINT to the whole process group; the worker would otherwise run
     the parent's handler (`murmur.peer.cli`), and print a traceback of its own, while the parent stops
     cleanly and then stops the worker. SIGTERM kills the worker as by default. The worker, and so its p2pd,
-    runs `NETWORK_NICENESS` nicer than the parent."""
+    runs `NETWORK_NICENESS` nicer than the parent, and its collector leaves what it inherited alone."""
     parent = _forking_worker_of
     if parent is not None and os.getppid() == parent:
         os.nice(NETWORK_NICENESS)  # this one thread so far: every later thread and p2pd inherits it
+        # Every object the parent had (torch's modules and all) is the worker's too, and Python's collector would
+        # walk them all in each full collection: the workers of a machine's peers, forked alike and fed alike,
+        # reached theirs about two minutes in, together, and stalled seconds at a time (every roster read late,
+        # the whole swarm alone for rounds). Frozen, the collector skips them, and their pages stay shared.
+        gc.freeze()
         signal.signal(signal.SIGINT, signal.SIG_IGN)
         signal.signal(signal.SIGTERM, signal.SIG_DFL)
         threading.Thread(target=_die_with, args=(parent,), name="murmur-orphan-guard", daemon=True).start()

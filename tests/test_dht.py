@@ -746,6 +746,24 @@ def test_every_node_s_worker_and_p2pd_run_nicer_than_the_peer(swarm: list[Any]) 
             assert {tid: os.getpriority(os.PRIO_PROCESS, tid) for tid in threads} == dict.fromkeys(threads, expected)
 
 
+def test_every_node_s_worker_leaves_what_it_inherited_out_of_its_collections(swarm: list[Any]) -> None:
+    """A DHT worker is forked from its peer, torch and all: its collector must not walk those objects (a full
+    collection of them stalled every worker of a machine together), so they are frozen in the worker."""
+    import gc
+
+    inherited = len(gc.get_objects())  # what this process, the worker's parent, tracks now: about that many
+    for node in swarm:
+        frozen = node.run_coroutine(_frozen_objects)
+        assert frozen > inherited // 2, (frozen, inherited)
+    assert gc.get_freeze_count() == 0  # the parent's own collector is as it was
+
+
+async def _frozen_objects(_dht, _node) -> int:
+    import gc
+
+    return gc.get_freeze_count()
+
+
 @pytest.mark.slow
 def test_an_announcement_is_validated_once_per_store_not_once_per_read(swarm: list[Any], monkeypatch) -> None:
     from murmur.dht import records as records_module
