@@ -207,7 +207,7 @@ def _join_options(args: argparse.Namespace):
         verbose=not args.quiet,
         checkpoint_dir=args.checkpoint_dir, checkpoint_every=args.checkpoint_every,
         checkpoint_interval=args.checkpoint_interval, resume=args.resume, eval_every=args.eval_every,
-        overlap=args.overlap,
+        overlap=args.overlap, own_process=True,
     )  # fmt: skip
 
 

@@ -2,6 +2,7 @@
 files, fallback, pruning among files that verify, and format-1 `.pt` files still read (and never unpickled)."""
 
 import dataclasses
+import gc
 import io
 import logging
 import os
@@ -481,6 +482,37 @@ def test_a_real_peer_checkpoints_and_resumes(tmp_path, caplog):
             second = run_peer(dataclasses.replace(options, resume=True), threading.Event())
         assert f"resumed from {saved[0]} at step {first.steps}" in caplog.text
         assert second.steps > first.steps and second.samples > first.samples
+    finally:
+        stop_node(boot)
+
+
+@pytest.mark.slow
+def test_a_peer_in_a_process_of_its_own_freezes_its_heap_before_it_announces_itself(tmp_path):
+    """`murmur join`'s peer leaves what its start-up built out of later full collections (`settle_heap`): the
+    model and torch's modules among them, frozen by the time it has announced itself; a peer inside another program
+    (this test's other peer, the default) freezes nothing."""
+    boot = start_node(NodeConfig())
+    try:
+        config = TrainConfig(inner_steps=2, batch_size=4, eval_batches=1)
+        record = RunRecord(run_id=RUN, config=config.to_record(), created_by=boot.peer_id.to_base58())
+        RunRecords(boot, RUN).publish_config(record)
+        node = NodeConfig(initial_peers=tuple(visible_addresses(boot)))
+        seen = []
+
+        def look(peer) -> None:  # called once the peer has announced itself
+            model = peer.trainer.model
+            seen.append((gc.get_freeze_count(), gc.is_tracked(model), any(o is model for o in gc.get_objects())))
+            stop.set()
+
+        for own in (False, True):
+            stop = threading.Event()
+            options = PeerOptions(run_id=RUN, node=node, out_dir=tmp_path / str(own), own_process=own)
+            try:
+                run_peer(options, stop, on_start=look)
+            finally:
+                gc.unfreeze()  # back to the collector: the rest of the suite runs in this process
+        assert seen[0] == (0, True, True)  # not frozen: the collector still walks the model
+        assert seen[1][0] > 50_000 and seen[1][1:] == (True, False)  # skipped by it
     finally:
         stop_node(boot)
 

@@ -170,6 +170,13 @@ def test_a_volunteer_can_make_its_peer_train_through_its_exchanges():
     assert _join_options(parser.parse_args([*JOIN, "--overlap"])).overlap is True
 
 
+def test_a_joined_peer_has_its_process_to_itself():
+    from murmur.peer.cli import _join_options
+
+    assert _join_options(build_parser().parse_args(JOIN)).own_process is True  # its start-up heap is frozen
+    assert PeerOptions(run_id="r", node=NodeConfig()).own_process is False  # a peer inside another program: not
+
+
 def test_a_volunteer_can_keep_the_outer_state_off_the_card():
     from murmur.peer.cli import _join_options
 
