@@ -95,16 +95,26 @@ class Heartbeat(_Background):
         """Announce again soon: what ``current()`` returns has changed. Never blocks."""
         self._poked.set()
 
-    def stop(self, timeout: float = 10.0) -> None:
-        """Stop beating (waiting up to ``timeout`` for the thread), then withdraw the announcement."""
+    def stop(self, timeout: float = 5.0) -> None:
+        """Stop beating, then withdraw the announcement, all within about ``timeout`` seconds.
+
+        The thread gets a quarter of it to finish an announcement in flight, and the withdrawal the rest. One that
+        is still in flight after that cannot outlive the withdrawal: the DHT keeps the later expiry of a subkey,
+        and the withdrawal's is the later (``RunRecords.withdraw``). A DHT that does not answer (the peers of a
+        machine stopped together, this node's ``p2pd`` killed with them) then costs the stop seconds, not the
+        30 s of a request's timeout, twice over. A withdrawal that fails leaves the record to expire.
+        """
+        deadline = time.monotonic() + timeout
         self._poked.set()
-        if not self._stop_thread(timeout):
-            logger.warning("heartbeat thread still busy after %.1f s; withdrawing anyway", timeout)
+        if not self._stop_thread(timeout / 4):
+            logger.info("heartbeat thread still busy after %.1f s; withdrawing anyway", timeout / 4)
         if self._announced is not None:
             try:
-                self.records.withdraw(self._announced)
+                self.records.withdraw(self._announced, timeout=max(deadline - time.monotonic(), timeout / 4))
             except Exception as e:
-                logger.warning("could not withdraw peer %s: %s", self._announced, " ".join(str(e).split()))
+                logger.warning("could not withdraw peer %s (%s): its announcement expires within %.0f s",
+                               self._announced, " ".join(str(e).split()) or type(e).__name__,
+                               self.records.announce_ttl)  # fmt: skip
 
     def __enter__(self) -> Heartbeat:
         return self.start()
@@ -123,8 +133,9 @@ class Heartbeat(_Background):
                     self.beats += 1
                 else:
                     logger.warning("announcement of peer %s was not stored", announcement.peer_id)
-            except Exception as e:
-                logger.warning("heartbeat failed: %s", " ".join(str(e).split()))
+            except Exception as e:  # once stopping, a failure is the stop's (a DHT going down with the peer)
+                logger.log(logging.DEBUG if self._stopping.is_set() else logging.WARNING, "heartbeat failed: %s",
+                           " ".join(str(e).split()) or type(e).__name__)  # fmt: skip
             if self.keep_config and time.monotonic() >= self._config_due:
                 self._republish_config()
             self._poked.wait(self.period)
@@ -198,7 +209,8 @@ class RosterWatch(_Background):
         self._start_thread()
         return self
 
-    def stop(self, timeout: float = 10.0) -> None:
+    def stop(self, timeout: float = 1.0) -> None:
+        """Stop reading; a read in flight is left to end or fail on its own (the thread only reads)."""
         self._stopping.set()
         self._wake.set()
         self._stop_thread(timeout)
@@ -226,7 +238,8 @@ class RosterWatch(_Background):
                 self.peers = self.records.peers()
                 self.reads += 1
             except Exception as e:
-                logger.warning("could not read the live peers: %s", " ".join(str(e).split()))
+                logger.log(logging.DEBUG if self._stopping.is_set() else logging.WARNING,
+                           "could not read the live peers: %s", " ".join(str(e).split()) or type(e).__name__)  # fmt: skip
             self._took = max(time.time() - started, 0.8 * self._took)
             while not self._stopping.is_set():
                 self._wake.clear()  # before reading `_due`: a `due` from now on wakes the wait below

@@ -17,7 +17,7 @@ import logging
 import re
 import threading
 from collections.abc import Callable
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from enum import StrEnum
 from typing import Annotated, Any, Generic, TypeVar
 
@@ -262,8 +262,10 @@ class RunRecords:
     async def a_announce(self, a: Announcement) -> bool:
         return await self._announce(a).wait_async()
 
-    def withdraw(self, peer_id: str) -> bool:
-        return self._withdraw(peer_id).wait()
+    def withdraw(self, peer_id: str, timeout: float | None = None) -> bool:
+        """Replace the peer's announcement by none; waits `timeout` seconds at most (default: `request_timeout`)."""
+        request = self._withdraw(peer_id)
+        return (request if timeout is None else replace(request, timeout=timeout)).wait()
 
     async def a_withdraw(self, peer_id: str) -> bool:
         return await self._withdraw(peer_id).wait_async()

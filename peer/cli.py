@@ -42,6 +42,7 @@ if __name__ == "__main__" or os.path.basename(sys.argv[0]) == "murmur":  # the p
         signal.signal(_signum, _interrupted_while_importing)
 
 from murmur.peer.flags import build_parser  # noqa: E402  (after the handler: pydantic takes a while to import)
+from murmur.peer.supervise import FORWARDED  # noqa: E402
 
 # the errors a user can cause, each one line: ValueError and OSError (AddressError, ConfigError, IdentityError,
 # AccessError, WorkloadError, ... are ValueErrors) and these, looked up only in modules already imported
@@ -61,7 +62,10 @@ def expected(error: BaseException) -> bool:
 class _Stop:
     """SIGINT/SIGTERM while a command runs: before `started()`, abort at once (KeyboardInterrupt, so the startup
     unwinds through its `finally` blocks: no join line, no round); after, the first one asks for a clean stop,
-    a second aborts. A context manager: on exit the previous handlers are back.
+    a second aborts. A stop that `murmur join --restart`'s supervisor forwards (`FORWARDED`) counts apart: a
+    stop of the whole process tree reaches a supervised peer twice at once, directly and forwarded, and is one
+    stop, whose final checkpoint and report are kept; a second Ctrl-C to the supervisor still aborts. A context
+    manager: on exit the previous handlers are back.
 
     Python runs a signal handler only between bytecodes, and a startup spends seconds inside C code (torch
     and hivemind loading their libraries), so a watcher thread hears the signal at once through the wakeup
@@ -78,8 +82,9 @@ class _Stop:
         self.event = threading.Event()
         self.command = command
         self._started = self._done = False
+        self._asked: set[bool] = set()  # who has asked for a clean stop: the supervisor (True) or anyone (False)
         self._said = threading.Lock()  # whoever takes it says "interrupted": the main thread or the watcher
-        self._previous = {signum: signal.signal(signum, self._handle) for signum in (signal.SIGINT, signal.SIGTERM)}
+        self._previous = {signum: signal.signal(signum, self._handle) for signum in (signal.SIGINT, signal.SIGTERM, FORWARDED)}
         read, self._write = os.pipe()
         os.set_blocking(self._write, False)
         self._previous_fd = signal.set_wakeup_fd(self._write, warn_on_full_buffer=False)
@@ -110,8 +115,10 @@ class _Stop:
         return self._said.acquire(blocking=False)
 
     def _handle(self, signum, frame) -> None:
-        if not self._started or self.event.is_set():
+        sender = signum == FORWARDED
+        if not self._started or sender in self._asked:
             raise KeyboardInterrupt
+        self._asked.add(sender)
         self.event.set()
 
     def _watch(self, read: int) -> None:
@@ -363,6 +370,8 @@ def main(argv: list[str] | None = None) -> int:
         level=logging.DEBUG if args.verbose else logging.WARNING,
         format="%(asctime)s %(name)s %(levelname)s %(message)s",
     )
+    # `multiaddr` logs each step of every address it parses at DEBUG: about 100 lines a second in a peer under -v
+    logging.getLogger("multiaddr").setLevel(logging.INFO)
     commands = {
         "bootstrap": _bootstrap,
         "join": _join,

@@ -14,7 +14,10 @@ the newest checkpoint, in about a second.
   peer dies, whatever is left of its group (a DHT worker, a `p2pd` that a `kill -9` of the peer alone
   orphaned) gets SIGKILL before the next start, so the new peer never shares the run with a ghost.
 - Ctrl-C or SIGTERM to the supervisor is forwarded to the peer, which stops cleanly (withdraws,
-  checkpoints, exits); then the supervisor exits with the peer's code.
+  checkpoints, exits); then the supervisor exits with the peer's code. It is forwarded as `FORWARDED`
+  (SIGUSR1), not as SIGTERM: a stop of the whole process tree (`kill` of every group, systemd's stop)
+  reaches the peer twice, directly and forwarded, and to the peer only a second stop from the same
+  sender aborts (`murmur.peer.cli`), so that one stop is not taken for two and the final checkpoint lost.
 - What is not restarted: a clean exit (0), an expected error (1: a bad flag, address or config would
   fail again the same way), an interrupted peer (130). A peer that keeps dying is given up on after
   `max_restarts` restarts within `period` seconds, with one line saying so. A restart is immediate;
@@ -38,6 +41,7 @@ EXPECTED_EXIT = {0, 1, 2, 130}  # clean, expected error, bad usage, interrupted:
 RESTARTED = "restarting with --resume"  # in the line the supervisor logs for each restart
 CRASH_EXIT = 70  # EX_SOFTWARE: what the peer exits with on an unexpected exception (restarted)
 _PR_SET_PDEATHSIG = 1
+FORWARDED = signal.SIGUSR1  # a stop the supervisor passes on to its peer
 
 
 class SupervisorError(RuntimeError):
@@ -133,7 +137,7 @@ def supervise(
         stopping.set()
         if child:
             with contextlib.suppress(ProcessLookupError):
-                os.kill(child, signal.SIGTERM)
+                os.kill(child, FORWARDED)
 
     previous = {s: signal.signal(s, forward) for s in (signal.SIGINT, signal.SIGTERM)}
     deaths: list[float] = []

@@ -27,7 +27,7 @@ SCRIPT = textwrap.dedent(
     """
     import json, os, signal, sys, time
     from pathlib import Path
-    from murmur.peer.supervise import RestartPolicy, SupervisorError, supervise
+    from murmur.peer.supervise import FORWARDED, RestartPolicy, SupervisorError, supervise
 
     starts, plan = Path(sys.argv[1]), json.loads(sys.argv[2])
 
@@ -40,9 +40,10 @@ SCRIPT = textwrap.dedent(
             os.kill(os.getpid(), signal.SIGKILL)
         if action == "raise":
             raise RuntimeError("a bug in the peer")
-        if action == "wait":  # like a peer: a clean stop on SIGTERM
+        if action == "wait":  # like a peer: a clean stop on SIGTERM, or on the supervisor's forward of one
             stop = []
-            signal.signal(signal.SIGTERM, lambda *a: stop.append(1))
+            for signum in (signal.SIGTERM, FORWARDED):
+                signal.signal(signum, lambda *a: stop.append(1))
             while not stop:
                 time.sleep(0.05)
             return 0
