@@ -23,7 +23,9 @@ machine's cores give when nothing is averaged, the ceiling of any swarm's sample
 from __future__ import annotations
 
 import argparse
+import gc
 import json
+import os
 import signal
 import threading
 import time
@@ -41,6 +43,7 @@ from murmur.peer.config import TrainConfig
 from murmur.peer.data import evaluate
 from murmur.peer.metrics import MetricsLog
 from murmur.peer.model import loss_of
+from murmur.peer.runner import settle_heap
 from murmur.peer.sim.simulate import start_bootstrap
 from murmur.peer.trainer import warmup_lr
 from murmur.peer.workload import WorkloadSpec
@@ -126,10 +129,14 @@ def peer(args: argparse.Namespace) -> None:
     node = start_node(NodeConfig(initial_peers=tuple(args.initial_peers), host=args.host))
     opt = None
     try:
+        # the same care as a Murmur peer's (`settle_heap`, and its DHT worker's freeze): hivemind's averager,
+        # forked from here, freezes what it inherits, and this process what its start-up built
+        os.register_at_fork(after_in_child=gc.freeze)
         opt = hivemind.Optimizer(
             dht=node, run_id=args.run, params=model.parameters(), optimizer=workload.optimizer,
             **PRESETS[args.preset].options(train, args.peers),
         )  # fmt: skip
+        settle_heap()
         log = MetricsLog(args.log)
         try:
             _train(train, workload, model, opt, args.data_seed, stop, log)
@@ -149,6 +156,7 @@ def alone(args: argparse.Namespace) -> None:
     log = MetricsLog(args.log)
     try:
         optimizer = workload.optimizer(workload.model.parameters())
+        settle_heap()  # as a peer does
         _train(train, workload, workload.model, optimizer, args.data_seed, stop, log)
     finally:
         log.close()
