@@ -237,9 +237,9 @@ class RosterWatch(_Background):
             try:
                 self.peers = self.records.peers()
                 self.reads += 1
-            except Exception as e:
-                logger.log(logging.DEBUG if self._stopping.is_set() else logging.WARNING,
-                           "could not read the live peers: %s", " ".join(str(e).split()) or type(e).__name__)  # fmt: skip
+            except Exception as e:  # once stopping, a failure is the stop's
+                level = logging.DEBUG if self._stopping.is_set() else logging.WARNING
+                logger.log(level, "could not read the live peers: %s", " ".join(str(e).split()) or type(e).__name__)
             self._took = max(time.time() - started, 0.8 * self._took)
             while not self._stopping.is_set():
                 self._wake.clear()  # before reading `_due`: a `due` from now on wakes the wait below

@@ -84,7 +84,8 @@ class _Stop:
         self._started = self._done = False
         self._asked: set[bool] = set()  # who has asked for a clean stop: the supervisor (True) or anyone (False)
         self._said = threading.Lock()  # whoever takes it says "interrupted": the main thread or the watcher
-        self._previous = {signum: signal.signal(signum, self._handle) for signum in (signal.SIGINT, signal.SIGTERM, FORWARDED)}
+        stops = (signal.SIGINT, signal.SIGTERM, FORWARDED)
+        self._previous = {signum: signal.signal(signum, self._handle) for signum in stops}
         read, self._write = os.pipe()
         os.set_blocking(self._write, False)
         self._previous_fd = signal.set_wakeup_fd(self._write, warn_on_full_buffer=False)

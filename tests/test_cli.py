@@ -155,8 +155,10 @@ def test_help_bad_flags_and_report_answer_without_torch_hivemind_or_matplotlib(t
 
 def test_verbose_logs_murmur_at_debug_without_the_address_parsers_chatter(tmp_path):
     (tmp_path / "metrics.jsonl").write_text('{"t": 1.0, "round": 1, "samples": 16, "loss": 3.0, "eval_loss": 3.1}\n')
-    code = ("import logging, sys; from murmur.peer.cli import main; main(sys.argv[1:]); "
-            "print(*(logging.getLogger(n).getEffectiveLevel() for n in ('murmur.peer', 'multiaddr.codecs.cid')))")
+    code = (
+        "import logging, sys; from murmur.peer.cli import main; main(sys.argv[1:]); "
+        "print(*(logging.getLogger(n).getEffectiveLevel() for n in ('murmur.peer', 'multiaddr.codecs.cid')))"
+    )
     done = subprocess.run([sys.executable, "-c", code, "-v", "report", str(tmp_path)], capture_output=True, text=True)
     assert done.stdout.split()[-2:] == [str(logging.DEBUG), str(logging.INFO)], done.stdout + done.stderr
 
