@@ -498,6 +498,7 @@ def test_a_peer_in_a_process_of_its_own_freezes_its_heap_before_it_announces_its
         RunRecords(boot, RUN).publish_config(record)
         node = NodeConfig(initial_peers=tuple(visible_addresses(boot)))
         seen = []
+        gc.unfreeze()  # whatever an earlier test froze in this process
 
         def look(peer) -> None:  # called once the peer has announced itself
             model = peer.trainer.model
