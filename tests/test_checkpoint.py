@@ -1,6 +1,7 @@
 """Checkpoints as safetensors: a bit-exact round trip and resume, atomic writes, one-line errors for corrupt
 files, fallback, pruning among files that verify, and format-1 `.pt` files still read (and never unpickled)."""
 
+import contextlib
 import dataclasses
 import gc
 import io
@@ -461,14 +462,22 @@ def test_checkpoint_options(tmp_path, capsys):
         assert exit_info.value.code == 2 and needle in err and len(err.strip().splitlines()) == 1, err
 
 
-@pytest.mark.slow
-def test_a_real_peer_checkpoints_and_resumes(tmp_path, caplog):
+@contextlib.contextmanager
+def published(config: TrainConfig):
+    """A bootstrap node that has published RUN's `config`: yields the node config a peer joins it with."""
     boot = start_node(NodeConfig())
     try:
-        config = TrainConfig(inner_steps=2, batch_size=4, eval_batches=1)
         record = RunRecord(run_id=RUN, config=config.to_record(), created_by=boot.peer_id.to_base58())
         RunRecords(boot, RUN).publish_config(record)
-        node = NodeConfig(initial_peers=tuple(visible_addresses(boot)))
+        yield NodeConfig(initial_peers=tuple(visible_addresses(boot)))
+    finally:
+        stop_node(boot)
+
+
+@pytest.mark.slow
+def test_a_real_peer_checkpoints_and_resumes(tmp_path, caplog):
+    config = TrainConfig(inner_steps=2, batch_size=4, eval_batches=1)
+    with published(config) as node:
         options = PeerOptions(
             run_id=RUN, node=node, duration=2.0, out_dir=tmp_path,
             checkpoint_every=1, checkpoint_interval=3600,  # due every round, but not within the hour
@@ -482,8 +491,6 @@ def test_a_real_peer_checkpoints_and_resumes(tmp_path, caplog):
             second = run_peer(dataclasses.replace(options, resume=True), threading.Event())
         assert f"resumed from {saved[0]} at step {first.steps}" in caplog.text
         assert second.steps > first.steps and second.samples > first.samples
-    finally:
-        stop_node(boot)
 
 
 @pytest.mark.slow
@@ -491,12 +498,8 @@ def test_a_peer_in_a_process_of_its_own_freezes_its_heap_before_it_announces_its
     """`murmur join`'s peer leaves what its start-up built out of later full collections (`settle_heap`): the
     model and torch's modules among them, frozen by the time it has announced itself; a peer inside another program
     (this test's other peer, the default) freezes nothing."""
-    boot = start_node(NodeConfig())
-    try:
-        config = TrainConfig(inner_steps=2, batch_size=4, eval_batches=1)
-        record = RunRecord(run_id=RUN, config=config.to_record(), created_by=boot.peer_id.to_base58())
-        RunRecords(boot, RUN).publish_config(record)
-        node = NodeConfig(initial_peers=tuple(visible_addresses(boot)))
+    config = TrainConfig(inner_steps=2, batch_size=4, eval_batches=1)
+    with published(config) as node:
         seen = []
         gc.unfreeze()  # whatever an earlier test froze in this process
 
@@ -514,20 +517,14 @@ def test_a_peer_in_a_process_of_its_own_freezes_its_heap_before_it_announces_its
                 gc.unfreeze()  # back to the collector: the rest of the suite runs in this process
         assert seen[0] == (0, True, True)  # not frozen: the collector still walks the model
         assert seen[1][0] > 50_000 and seen[1][1:] == (True, False)  # skipped by it
-    finally:
-        stop_node(boot)
 
 
 @pytest.mark.slow
 def test_a_stop_in_the_middle_of_a_long_round_stops_at_once_and_keeps_its_steps(tmp_path):
     """Ctrl-C during a round of minutes: the peer stops after the inner step in flight, not at the round's
     end, and the steps it took are in the checkpoint although no round was completed."""
-    boot = start_node(NodeConfig())
-    try:
-        config = TrainConfig(inner_steps=2, batch_size=4, eval_batches=1, round_seconds=120.0)
-        record = RunRecord(run_id=RUN, config=config.to_record(), created_by=boot.peer_id.to_base58())
-        RunRecords(boot, RUN).publish_config(record)
-        node = NodeConfig(initial_peers=tuple(visible_addresses(boot)))
+    config = TrainConfig(inner_steps=2, batch_size=4, eval_batches=1, round_seconds=120.0)
+    with published(config) as node:
         options = PeerOptions(run_id=RUN, node=node, out_dir=tmp_path, checkpoint_every=1, checkpoint_interval=0)
         stop, stopped_at = threading.Event(), []
 
@@ -548,5 +545,3 @@ def test_a_stop_in_the_middle_of_a_long_round_stops_at_once_and_keeps_its_steps(
         assert report.rounds == 0 and report.steps > 0
         saved = sorted((tmp_path / "checkpoints").glob("ckpt-*"))
         assert [p.name for p in saved] == [f"ckpt-{report.steps:08d}.safetensors"]
-    finally:
-        stop_node(boot)
