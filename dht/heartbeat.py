@@ -53,6 +53,12 @@ class _Background:
     def _run(self) -> None:
         raise NotImplementedError
 
+    def _failed(self, what: str, error: Exception) -> None:
+        """`what` failed with `error`, in one line: a warning, or a debug message once stopping (a failure then is the
+        stop's: a DHT going down with the peer)."""
+        level = logging.DEBUG if self._stopping.is_set() else logging.WARNING
+        logger.log(level, "%s: %s", what, " ".join(str(error).split()) or type(error).__name__)
+
 
 class Heartbeat(_Background):
     """Announce ``current()`` now, every ``period`` seconds (default: a third of the ttl), and whenever
@@ -133,9 +139,8 @@ class Heartbeat(_Background):
                     self.beats += 1
                 else:
                     logger.warning("announcement of peer %s was not stored", announcement.peer_id)
-            except Exception as e:  # once stopping, a failure is the stop's (a DHT going down with the peer)
-                logger.log(logging.DEBUG if self._stopping.is_set() else logging.WARNING, "heartbeat failed: %s",
-                           " ".join(str(e).split()) or type(e).__name__)  # fmt: skip
+            except Exception as e:
+                self._failed("heartbeat failed", e)
             if self.keep_config and time.monotonic() >= self._config_due:
                 self._republish_config()
             self._poked.wait(self.period)
@@ -237,9 +242,8 @@ class RosterWatch(_Background):
             try:
                 self.peers = self.records.peers()
                 self.reads += 1
-            except Exception as e:  # once stopping, a failure is the stop's
-                level = logging.DEBUG if self._stopping.is_set() else logging.WARNING
-                logger.log(level, "could not read the live peers: %s", " ".join(str(e).split()) or type(e).__name__)
+            except Exception as e:
+                self._failed("could not read the live peers", e)
             self._took = max(time.time() - started, 0.8 * self._took)
             while not self._stopping.is_set():
                 self._wake.clear()  # before reading `_due`: a `due` from now on wakes the wait below
