@@ -4,7 +4,8 @@ A peer writes `metrics.jsonl`, `report.json`, `anchor.safetensors` and `checkpoi
 safetensors: `anchor.pt` and `ckpt-*.pt`, which count as an earlier run too). A new run in a
 folder that holds an earlier one would overwrite that run's model and report, append to its metrics
 and prune its checkpoints, so `check_fresh` refuses it in one line unless the peer resumes (which
-continues the earlier run on purpose). `murmur simulate` instead moves on to the next free folder
+continues the earlier run on purpose), and refuses a resume into a folder of another run, whose final model
+would be overwritten just the same (`other_run`). `murmur simulate` instead moves on to the next free folder
 (`fresh_folder`) and says so.
 """
 
@@ -24,13 +25,40 @@ def earlier_run(out_dir: Path | None, checkpoints: Path | None) -> list[str]:
     return found
 
 
-def check_fresh(out_dir: Path | None, checkpoints: Path | None, *, resume: bool) -> None:
-    """ValueError (one line) if a run that does not resume would write over an earlier run's files."""
+def other_run(out_dir: Path | None, checkpoints: Path | None, run_id: str) -> tuple[str, str] | None:
+    """(the other run's id, the file that names it) if these folders hold another run's final model, or only
+    other runs' checkpoints; None if they hold this run's, or nothing readable (an unreadable file proves nothing)."""
+    from murmur.peer import tensorfile
+    from murmur.peer.tensorfile import TensorFileError
+
+    def run_of(path: Path) -> str | None:
+        try:
+            return tensorfile.read_metadata(path).get("murmur.run_id")
+        except TensorFileError:
+            return None
+
+    anchor = out_dir / "anchor.safetensors" if out_dir is not None else None
+    if anchor is not None and anchor.is_file() and (other := run_of(anchor)) not in (None, run_id):
+        return other, anchor.name
+    found = [] if checkpoints is None or not checkpoints.is_dir() else sorted(checkpoints.glob("ckpt-*.safetensors"))
+    runs = {path.name: run for path in found if (run := run_of(path)) is not None}
+    if runs and run_id not in runs.values():
+        name, other = next(iter(runs.items()))
+        return other, name
+    return None
+
+
+def check_fresh(out_dir: Path | None, checkpoints: Path | None, *, resume: bool, run_id: str | None = None) -> None:
+    """ValueError (one line) if a run that does not resume would write over an earlier run's files, or if one
+    that resumes (`run_id`) would write over another run's."""
     found = [] if resume else earlier_run(out_dir, checkpoints)
+    where = out_dir if out_dir is not None else checkpoints
     if found:
-        where = out_dir if out_dir is not None else checkpoints
         raise ValueError(f"{where} holds an earlier run ({', '.join(found)}): pass --resume to continue it, "
                          "or choose a new folder")  # fmt: skip
+    if resume and run_id is not None and (other := other_run(out_dir, checkpoints, run_id)):
+        raise ValueError(f"{where} holds run {other[0]!r} ({other[1]}), not {run_id!r}: --resume continues only "
+                         "the folder's own run; choose a new folder")  # fmt: skip
 
 
 def fresh_folder(folder: Path) -> Path:

@@ -201,7 +201,7 @@ class VolunteerPeer:
 
     @classmethod
     def create(cls, options: PeerOptions) -> VolunteerPeer:
-        check_fresh(options.out_dir, options.checkpoints, resume=options.resume)  # never over an earlier run
+        check_fresh(options.out_dir, options.checkpoints, resume=options.resume, run_id=options.run_id)  # nor another's
         torch.set_num_threads(1)
         keep_freed_memory()  # a round's large temporaries reuse the last round's pages
         runtime = Runtime.resolve(options.device)  # before the node: a missing GPU fails fast

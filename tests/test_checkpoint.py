@@ -37,7 +37,7 @@ from murmur.peer.cli import main
 from murmur.peer.config import TrainConfig
 from murmur.peer.data import DataConfig, load_corpus
 from murmur.peer.model import build_model
-from murmur.peer.rundir import earlier_run
+from murmur.peer.rundir import check_fresh, earlier_run
 from murmur.peer.runner import PeerOptions, checkpoint_state, restore_state, run_peer
 from murmur.peer.trainer import Trainer
 
@@ -409,6 +409,28 @@ def test_an_earlier_run_is_seen_in_either_format(tmp_path):
         assert earlier_run(None, folder) == []
         (folder / name).write_bytes(b"a checkpoint")
         assert earlier_run(None, folder) == [f"checkpoints in {folder}"]
+
+
+def test_resume_refuses_a_folder_of_another_run_before_anything_starts(tmp_path, capsys):
+    """`--resume` into another run's `--out-dir` found none of its checkpoints usable, started afresh and wrote
+    over that run's final model; now it is one line, before a node starts, and the folder is as it was."""
+    model = build_model("gpt-tiny", seed=0)
+    folder = tmp_path / "run"
+    save_anchor(folder / "anchor.safetensors", model, dict(model.named_parameters()), run_id="other",
+                config={"model": "gpt-tiny"}, step=5)  # fmt: skip
+    save_checkpoint(folder / "checkpoints", small_state(5, run_id="other"))
+    before = {p: p.read_bytes() for p in folder.rglob("*") if p.is_file()}
+    join = ["join", "--initial-peers", BOOTSTRAP, "--run", RUN, "--resume", "--quiet"]
+    assert main([*join, "--out-dir", str(folder)]) == 1
+    err = capsys.readouterr().err
+    assert err == (f"murmur join: error: {folder} holds run 'other' (anchor.safetensors), not '{RUN}': --resume "
+                   "continues only the folder's own run; choose a new folder\n")  # fmt: skip
+    (folder / "anchor.safetensors").unlink()  # killed before its final model: its checkpoints name its run
+    assert main([*join, "--out-dir", str(folder)]) == 1
+    assert "holds run 'other' (ckpt-00000005.safetensors)" in capsys.readouterr().err
+    save_checkpoint(folder / "checkpoints", small_state(3))  # a folder that holds this run's checkpoints too
+    assert check_fresh(folder, folder / "checkpoints", resume=True, run_id=RUN) is None
+    assert all(p.read_bytes() == data for p, data in before.items() if p.exists())
 
 
 def test_no_checkpoints_means_none(tmp_path):
