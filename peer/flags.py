@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import argparse
 import math
+import time
 import typing
 from collections.abc import Callable
 from pathlib import Path
@@ -63,6 +64,15 @@ def number(*, zero: bool = False) -> Callable[[str], float]:
 
 
 PORT = integer(0, 65535)
+
+
+def future_time(text: str) -> float:
+    """An argparse type: a Unix time not yet past (a past one would train nothing and exit 0)."""
+    value = number()(text)
+    if value <= (now := time.time()):
+        raise argparse.ArgumentTypeError(f"must be a Unix time in the future (it is now {now:.0f}), got {text}: for "
+                                         "seconds of training use --duration")  # fmt: skip
+    return value
 
 
 def train_flags(parser: argparse.ArgumentParser) -> None:
@@ -157,7 +167,7 @@ def _join_parser(sub) -> None:
     join.add_argument("--run", required=True, help="run id")
     creator_flag(join)
     join.add_argument("--duration", type=number(), metavar="SECONDS", help="seconds to train (default: until Ctrl-C)")
-    join.add_argument("--until", type=number(), metavar="UNIX_TIME",
+    join.add_argument("--until", type=future_time, metavar="UNIX_TIME",
                       help="wall-clock end, in seconds since the epoch: no round starts that would end later, so "
                            "peers given the same --until end on the same round")  # fmt: skip
     join.add_argument("--out-dir", type=Path,
