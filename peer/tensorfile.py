@@ -83,6 +83,7 @@ def from_json(text: str) -> Any:
 
 def write(path: Path, snap: Snapshot) -> None:
     """Hash `snap` and write it to `path` atomically: a crash leaves whatever `path` held before, whole."""
+    from safetensors import SafetensorError
     from safetensors.torch import save_file
 
     metadata = {**snap.metadata, SHA256: digest(snap.metadata, snap.tensors)}
@@ -92,7 +93,10 @@ def write(path: Path, snap: Snapshot) -> None:
     os.close(fd)
     placed = False
     try:
-        save_file(snap.tensors, temp, metadata=metadata)
+        try:
+            save_file(snap.tensors, temp, metadata=metadata)
+        except SafetensorError as e:  # a full disk, as safetensors says it: an OSError, one line
+            raise OSError(f"cannot write {path}: {_first_line(e)}") from None
         _fsync(temp, os.O_RDONLY)
         os.replace(temp, path)
         placed = True

@@ -113,3 +113,21 @@ def test_a_checkpoint_is_not_taken_for_a_model(tmp_path):
     path = save_checkpoint(tmp_path, {"run_id": RUN, "model": "m", "step": 1, "x": torch.zeros(2)})
     with pytest.raises(ValueError, match=r"is not a murmur model \(no murmur.kind 'model' metadata\)$"):
         read_anchor(path)
+
+
+def test_a_full_disk_at_the_final_model_is_a_one_line_error_and_keeps_the_earlier_file(tmp_path, disk_full_at):
+    """safetensors says a full disk with its own SafetensorError, which `murmur join` printed as a traceback at the
+    end of a run; it is now an OSError (the command's one line), and the file that was there is whole."""
+    from murmur.peer.cli import expected
+
+    model = nn.Linear(64, 64)
+    path = tmp_path / ANCHOR
+    save_anchor(path, model, dict(model.named_parameters()), run_id=RUN, config={"model": "m"}, step=1)
+    before = path.read_bytes()
+    disk_full_at(len(before) // 2)
+    with pytest.raises(OSError) as info:
+        save_anchor(path, model, dict(model.named_parameters()), run_id=RUN, config={"model": "m"}, step=2)
+    message = str(info.value)
+    assert message.startswith(f"cannot write {path}: ") and "File too large" in message and "\n" not in message
+    assert expected(info.value)
+    assert path.read_bytes() == before and [p.name for p in tmp_path.iterdir()] == [ANCHOR]

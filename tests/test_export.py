@@ -114,6 +114,17 @@ def test_a_bad_source_is_one_line(tmp_path, capsys, make, error) -> None:
     assert not (tmp_path / "out").exists()
 
 
+def test_a_full_disk_is_one_line_and_leaves_no_file(trained, tmp_path, capsys, disk_full_at) -> None:
+    peer_dir = tmp_path / "peer"
+    save_anchor(peer_dir / ANCHOR, trained.model, trained.outer.anchor, run_id="r", config=CONFIG, step=1,
+                outer_step=1)  # fmt: skip
+    disk_full_at((peer_dir / ANCHOR).stat().st_size // 2)
+    assert main(["export", str(tmp_path / "out"), "--from", str(peer_dir)]) == 1  # was a SafetensorError traceback
+    err = capsys.readouterr().err
+    assert err.startswith(f"murmur export: error: cannot write {tmp_path / 'out' / 'model.safetensors'}: ")
+    assert "File too large" in err and err.count("\n") == 1 and list((tmp_path / "out").iterdir()) == []
+
+
 def test_export_flags_are_checked(capsys) -> None:
     assert main(["export", "o", "--initial-peers", "/ip4/127.0.0.1/tcp/1/p2p/QmXm"]) == 1
     assert "--initial-peers needs --run" in capsys.readouterr().err

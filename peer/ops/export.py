@@ -248,10 +248,14 @@ def sample(model: GPT, prompt: str, *, tokens: int, temperature: float, top_k: i
 
 
 def _atomic(path: Path, write_to) -> None:
+    from safetensors import SafetensorError
+
     tmp = path.with_name(f".{path.name}.tmp-{os.getpid()}")
     try:
         write_to(str(tmp))
         os.replace(tmp, path)
+    except SafetensorError as e:  # a full disk, as safetensors says it: an OSError, one line
+        raise OSError(f"cannot write {path}: {' '.join(str(e).split())}") from None
     finally:
         tmp.unlink(missing_ok=True)
 
