@@ -11,6 +11,7 @@ would be overwritten just the same (`other_run`). `murmur simulate` instead move
 
 from __future__ import annotations
 
+import os
 from pathlib import Path
 
 OUTPUTS = ("anchor.safetensors", "anchor.pt", "report.json", "metrics.jsonl")
@@ -59,6 +60,22 @@ def check_fresh(out_dir: Path | None, checkpoints: Path | None, *, resume: bool,
     if resume and run_id is not None and (other := other_run(out_dir, checkpoints, run_id)):
         raise ValueError(f"{where} holds run {other[0]!r} ({other[1]}), not {run_id!r}: --resume continues only "
                          "the folder's own run; choose a new folder")  # fmt: skip
+
+
+def check_writable(*folders: Path | None) -> None:
+    """ValueError (one line) unless each folder is one this peer can make or write into: a checkpoint folder that
+    is a file or read-only would fail every checkpoint of the run, each only a warning."""
+    for folder in folders:
+        if folder is None:
+            continue
+        existing = folder
+        while not existing.exists() and existing.parent != existing:  # the folder, or the nearest one that exists
+            existing = existing.parent
+        where = folder if existing == folder else f"{folder}: {existing}"
+        if not existing.is_dir():
+            raise ValueError(f"{where} is a file, not a folder")
+        if not os.access(existing, os.W_OK | os.X_OK):
+            raise ValueError(f"{where} is not writable")
 
 
 def fresh_folder(folder: Path) -> Path:

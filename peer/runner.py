@@ -48,7 +48,7 @@ from murmur.peer.journal import Journal
 from murmur.peer.metrics import PeerReport
 from murmur.peer.outer import finish_layout
 from murmur.peer.rounds import Plan, RoundEngine, Seen, Step
-from murmur.peer.rundir import check_fresh
+from murmur.peer.rundir import check_fresh, check_writable
 from murmur.peer.state import StateSharing, catch_up
 from murmur.peer.trainer import NonFiniteLoss, Trainer
 from murmur.peer.verdict import RunVerdict, all_finite
@@ -202,6 +202,7 @@ class VolunteerPeer:
     @classmethod
     def create(cls, options: PeerOptions) -> VolunteerPeer:
         check_fresh(options.out_dir, options.checkpoints, resume=options.resume, run_id=options.run_id)  # nor another's
+        check_writable(options.out_dir, options.checkpoints)  # before anything starts, not a warning a round
         torch.set_num_threads(1)
         keep_freed_memory()  # a round's large temporaries reuse the last round's pages
         runtime = Runtime.resolve(options.device)  # before the node: a missing GPU fails fast

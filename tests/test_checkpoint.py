@@ -433,6 +433,19 @@ def test_resume_refuses_a_folder_of_another_run_before_anything_starts(tmp_path,
     assert all(p.read_bytes() == data for p, data in before.items() if p.exists())
 
 
+def test_a_checkpoint_folder_that_cannot_be_one_is_refused_before_anything_starts(tmp_path, capsys):
+    """`--checkpoint-dir FILE` trained the whole run with every checkpoint failing, each a warning, and exited 0;
+    now it is one line before a node starts, as is an `--out-dir` under a file."""
+    file = tmp_path / "notes.txt"
+    file.write_text("kept")
+    join = ["join", "--initial-peers", BOOTSTRAP, "--run", RUN, "--quiet"]
+    assert main([*join, "--checkpoint-dir", str(file)]) == 1
+    assert capsys.readouterr().err == f"murmur join: error: {file} is a file, not a folder\n"
+    assert main([*join, "--out-dir", str(file / "run")]) == 1
+    assert capsys.readouterr().err == f"murmur join: error: {file / 'run'}: {file} is a file, not a folder\n"
+    assert file.read_text() == "kept"
+
+
 def test_no_checkpoints_means_none(tmp_path):
     assert latest_checkpoint(tmp_path / "missing", run_id=RUN, model="m") is None
     assert latest_checkpoint(tmp_path, run_id=RUN, model="m") is None
