@@ -22,6 +22,15 @@ def test_a_busy_port_fails_with_a_fix() -> None:
     assert check_port("127.0.0.1", port).level == Level.OK  # released: free again
 
 
+def test_a_host_this_machine_lacks_fails_with_a_fix() -> None:
+    """With port 0 doctor said "ok" for any --host, and murmur join then failed to listen there."""
+    for port in (0, 5000):
+        verdict = check_port("192.0.2.1", port)  # TEST-NET-1: no interface has it
+        assert verdict.level == Level.FAIL and verdict.detail.startswith("192.0.2.1 cannot be listened on: ")
+        assert "--host" in verdict.fix
+    assert check_port("0.0.0.0", 0).level == Level.OK
+
+
 @pytest.mark.parametrize(
     ("addresses", "level"),
     [
