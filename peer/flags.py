@@ -64,6 +64,7 @@ def number(*, zero: bool = False) -> Callable[[str], float]:
 
 
 PORT = integer(0, 65535)
+SEED = integer(0, 2**63 - 1)  # what torch's generators take (a larger one failed after startup, naming no flag)
 
 
 def future_time(text: str) -> float:
@@ -172,7 +173,7 @@ def _join_parser(sub) -> None:
                            "peers given the same --until end on the same round")  # fmt: skip
     join.add_argument("--out-dir", type=Path,
                       help="folder for metrics.jsonl, report.json, anchor.safetensors, checkpoints/")  # fmt: skip
-    join.add_argument("--data-seed", type=integer(0), default=0, help="seed of this peer's data stream")
+    join.add_argument("--data-seed", type=SEED, default=0, help="seed of this peer's data stream")
     join.add_argument("--exchange-timeout", type=number(), default=JOIN_DEFAULTS["exchange_timeout"],
                       metavar="SECONDS",
                       help="bound on one group exchange once its group is sealed (default: %(default)s)")  # fmt: skip
@@ -284,7 +285,7 @@ def build_parser() -> argparse.ArgumentParser:
                         help="0 always takes the likeliest byte (default: %(default)s)")  # fmt: skip
     sample.add_argument("--top-k", type=integer(1), default=40,
                         help="draw among the K likeliest bytes (default: %(default)s)")  # fmt: skip
-    sample.add_argument("--seed", type=integer(0), default=0, help="seed of the draws (default: %(default)s)")
+    sample.add_argument("--seed", type=SEED, default=0, help="seed of the draws (default: %(default)s)")
 
     report = sub.add_parser("report", help="plot a peer's or a simulation's metrics logs to a PNG")
     report.add_argument("run_dir", type=Path, metavar="RUN_DIR", help="a folder with metrics.jsonl or peer-*/")

@@ -74,6 +74,8 @@ def test_help_screens(command, capsys):
         ([*JOIN, "--batch-size", "-3"], "argument --batch-size: must be at least 1, got -3"),
         ([*JOIN, "--duration", "-5"], "argument --duration: must be a positive number, got -5"),
         ([*JOIN, "--duration", "0"], "argument --duration: must be a positive number, got 0"),
+        ([*JOIN, "--data-seed", str(2**63)], f"argument --data-seed: must be between 0 and {2**63 - 1}, got {2**63}"),
+        (["sample", "d", "--seed", str(2**64)], f"argument --seed: must be between 0 and {2**63 - 1}, got {2**64}"),
         ([*JOIN, "--until", "3600"], "argument --until: must be a Unix time in the future (it is now "),  # 0 steps
         (["doctor", "--port", "70000"], "argument --port: must be between 0 and 65535, got 70000"),
         (["join", "--initial-peers", PEER, "--run", "r", "--use-auto-relay=yes"], "ignored explicit argument"),
