@@ -6,15 +6,20 @@ folder that holds an earlier one would overwrite that run's model and report, ap
 and prune its checkpoints, so `check_fresh` refuses it in one line unless the peer resumes (which
 continues the earlier run on purpose), and refuses a resume into a folder of another run, whose final model
 would be overwritten just the same (`other_run`). `murmur simulate` instead moves on to the next free folder
-(`fresh_folder`) and says so.
+(`fresh_folder`) and says so. A peer holds its folders (`FolderLock`) while it runs, so a second peer
+started on them, with `--resume` or before the first has written anything, is refused instead of
+interleaving its files with the first's and resuming from its checkpoints.
 """
 
 from __future__ import annotations
 
+import errno
+import fcntl
 import os
 from pathlib import Path
 
 OUTPUTS = ("anchor.safetensors", "anchor.pt", "report.json", "metrics.jsonl")
+LOCK = ".murmur.lock"  # in each folder a peer writes to: its process id, under a POSIX lock while it runs
 
 
 def earlier_run(out_dir: Path | None, checkpoints: Path | None) -> list[str]:
@@ -86,3 +91,40 @@ def fresh_folder(folder: Path) -> Path:
     while (candidate := folder.with_name(f"{folder.name}-{n}")).exists():
         n += 1
     return candidate
+
+
+class FolderLock:
+    """The folders of one running peer, each made if missing and locked (`fcntl.lockf` on `LOCK`: the kernel
+    releases it when the process dies, however it dies, and a forked child does not inherit it). `take`
+    raises ValueError (one line) if another process holds one of them."""
+
+    def __init__(self, fds: list[int]) -> None:
+        self._fds = fds
+
+    @classmethod
+    def take(cls, *folders: Path | None) -> FolderLock:
+        fds: list[int] = []
+        try:
+            for folder in dict.fromkeys(f for f in folders if f is not None):
+                folder.mkdir(parents=True, exist_ok=True)
+                fd = os.open(folder / LOCK, os.O_RDWR | os.O_CREAT, 0o644)
+                fds.append(fd)
+                try:
+                    fcntl.lockf(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+                except OSError as e:
+                    if e.errno not in (errno.EACCES, errno.EAGAIN):  # a file system without locks: none to hold
+                        continue
+                    holder = os.pread(fd, 32, 0).decode(errors="replace").strip() or "unknown"
+                    raise ValueError(f"{folder} is in use by another murmur peer (process {holder}): stop it, or "
+                                     "choose another folder") from None  # fmt: skip
+                os.ftruncate(fd, 0)
+                os.pwrite(fd, f"{os.getpid()}\n".encode(), 0)
+        except BaseException:
+            cls(fds).release()
+            raise
+        return cls(fds)
+
+    def release(self) -> None:
+        for fd in self._fds:
+            os.close(fd)  # the lock goes with the descriptor
+        self._fds = []

@@ -48,7 +48,7 @@ from murmur.peer.journal import Journal
 from murmur.peer.metrics import PeerReport
 from murmur.peer.outer import finish_layout
 from murmur.peer.rounds import Plan, RoundEngine, Seen, Step
-from murmur.peer.rundir import check_fresh, check_writable
+from murmur.peer.rundir import FolderLock, check_fresh, check_writable
 from murmur.peer.state import StateSharing, catch_up
 from murmur.peer.trainer import NonFiniteLoss, Trainer
 from murmur.peer.verdict import RunVerdict, all_finite
@@ -198,22 +198,25 @@ class VolunteerPeer:
         self.verdict = RunVerdict()  # why the run must stop with an error, if it must
         directory = options.checkpoints
         self.writer = CheckpointWriter(directory) if directory is not None else None
+        self.lock: FolderLock | None = None  # its folders, held while it runs (`create` takes them)
 
     @classmethod
     def create(cls, options: PeerOptions) -> VolunteerPeer:
-        check_fresh(options.out_dir, options.checkpoints, resume=options.resume, run_id=options.run_id)  # nor another's
         check_writable(options.out_dir, options.checkpoints)  # before anything starts, not a warning a round
-        torch.set_num_threads(1)
-        keep_freed_memory()  # a round's large temporaries reuse the last round's pages
-        runtime = Runtime.resolve(options.device)  # before the node: a missing GPU fails fast
-        dht = start_node(options.node)
-        peer = None
+        lock = FolderLock.take(options.out_dir, options.checkpoints)  # no other live peer writes there
+        dht = peer = None
         try:
+            check_fresh(options.out_dir, options.checkpoints, resume=options.resume, run_id=options.run_id)
+            torch.set_num_threads(1)
+            keep_freed_memory()  # a round's large temporaries reuse the last round's pages
+            runtime = Runtime.resolve(options.device)  # before the node: a missing GPU fails fast
+            dht = start_node(options.node)
             records = RunRecords(dht, options.run_id)
             config, record = fetch_run(records, options.config_wait, options.exchange.access, options.node.creator)
             workload = options.workload.build(config)
             trainer = Trainer.fitted(config, workload, data_seed=options.data_seed, runtime=runtime)
             peer = cls(options, dht, trainer, records)
+            peer.lock = lock
             if trainer.outer.host_state and not runtime.host_state:  # `--outer-state auto` moved it
                 peer._log(logging.INFO, "the outer state is kept in host memory: a training step does not fit "
                                         "beside it on the card")  # fmt: skip
@@ -236,9 +239,11 @@ class VolunteerPeer:
             return peer
         except BaseException:
             if peer is not None:
-                peer.close()
+                peer.close()  # the lock too
             else:
-                stop_node(dht)
+                if dht is not None:
+                    stop_node(dht)
+                lock.release()
             raise
 
     async def _start_averager(self, *, finish: bool = False) -> GroupAverager:
@@ -510,6 +515,8 @@ class VolunteerPeer:
             self.writer.close()  # the last snapshot reaches the disk before the process exits
         self.journal.close()
         stop_node(self.dht)
+        if self.lock is not None:
+            self.lock.release()  # last: everything this peer writes is written
 
 
 async def _average(averager: GroupAverager, offer, plan: Plan, group_size: int) -> GroupResult | None:

@@ -10,6 +10,8 @@ import os
 import pickle
 import random
 import re
+import subprocess
+import sys
 import threading
 import time
 
@@ -37,7 +39,7 @@ from murmur.peer.cli import main
 from murmur.peer.config import TrainConfig
 from murmur.peer.data import DataConfig, load_corpus
 from murmur.peer.model import build_model
-from murmur.peer.rundir import check_fresh, earlier_run
+from murmur.peer.rundir import FolderLock, check_fresh, earlier_run
 from murmur.peer.runner import PeerOptions, checkpoint_state, restore_state, run_peer
 from murmur.peer.trainer import Trainer
 
@@ -444,6 +446,29 @@ def test_a_checkpoint_folder_that_cannot_be_one_is_refused_before_anything_start
     assert main([*join, "--out-dir", str(file / "run")]) == 1
     assert capsys.readouterr().err == f"murmur join: error: {file / 'run'}: {file} is a file, not a folder\n"
     assert file.read_text() == "kept"
+
+
+def test_a_folder_a_live_peer_holds_is_refused_and_freed_when_it_dies(tmp_path, capsys):
+    """Two `murmur join --resume --out-dir DIR` at once both trained: one metrics log for two peers, one final
+    model over the other's, the second resumed from the first's checkpoints and pruned them; now the second is
+    one line, and a killed holder (SIGKILL) frees the folder."""
+    folder = tmp_path / "run"
+    holder = subprocess.Popen(
+        [sys.executable, "-c", "import sys, time; from pathlib import Path; from murmur.peer.rundir import FolderLock; "
+         "FolderLock.take(Path(sys.argv[1]), Path(sys.argv[1]) / 'checkpoints'); print('held', flush=True); "
+         "time.sleep(120)", str(folder)], stdout=subprocess.PIPE, text=True,
+    )  # fmt: skip
+    try:
+        assert holder.stdout.readline() == "held\n"
+        join = ["join", "--initial-peers", BOOTSTRAP, "--run", RUN, "--resume", "--quiet"]
+        for flag, locked in (("--out-dir", folder), ("--checkpoint-dir", folder / "checkpoints")):
+            assert main([*join, flag, str(locked)]) == 1
+            line = f"{locked} is in use by another murmur peer (process {holder.pid}): stop it, or choose another"
+            assert capsys.readouterr().err == f"murmur join: error: {line} folder\n"
+    finally:
+        holder.kill()
+        holder.wait()
+    FolderLock.take(folder, folder / "checkpoints").release()  # the kernel released the dead holder's lock
 
 
 def test_no_checkpoints_means_none(tmp_path):
