@@ -6,6 +6,7 @@ The file holds a libp2p ``PrivateKey`` protobuf with an RSA key, the format hive
 
 from __future__ import annotations
 
+import contextlib
 import os
 import secrets
 from pathlib import Path
@@ -51,15 +52,21 @@ def ensure_identity(path: str | os.PathLike[str]) -> Path:
     """
     path = Path(path)
     if not path.exists():
-        path.parent.mkdir(parents=True, exist_ok=True)
         tmp = path.with_name(f".{path.name}.{secrets.token_hex(4)}.tmp")
         try:
+            path.parent.mkdir(parents=True, exist_ok=True)
             P2P.generate_identity(str(tmp))
             os.link(tmp, path)
-        except FileExistsError:
-            pass
+        except FileExistsError as e:
+            if e.filename2 is None:  # the folder is a file (os.link's: another process's key landed first)
+                raise IdentityError(f"identity file {str(path)!r} cannot be created in {str(path.parent)!r}: "
+                                    f"{e.strerror}") from e  # fmt: skip
+        except OSError as e:  # a read-only or missing folder: named as the identity's, not as some path's
+            raise IdentityError(f"identity file {str(path)!r} cannot be created in {str(path.parent)!r}: "
+                                f"{e.strerror or e}") from e  # fmt: skip
         finally:
-            tmp.unlink(missing_ok=True)
+            with contextlib.suppress(OSError):  # never made (its folder read-only, or a file)
+                tmp.unlink()
     if not path.is_file():
         raise IdentityError(f"identity path {str(path)!r} is not a regular file")
     _load_peer_id(path)

@@ -483,6 +483,20 @@ def test_identity_path_must_be_a_readable_file(tmp_path: Path) -> None:
         peer_id_of(tmp_path / "missing.key")
 
 
+def test_an_identity_that_cannot_be_created_is_named_in_one_line(tmp_path: Path) -> None:
+    """`--identity` under a file (or in a read-only or missing folder) said only `[Errno 17] File exists: 'afile'`,
+    naming no identity."""
+    file = tmp_path / "notes.txt"
+    file.write_text("kept")
+    for path in (file / "peer.key", file / "keys" / "peer.key"):
+        with pytest.raises(IdentityError) as caught:
+            ensure_identity(path)
+        message = str(caught.value)
+        assert message.startswith(f"identity file {str(path)!r} cannot be created in {str(path.parent)!r}: ")
+        assert "\n" not in message
+    assert file.read_text() == "kept" and list(tmp_path.iterdir()) == [file]
+
+
 # ---------------------------------------------------------------- real nodes on loopback
 
 
