@@ -28,6 +28,8 @@ from collections.abc import Callable, Iterable, Mapping
 from dataclasses import dataclass, field
 from pathlib import Path
 
+from murmur.dht.addresses import AddressError, parse_peer_id
+
 _PEER_ID = re.compile(r"[1-9A-HJ-NP-Za-km-z]{1,128}")  # base58
 MIN_SECRET_BYTES = 16
 MAX_SECRET_BYTES = 4096
@@ -118,4 +120,9 @@ def load_policy(secret_file: Path | None, allow_peers: Iterable[str] | None) -> 
         if len(secret) > MAX_SECRET_BYTES:
             raise AccessError(f"run secret file {str(secret_file)!r} is larger than {MAX_SECRET_BYTES} bytes")
     allowed = None if allow_peers is None else frozenset(allow_peers)
+    for peer in sorted(allowed or ()):  # each a real peer id: a typo would be a peer that never pairs, in silence
+        try:
+            parse_peer_id(peer)
+        except AddressError:
+            raise AccessError(f"--allow-peers: not a peer id: {peer!r}") from None
     return AccessPolicy(secret=secret, allowed=allowed)
