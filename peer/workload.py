@@ -5,9 +5,10 @@ last element is the loss), an optimizer factory, and two batch sources: an endle
 per data seed and a fixed held-out set that is the same on every peer.
 
 A researcher's own code comes in as import paths (`pkg.module:function`) typed on the local
-command line or passed as callables to the Python API (`peer.api`). The run config names the
-model by the same path, so every peer of a run agrees on it, but that name is only ever compared,
-never imported: a peer imports only what its own user asked for.
+command line (imported as `python -m` would, from the current folder too) or passed as callables to
+the Python API (`peer.api`). The run config names the model by the same path, so every peer of a run
+agrees on it, but that name is only ever compared, never imported: a peer imports only what its own
+user asked for.
 
     build_model()                                   -> nn.Module (called under the run's seed)
     build_batches(split, *, seed, batch_size)       -> iterator of batches (tuples of tensors);
@@ -18,6 +19,8 @@ from __future__ import annotations
 
 import importlib
 import itertools
+import os
+import sys
 from collections.abc import Callable, Iterable, Iterator
 from dataclasses import dataclass
 from typing import Any, Protocol
@@ -42,6 +45,8 @@ def resolve(spec: str, what: str) -> Callable[..., Any]:
     if not is_spec(spec):
         raise WorkloadError(f"--{what} {spec!r} is not of the form pkg.module:function")
     module_name, attribute = spec.split(":")
+    if "" not in sys.path and os.getcwd() not in sys.path:  # the `murmur` script's path lacks the folder it runs
+        sys.path.insert(0, os.getcwd())  # in, which `python -m` has: the README's examples.tiny_mlp was not found
     try:
         module = importlib.import_module(module_name)
     except Exception as e:  # an ImportError, or whatever the module raised while importing

@@ -5,6 +5,8 @@ from __future__ import annotations
 
 import json
 import re
+import subprocess
+import sys
 import threading
 import uuid
 from pathlib import Path
@@ -12,6 +14,7 @@ from pathlib import Path
 import pytest
 import torch
 from safetensors.torch import load_file
+from torch import nn
 
 from murmur.dht.node import NodeConfig, start_node, stop_node, visible_addresses
 from murmur.dht.records import RunRecord, RunRecords
@@ -168,6 +171,20 @@ def _compressor(trainer: Trainer):
     from murmur.averaging.compression import LowRankCompressor
 
     return LowRankCompressor(trainer.config.compression())
+
+
+def test_the_murmur_script_imports_a_researchers_builder_from_the_folder_it_runs_in(tmp_path) -> None:
+    """The `murmur` script's sys.path has its own bin folder, not the current one (`python -m` has that), so the
+    README's `--model examples.tiny_mlp:build_model`, typed in the repository, was "No module named 'examples'"."""
+    (tmp_path / "mymodel.py").write_text("from torch import nn\n\ndef build():\n    return nn.Linear(3, 2)\n")
+    model = nn.Linear(3, 2)
+    save_anchor(tmp_path / "peer" / ANCHOR, model, dict(model.named_parameters()), run_id="r",
+                config={"model": "mymodel:build"}, step=1, outer_step=1)  # fmt: skip
+    script = Path(sys.executable).parent / "murmur"
+    done = subprocess.run([sys.executable, str(script), "export", "out", "--from", "peer"], cwd=tmp_path,
+                          capture_output=True, text=True, timeout=120)  # fmt: skip
+    assert done.returncode == 0, done.stderr
+    assert json.loads((tmp_path / "out" / "config.json").read_text())["builder"] == "mymodel:build"
 
 
 def test_a_researchers_own_model_goes_out_as_its_state_dict(tmp_path, capsys) -> None:
