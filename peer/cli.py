@@ -117,6 +117,8 @@ class _Stop:
 
     def _handle(self, signum, frame) -> None:
         sender = signum == FORWARDED
+        if not self._started and _importing(frame):  # the watcher exits in one line: an exception raised in an
+            return  # import can cross a C++ extension's init (torch's pybind11 code), which then aborts the process
         if not self._started or sender in self._asked:
             raise KeyboardInterrupt
         self._asked.add(sender)
@@ -133,6 +135,15 @@ class _Stop:
                     os._exit(130)
         finally:
             os.close(read)
+
+
+def _importing(frame) -> bool:
+    """Whether the frame a signal handler interrupted runs inside an import."""
+    while frame is not None:
+        if frame.f_code.co_filename.startswith("<frozen importlib"):
+            return True
+        frame = frame.f_back
+    return False
 
 
 def join_flags(model: str | None, data: str | None, secret_file: Path | None) -> str:

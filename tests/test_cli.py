@@ -166,6 +166,26 @@ def test_verbose_logs_murmur_at_debug_without_the_address_parsers_chatter(tmp_pa
     assert done.stdout.split()[-2:] == [str(logging.DEBUG), str(logging.INFO)], done.stdout + done.stderr
 
 
+def test_a_stop_during_a_startup_import_exits_in_one_line_without_raising_inside_the_import(tmp_path):
+    # An exception raised inside an import can cross a C++ extension's init (torch's pybind11 code) and abort the
+    # process ("terminate called after throwing pybind11::error_already_set"): a stop that lands in an import
+    # leaves the import alone, and the startup's watcher exits the process in one line.
+    (tmp_path / "stops_itself.py").write_text(
+        "import os, signal, time\n"
+        "os.kill(os.getpid(), signal.SIGINT)\n"
+        "try:\n"
+        "    time.sleep(5)\n"
+        "except KeyboardInterrupt:\n"
+        "    print('raised inside the import', flush=True)\n"
+        "    raise\n"
+    )
+    code = f"import sys; sys.path.insert(0, {str(tmp_path)!r}); from murmur.peer.cli import _Stop\n" \
+           "with _Stop('join'):\n    import stops_itself"  # fmt: skip
+    done = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=30)
+    assert "raised inside the import" not in done.stdout
+    assert (done.returncode, done.stderr) == (130, "murmur join: interrupted\n")
+
+
 def test_the_help_shows_the_defaults_the_peer_uses():
     options = PeerOptions(run_id="r", node=NodeConfig())
     assert JOIN_DEFAULTS == {
