@@ -31,6 +31,12 @@ def earlier_run(out_dir: Path | None, checkpoints: Path | None) -> list[str]:
     return found
 
 
+def final_model(out_dir: Path | None) -> Path | None:
+    """The final model an earlier run left in `out_dir` (`anchor.safetensors`, or an older murmur's `.pt`), if any."""
+    found = [out_dir / name for name in OUTPUTS[:2]] if out_dir is not None else []
+    return next((path for path in found if path.is_file()), None)
+
+
 def other_run(out_dir: Path | None, checkpoints: Path | None, run_id: str) -> tuple[str, str] | None:
     """(the other run's id, the file that names it) if these folders hold another run's final model, or only
     other runs' checkpoints; None if they hold this run's, or nothing readable (an unreadable file proves nothing)."""

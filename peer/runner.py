@@ -48,7 +48,7 @@ from murmur.peer.journal import Journal
 from murmur.peer.metrics import PeerReport
 from murmur.peer.outer import finish_layout
 from murmur.peer.rounds import Plan, RoundEngine, Seen, Step
-from murmur.peer.rundir import FolderLock, check_fresh, check_writable
+from murmur.peer.rundir import FolderLock, check_fresh, check_writable, final_model
 from murmur.peer.state import StateSharing, catch_up
 from murmur.peer.trainer import NonFiniteLoss, Trainer
 from murmur.peer.verdict import RunVerdict, all_finite
@@ -228,6 +228,11 @@ class VolunteerPeer:
             )  # fmt: skip
             # before the heartbeat: nobody knows this peer yet
             resumed = options.resume and peer._resume()
+            if options.resume and not resumed and (final := final_model(options.out_dir)) is not None:
+                raise PeerError(
+                    f"--resume found no usable checkpoint in {options.checkpoints}, and {final} is the "
+                    "final model a fresh start would overwrite: move it away, or choose a new folder"
+                )
             if options.state_download:  # a resumed peer takes a live state only if the swarm moved on
                 peer._log(*catch_up(peer.loop.run, peer.sharing, peer.trainer, resumed=resumed))
             peer.trainer.check_batches()  # bad data is one line, before anyone hears of this peer

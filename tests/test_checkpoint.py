@@ -40,7 +40,7 @@ from murmur.peer.config import TrainConfig
 from murmur.peer.data import DataConfig, load_corpus
 from murmur.peer.model import build_model
 from murmur.peer.rundir import FolderLock, check_fresh, earlier_run
-from murmur.peer.runner import PeerOptions, checkpoint_state, restore_state, run_peer
+from murmur.peer.runner import PeerError, PeerOptions, checkpoint_state, restore_state, run_peer
 from murmur.peer.trainer import Trainer
 
 RUN = "ckpt-test"
@@ -551,6 +551,13 @@ def test_a_real_peer_checkpoints_and_resumes(tmp_path, caplog):
             second = run_peer(dataclasses.replace(options, resume=True), threading.Event())
         assert f"resumed from {saved[0]} at step {first.steps}" in caplog.text
         assert second.steps > first.steps and second.samples > first.samples
+        # no usable checkpoint where it looks (another folder, or a run id reused with another model): a fresh start
+        # would write over the final model the folder holds, so the resume is refused in one line, the model kept
+        final = (tmp_path / "anchor.safetensors").read_bytes()
+        elsewhere = dataclasses.replace(options, resume=True, checkpoint_dir=tmp_path / "elsewhere")
+        with pytest.raises(PeerError, match=r"^--resume found no usable checkpoint in .*elsewhere, and .*anchor"):
+            run_peer(elsewhere, threading.Event())
+        assert (tmp_path / "anchor.safetensors").read_bytes() == final
 
 
 @pytest.mark.slow
