@@ -425,10 +425,13 @@ def _supervised_join(args: argparse.Namespace) -> int:
     options = _join_options(args)  # a bad flag is one line from the parent, before any fork
     if options.checkpoints is None:
         raise ValueError("--restart resumes from checkpoints: give --out-dir or --checkpoint-dir")
+    ends = None if args.duration is None else time.monotonic() + args.duration
     preload()
 
     def child(resume: bool) -> int:
         args.resume = resume
+        if resume and ends is not None:  # --duration counts from the first start: a restart trains what is left
+            args.duration = max(ends - time.monotonic(), 1.0)  # (at least a round, whose end writes the final model)
         return _run(_join, args)  # an unexpected exception escapes: the supervisor restarts the peer
 
     return supervise(child, resume=args.resume)

@@ -144,3 +144,34 @@ def test_wait_statuses_in_words():
 def test_a_bad_policy_is_refused():
     with pytest.raises(ValueError, match="restart policy"):
         RestartPolicy(max_restarts=-1)
+
+
+def test_a_restarted_peer_trains_what_is_left_of_its_duration(tmp_path):
+    """`murmur join --restart --duration D`: a peer killed at minute 59 of 60 trained 60 more minutes once
+    restarted; now D counts from the first start, restarts included. The peer here (`_join`) records its flags
+    and is SIGKILLed after 2 s on its first start; the supervisor is the real one."""
+    log = tmp_path / "starts.jsonl"
+    code = textwrap.dedent(
+        """
+        import json, os, signal, sys, time
+        from murmur.peer import cli
+
+        def join(args):
+            with open(sys.argv[1], "a") as f:
+                f.write(json.dumps([args.resume, args.duration]) + "\\n")
+            if not args.resume:
+                time.sleep(2)
+                os.kill(os.getpid(), signal.SIGKILL)
+            return 0
+
+        cli._join = join
+        sys.exit(cli.main(sys.argv[2:]))
+        """
+    )
+    peers = "/ip4/127.0.0.1/tcp/4001/p2p/QmNnooDu7bfjPFoTZYxMNLWUQJyrVwtbZg5gBMjTezGAJN"
+    argv = ["join", "--initial-peers", peers, "--run", "r", "--restart", "--duration", "10", "--out-dir", str(tmp_path)]
+    done = subprocess.run([sys.executable, "-c", code, str(log), *argv], capture_output=True, text=True, timeout=60)
+    assert done.returncode == 0, done.stderr
+    (first, left), (resumed, duration) = (json.loads(line) for line in log.read_text().splitlines())
+    assert (first, left, resumed) == (False, 10.0, True)
+    assert 1.0 <= duration < 8.0  # the 2 s before the kill, and the supervisor's start, are spent
