@@ -326,7 +326,9 @@ def _dashboard(args: argparse.Namespace) -> int:
 
 def _export(args: argparse.Namespace) -> int:
     from murmur.peer.ops.export import from_swarm, load, write  # its ExportError is a ValueError
+    from murmur.peer.rundir import check_writable
 
+    check_writable(args.out_dir)  # before a download from the swarm, not after it
     if args.initial_peers is not None:
         if args.run is None:
             raise ValueError("--initial-peers needs --run: the run whose model to download")

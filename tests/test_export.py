@@ -128,7 +128,10 @@ def test_a_full_disk_is_one_line_and_leaves_no_file(trained, tmp_path, capsys, d
     assert "File too large" in err and err.count("\n") == 1 and list((tmp_path / "out").iterdir()) == []
 
 
-def test_export_flags_are_checked(capsys) -> None:
+def test_export_flags_are_checked(tmp_path, capsys) -> None:
+    (tmp_path / "notes").write_text("kept")  # an output folder that is a file: one line naming it, before anything
+    assert main(["export", str(tmp_path / "notes"), "--from", str(tmp_path)]) == 1
+    assert capsys.readouterr().err == f"murmur export: error: {tmp_path / 'notes'} is a file, not a folder\n"
     assert main(["export", "o", "--initial-peers", "/ip4/127.0.0.1/tcp/1/p2p/QmXm"]) == 1
     assert "--initial-peers needs --run" in capsys.readouterr().err
     assert main(["export", "o", "--from", "x", "--run", "r"]) == 1
