@@ -109,6 +109,14 @@ def test_a_corrupt_model_is_a_one_line_error(tmp_path, damage, needle):
     assert message.startswith(f"model {path} ") and needle in message and "\n" not in message, message
 
 
+def test_the_temp_file_of_a_write_killed_midway_goes_with_the_next_write(tmp_path):
+    model = nn.Linear(8, 8)
+    stale = tmp_path / f".{ANCHOR}.k1ll3d.tmp"  # as tensorfile names it; a SIGKILL left it
+    stale.write_bytes(b"\0" * 1000)
+    save_anchor(tmp_path / ANCHOR, model, dict(model.named_parameters()), run_id=RUN, config={"model": "m"}, step=1)
+    assert [p.name for p in tmp_path.iterdir()] == [ANCHOR]
+
+
 def test_a_checkpoint_is_not_taken_for_a_model(tmp_path):
     path = save_checkpoint(tmp_path, {"run_id": RUN, "model": "m", "step": 1, "x": torch.zeros(2)})
     with pytest.raises(ValueError, match=r"is not a murmur model \(no murmur.kind 'model' metadata\)$"):
