@@ -18,6 +18,7 @@ outer steps past it.
 from __future__ import annotations
 
 import asyncio
+import functools
 import gc
 import logging
 import math
@@ -203,10 +204,13 @@ class VolunteerPeer:
     @classmethod
     def create(cls, options: PeerOptions) -> VolunteerPeer:
         check_writable(options.out_dir, options.checkpoints)  # before anything starts, not a warning a round
+        fresh = functools.partial(check_fresh, options.out_dir, options.checkpoints, resume=options.resume,
+                                  run_id=options.run_id)  # fmt: skip
+        fresh()  # never over an earlier run: refused with the folders untouched
         lock = FolderLock.take(options.out_dir, options.checkpoints)  # no other live peer writes there
         dht = peer = None
         try:
-            check_fresh(options.out_dir, options.checkpoints, resume=options.resume, run_id=options.run_id)
+            fresh()  # again, held: a peer that started beside this one may have written there since
             torch.set_num_threads(1)
             keep_freed_memory()  # a round's large temporaries reuse the last round's pages
             runtime = Runtime.resolve(options.device)  # before the node: a missing GPU fails fast
