@@ -140,6 +140,42 @@ def test_simulate_command_trains_a_swarm_and_reaps_everything(tmp_path):
     assert max(traffic.series[0].ys) > 0 and max(alive.series[0].ys) == 2
 
 
+def test_a_stopped_simulation_reports_what_its_peers_did_and_reaps_everything(tmp_path):
+    """SIGTERM (as Ctrl-C) to `murmur simulate` while its peers train: they stop cleanly, the report covers what they
+    did, and nothing is left running (SIGTERM used to kill the simulator alone, its peers training on, orphaned)."""
+    report_path, runs = tmp_path / "report.json", tmp_path / "runs"
+    cmd = [
+        sys.executable, "-m", "murmur.peer.cli", "simulate", "--peers", "1", "--duration", "300",
+        "--report", str(report_path), "--out-dir", str(runs), "--inner-steps", "10", "--seed", "0",
+    ]  # fmt: skip
+    tag = f"simulate-stop-{uuid.uuid4()}"
+    env = {**os.environ, "MURMUR_TEST_TAG": tag}
+    sim = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=env)
+    try:
+        deadline = time.monotonic() + 120
+        while not read_metrics(runs / "peer-0" / "metrics.jsonl"):  # the peer has trained a round
+            assert sim.poll() is None and time.monotonic() < deadline, "the peer never trained a round"
+            time.sleep(0.2)
+        sim.send_signal(signal.SIGTERM)
+        out, err = sim.communicate(timeout=60)
+    finally:
+        kill_tagged(tag)
+    assert sim.returncode == 0, err[-2000:]
+    assert "stopping the peers early" in err and f"report written to {report_path}: 1/1 peers reported" in out
+    (peer,) = json.loads(report_path.read_text())["peers"]
+    assert peer["rounds"] >= 1 and peer["final_eval_loss"] < peer["initial_eval_loss"]
+    left = tagged_processes(tag)
+    assert not left, f"the stopped simulation left processes running: {left}"
+
+
+def kill_tagged(tag: str) -> None:
+    """SIGKILL every process that inherited MURMUR_TEST_TAG=tag (a failed test's leftovers), by PID."""
+    for proc in psutil.process_iter():
+        with contextlib.suppress(psutil.Error):
+            if proc.environ().get("MURMUR_TEST_TAG") == tag:
+                proc.kill()
+
+
 def tagged_processes(tag: str, settle: float = 10.0) -> list[str]:
     """Processes that inherited MURMUR_TEST_TAG=tag, once given `settle` seconds to exit.
 
