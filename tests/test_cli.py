@@ -117,6 +117,18 @@ def test_bad_values_are_one_line_errors(argv, needle, capsys):
     assert len(err.strip().splitlines()) == 1 and "Traceback" not in err
 
 
+def test_an_unwritable_simulate_report_fails_before_anything_starts(tmp_path, capsys):
+    """A --report that cannot be written (here under a file) is one line at once, not after the whole simulation."""
+    (tmp_path / "notes").write_text("kept")
+    report = tmp_path / "notes" / "report.json"
+    argv = ["simulate", "--peers", "1", "--duration", "5", "--report", str(report), "--out-dir", str(tmp_path / "runs")]
+    assert main(argv) == 1
+    err = capsys.readouterr().err
+    assert err.startswith(f"murmur simulate: error: cannot write the report to {report}: "), err
+    assert len(err.strip().splitlines()) == 1
+    assert not (tmp_path / "runs").exists() and (tmp_path / "notes").read_text() == "kept"
+
+
 def numeric_flags():
     """(command, flag) for every flag of every command that takes a number."""
     parser = build_parser()

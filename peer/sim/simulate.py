@@ -15,11 +15,13 @@ from __future__ import annotations
 import collections
 import contextlib
 import dataclasses
+import errno
 import math
 import os
 import signal
 import subprocess
 import sys
+import tempfile
 import threading
 import time
 from collections.abc import Callable
@@ -217,6 +219,17 @@ def _progress_table(config: SimulationConfig, elapsed: float) -> Table:
     return table
 
 
+def check_writable(report: Path) -> None:
+    """Make the report's folder and check that a file can be written in it, leaving an earlier report as it is."""
+    try:
+        report.parent.mkdir(parents=True, exist_ok=True)
+        if report.is_dir():
+            raise IsADirectoryError(errno.EISDIR, "it is a folder")
+        tempfile.TemporaryFile(dir=report.parent).close()
+    except OSError as e:
+        raise ValueError(f"cannot write the report to {report}: {e.strerror or e}") from e
+
+
 def simulate(
     config: SimulationConfig,
     console: Console | None = None,
@@ -230,6 +243,7 @@ def simulate(
     console = console or Console(stderr=True)
     Runtime.resolve(config.device)  # a device this machine lacks fails here, not in every peer
     secret_check = load_policy(config.run_secret_file, config.allow_peers).run_check(config.run_id)
+    check_writable(config.report)  # an unwritable --report fails now, not after the whole simulation
     out_dir = fresh_folder(config.out_dir)  # an earlier simulation's files are kept, never overwritten
     if out_dir != config.out_dir:
         console.print(f"{config.out_dir} holds an earlier simulation, kept as it is; this one writes to {out_dir}",
