@@ -87,6 +87,21 @@ def test_report_plots_a_single_peer_folder(tmp_path: Path) -> None:
     assert list(load_logs(tmp_path / "me")) == ["me"]
 
 
+def test_report_skips_values_that_are_not_finite(tmp_path: Path, capsys) -> None:
+    """NaN and Infinity in a log (JSON readers accept them) are left out of the chart, not a traceback."""
+    write_log(tmp_path / "me", lines=6, start=50.0, seed=0)
+    log = tmp_path / "me" / "metrics.jsonl"
+    lines = log.read_text().splitlines()
+    lines[2] = lines[2].replace('"loss": 4.6', '"loss": NaN')
+    lines[3] = lines[3].replace('"bytes_sent": 120000', '"bytes_sent": Infinity').replace('"t": 56.0', '"t": -Infinity')
+    log.write_text("\n".join(lines))
+    assert "NaN" in lines[2] and "Infinity" in lines[3]
+    assert main(["report", str(tmp_path / "me")]) == 0
+    check_png(tmp_path / "me" / "report.png")
+    by_time, _, traffic, _ = build_chart(load_logs(tmp_path / "me")).panels
+    assert len(by_time.series[0].ys) == 4 and len(traffic.series[0].ys) == 5  # the record without a time is left out
+
+
 @pytest.mark.parametrize("make", [lambda d: None, lambda d: (d / "peer-0").mkdir(), lambda d: d.rmdir()])
 def test_report_without_metrics_is_a_one_line_error(tmp_path: Path, make: Any, capsys) -> None:
     run_dir = tmp_path / "run"
