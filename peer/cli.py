@@ -261,7 +261,7 @@ def _simulate(args: argparse.Namespace) -> int:
         )
     if report.consensus_distance is not None:
         print(f"  consensus distance {report.consensus_distance:.4f}")
-    return 0 if len(losses) == args.peers else 1
+    return 0 if len(losses) == args.peers and all(p.steps > 0 for p in report.peers) else 1
 
 
 def _status(args: argparse.Namespace) -> int:

@@ -2,6 +2,7 @@
 
 import asyncio
 import contextlib
+import io
 import json
 import os
 import signal
@@ -13,6 +14,7 @@ import uuid
 import psutil
 import pytest
 import torch
+from rich.console import Console
 
 from murmur.averaging.compression import LowRankCompressor, LowRankConfig
 from murmur.averaging.group import GroupAverager, GroupConfig, Offer
@@ -22,6 +24,7 @@ from murmur.dht.node import NodeConfig, start_node, stop_node, visible_addresses
 from murmur.peer.cli import main
 from murmur.peer.metrics import consensus_distance, read_metrics
 from murmur.peer.ops.report import PANEL_TITLES, build_chart, load_logs
+from murmur.peer.sim.simulate import SimulationConfig, simulate
 from tests.groupkit import APPOINTMENT, plans
 
 pytestmark = pytest.mark.slow
@@ -166,6 +169,17 @@ def test_a_stopped_simulation_reports_what_its_peers_did_and_reaps_everything(tm
     assert peer["rounds"] >= 1 and peer["final_eval_loss"] < peer["initial_eval_loss"]
     left = tagged_processes(tag)
     assert not left, f"the stopped simulation left processes running: {left}"
+
+
+def test_a_simulation_whose_peers_never_train_says_so(tmp_path):
+    """Peers still starting at the shared end (a machine too slow for --peers: here no startup allowance and 0.1 s
+    to train) took no step; `murmur simulate` used to report that as a success, in silence."""
+    console = Console(file=io.StringIO(), width=400)
+    config = SimulationConfig(peers=1, duration=0.1, startup=0.0, out_dir=tmp_path / "runs",
+                              report=tmp_path / "report.json")  # fmt: skip
+    report = simulate(config, console)
+    assert [p.steps for p in report.peers] == [0]
+    assert "1 of 1 peers took no training step" in console.file.getvalue()
 
 
 def kill_tagged(tag: str) -> None:

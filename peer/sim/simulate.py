@@ -269,7 +269,13 @@ def simulate(
     finally:
         stop_processes(procs, config.stop_grace)
         stop_node(boot)
-    return _gather(config, time.monotonic() - started)
+    report = _gather(config, time.monotonic() - started)
+    idle = sum(p.steps == 0 for p in report.peers)
+    if idle:  # the shared end came before they were up: a machine too slow to start this many peers in time
+        console.print(f"[red]{idle} of {config.peers} peers took no training step: they were still starting "
+                      f"at the shared end, {config.startup:g} s + --duration after the launch; give a longer "
+                      "--duration or fewer --peers[/red]", soft_wrap=True)  # fmt: skip
+    return report
 
 
 def _watch(
