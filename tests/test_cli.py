@@ -129,6 +129,18 @@ def test_an_unwritable_simulate_report_fails_before_anything_starts(tmp_path, ca
     assert not (tmp_path / "runs").exists() and (tmp_path / "notes").read_text() == "kept"
 
 
+@pytest.mark.parametrize("run", ["../escaped", "a b", ""])
+def test_a_bad_simulate_run_id_is_refused_before_any_folder_is_made(run, tmp_path, monkeypatch, capsys):
+    """The run id names the default folder, runs/RUN: it used to be made (../escaped outside runs/, or runs-2 for
+    an empty id) before the bootstrap node refused the id."""
+    monkeypatch.chdir(tmp_path)
+    (tmp_path / "runs" / "earlier").mkdir(parents=True)
+    assert main(["simulate", "--peers", "1", "--duration", "1", "--run", run, "--report", "r.json"]) == 1
+    err = capsys.readouterr().err
+    assert err.startswith(f"murmur simulate: error: bad run id {run!r}") and len(err.strip().splitlines()) == 1
+    assert sorted(p.relative_to(tmp_path).as_posix() for p in tmp_path.rglob("*")) == ["runs", "runs/earlier"]
+
+
 def numeric_flags():
     """(command, flag) for every flag of every command that takes a number."""
     parser = build_parser()

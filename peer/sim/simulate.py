@@ -34,7 +34,7 @@ from rich.live import Live
 from rich.table import Table
 
 from murmur.dht.node import NodeConfig, start_node, stop_node, visible_addresses
-from murmur.dht.records import RunRecord, RunRecords
+from murmur.dht.records import RunRecord, RunRecords, validate_run_id
 from murmur.peer.anchorfile import ANCHOR, read_anchor
 from murmur.peer.config import TrainConfig, is_spec
 from murmur.peer.device import DeviceConfig, Runtime
@@ -61,6 +61,7 @@ class SimulationConfig:
     allow_peers: tuple[str, ...] | None = None
 
     def __post_init__(self) -> None:
+        validate_run_id(self.run_id)  # before it names a folder (runs/RUN)
         if not 1 <= self.peers <= 64:
             raise ValueError(f"--peers must be between 1 and 64, got {self.peers}")
         if not 0 < self.duration < math.inf:
