@@ -24,6 +24,7 @@ OUTER_STATES: tuple[str, ...] = ("auto", "device", "host")
 JOIN_DEFAULTS = {"exchange_timeout": 10.0, "eval_every": 5, "checkpoint_every": 1, "checkpoint_interval": 30.0,
                  "overlap": False}  # fmt: skip
 MAX_PEERS = 64  # murmur simulate on one machine
+INT64_MAX = 2**63 - 1  # the largest whole number the run record (msgpack) and torch's seeds hold
 
 
 class Parser(argparse.ArgumentParser):
@@ -32,7 +33,7 @@ class Parser(argparse.ArgumentParser):
 
 
 def integer(minimum: int, maximum: int | None = None) -> Callable[[str], int]:
-    """An argparse type: a whole number in [minimum, maximum]."""
+    """An argparse type: a whole number in [minimum, maximum], and never above INT64_MAX."""
 
     def parse(text: str) -> int:
         try:
@@ -42,6 +43,8 @@ def integer(minimum: int, maximum: int | None = None) -> Callable[[str], int]:
         if value < minimum or (maximum is not None and value > maximum):
             span = f"between {minimum} and {maximum}" if maximum is not None else f"at least {minimum}"
             raise argparse.ArgumentTypeError(f"must be {span}, got {value}")
+        if value > INT64_MAX:
+            raise argparse.ArgumentTypeError(f"must be at most {INT64_MAX} (2^63 - 1), got {value}")
         return value
 
     return parse

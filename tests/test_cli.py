@@ -75,6 +75,11 @@ def test_help_screens(command, capsys):
         ([*JOIN, "--duration", "-5"], "argument --duration: must be a positive number, got -5"),
         ([*JOIN, "--duration", "0"], "argument --duration: must be a positive number, got 0"),
         (["doctor", "--port", "70000"], "argument --port: must be between 0 and 65535, got 70000"),
+        # past 64 bits: the run record could not hold it (a traceback from bootstrap), nor torch seed with it
+        (["bootstrap", "--run", "r", "--seed", "9" * 23], f"argument --seed: must be at most {2**63 - 1} (2^63 - 1)"),
+        (["simulate", "--inner-steps", str(2**63)], "argument --inner-steps: must be at most"),
+        ([*JOIN, "--data-seed", str(2**64)], "argument --data-seed: must be at most"),
+        (["sample", "out", "--seed", str(2**64)], "argument --seed: must be at most"),
         (["join", "--initial-peers", PEER, "--run", "r", "--use-auto-relay=yes"], "ignored explicit argument"),
         (["join", "--initial-peers", PEER, "--run", "r", "--client-mode=1"], "ignored explicit argument"),
     ],
