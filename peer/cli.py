@@ -274,7 +274,7 @@ def _status(args: argparse.Namespace) -> int:
     validate_run_id(args.run)  # before starting a node
     dht = start_node(reader_node(args))
     try:
-        status = read_status(RunRecords(dht, args.run))
+        status = read_status(RunRecords(dht, args.run), creator=args.creator)
     finally:
         stop_node(dht)
     if args.json:
