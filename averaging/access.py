@@ -107,7 +107,8 @@ class AccessPolicy:
 
 
 def load_policy(secret_file: Path | None, allow_peers: Iterable[str] | None) -> AccessPolicy:
-    """The policy of the CLI flags; AccessError (one line) on an unreadable or bad secret file."""
+    """The policy of the CLI flags; AccessError (one line) on an unreadable or bad secret file, or an allowlist
+    entry that is no peer id (a peer id mistyped would leave the peer training alone, refusing everyone)."""
     secret = None
     if secret_file is not None:
         try:
@@ -120,9 +121,10 @@ def load_policy(secret_file: Path | None, allow_peers: Iterable[str] | None) -> 
         if len(secret) > MAX_SECRET_BYTES:
             raise AccessError(f"run secret file {str(secret_file)!r} is larger than {MAX_SECRET_BYTES} bytes")
     allowed = None if allow_peers is None else frozenset(allow_peers)
-    for peer in sorted(allowed or ()):  # each a real peer id: a typo would be a peer that never pairs, in silence
+    policy = AccessPolicy(secret=secret, allowed=allowed)
+    for peer in sorted(allowed or ()):  # base58, as the policy checks; and a peer id, which takes a decoding
         try:
             parse_peer_id(peer)
-        except AddressError:
-            raise AccessError(f"--allow-peers: not a peer id: {peer!r}") from None
-    return AccessPolicy(secret=secret, allowed=allowed)
+        except AddressError as e:
+            raise AccessError(f"--allow-peers: {e}") from None
+    return policy

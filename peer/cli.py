@@ -13,7 +13,7 @@
 Every expected failure (a bad flag, address or config, an unreachable run) is one line on stderr
 and a non-zero exit code, never a traceback. The flags are parsed by `peer.flags`, which imports
 neither torch nor hivemind; each command imports what it uses, so help and bad flags answer at once.
-Ctrl-C (or SIGTERM) while a peer or a bootstrap node is still starting stops it at once; once it runs,
+Ctrl-C (or SIGTERM) while a peer, a bootstrap node or a simulation is still starting stops it at once; once it runs,
 the first asks for a clean stop and a second aborts.
 """
 
@@ -261,7 +261,8 @@ def _simulate(args: argparse.Namespace) -> int:
     )  # fmt: skip
     load_policy(config.run_secret_file, config.allow_peers)  # a bad secret file fails before anything starts
     replaced = " (it replaced the earlier one)" if args.report.exists() else ""
-    report = simulate(config)
+    with _Stop(args.command) as stop:  # once the peers start, a first Ctrl-C stops them early and still reports
+        report = simulate(config, stop=stop.event, on_start=stop.started)
     losses = [(p.initial_eval_loss, p.final_eval_loss) for p in report.peers]
     print(f"report written to {args.report}{replaced}: {len(report.peers)}/{args.peers} peers reported")
     for p in report.peers:
@@ -271,7 +272,7 @@ def _simulate(args: argparse.Namespace) -> int:
         )
     if report.consensus_distance is not None:
         print(f"  consensus distance {report.consensus_distance:.4f}")
-    return 0 if len(losses) == args.peers else 1
+    return 0 if len(losses) == args.peers and all(p.steps > 0 for p in report.peers) else 1
 
 
 def _status(args: argparse.Namespace) -> int:
@@ -284,7 +285,7 @@ def _status(args: argparse.Namespace) -> int:
     validate_run_id(args.run)  # before starting a node
     dht = start_node(reader_node(args))
     try:
-        status = read_status(RunRecords(dht, args.run))
+        status = read_status(RunRecords(dht, args.run), creator=args.creator)
     finally:
         stop_node(dht)
     if args.json:

@@ -25,6 +25,7 @@ OUTER_STATES: tuple[str, ...] = ("auto", "device", "host")
 JOIN_DEFAULTS = {"exchange_timeout": 10.0, "eval_every": 5, "checkpoint_every": 1, "checkpoint_interval": 30.0,
                  "overlap": False}  # fmt: skip
 MAX_PEERS = 64  # murmur simulate on one machine
+INT64_MAX = 2**63 - 1  # the largest whole number the run record (msgpack) and torch's seeds hold
 
 
 class Parser(argparse.ArgumentParser):
@@ -33,7 +34,7 @@ class Parser(argparse.ArgumentParser):
 
 
 def integer(minimum: int, maximum: int | None = None) -> Callable[[str], int]:
-    """An argparse type: a whole number in [minimum, maximum]."""
+    """An argparse type: a whole number in [minimum, maximum], and never above INT64_MAX."""
 
     def parse(text: str) -> int:
         try:
@@ -43,6 +44,8 @@ def integer(minimum: int, maximum: int | None = None) -> Callable[[str], int]:
         if value < minimum or (maximum is not None and value > maximum):
             span = f"between {minimum} and {maximum}" if maximum is not None else f"at least {minimum}"
             raise argparse.ArgumentTypeError(f"must be {span}, got {value}")
+        if value > INT64_MAX:
+            raise argparse.ArgumentTypeError(f"must be at most {INT64_MAX} (2^63 - 1), got {value}")
         return value
 
     return parse
@@ -64,7 +67,6 @@ def number(*, zero: bool = False) -> Callable[[str], float]:
 
 
 PORT = integer(0, 65535)
-SEED = integer(0, 2**63 - 1)  # what torch's generators take (a larger one failed after startup, naming no flag)
 
 
 def future_time(text: str) -> float:
@@ -173,7 +175,7 @@ def _join_parser(sub) -> None:
                            "peers given the same --until end on the same round")  # fmt: skip
     join.add_argument("--out-dir", type=Path,
                       help="folder for metrics.jsonl, report.json, anchor.safetensors, checkpoints/")  # fmt: skip
-    join.add_argument("--data-seed", type=SEED, default=0, help="seed of this peer's data stream")
+    join.add_argument("--data-seed", type=integer(0), default=0, help="seed of this peer's data stream")
     join.add_argument("--exchange-timeout", type=number(), default=JOIN_DEFAULTS["exchange_timeout"],
                       metavar="SECONDS",
                       help="bound on one group exchange once its group is sealed (default: %(default)s)")  # fmt: skip
@@ -285,7 +287,7 @@ def build_parser() -> argparse.ArgumentParser:
                         help="0 always takes the likeliest byte (default: %(default)s)")  # fmt: skip
     sample.add_argument("--top-k", type=integer(1), default=40,
                         help="draw among the K likeliest bytes (default: %(default)s)")  # fmt: skip
-    sample.add_argument("--seed", type=SEED, default=0, help="seed of the draws (default: %(default)s)")
+    sample.add_argument("--seed", type=integer(0), default=0, help="seed of the draws (default: %(default)s)")
 
     report = sub.add_parser("report", help="plot a peer's or a simulation's metrics logs to a PNG")
     report.add_argument("run_dir", type=Path, metavar="RUN_DIR", help="a folder with metrics.jsonl or peer-*/")

@@ -69,12 +69,18 @@ class AnchorSketch:
 
 
 def consensus_estimate(sketches: Sequence[Sequence[float]]) -> float | None:
-    """max_i ‖s_i − s̄‖ / ‖s̄‖ over the peers' sketches (None for fewer than one, or sketches of unequal length).
+    """max_i ‖s_i − s̄‖ / ‖s̄‖ over the peers' sketches (None for fewer than one, sketches of unequal length, or
+    values too large for the arithmetic: a record may hold any finite float, and a peer's own anchor never
+    sketches past about 1e44).
 
     Pure Python: the dashboard computes it without torch."""
     sketches = [list(s) for s in sketches]
     if not sketches or len({len(s) for s in sketches}) != 1:
         return None
-    mean = [sum(column) / len(sketches) for column in zip(*sketches, strict=True)]
-    scale = max(math.sqrt(sum(x * x for x in mean)), math.ulp(1.0))
-    return max(math.sqrt(sum((x - m) ** 2 for x, m in zip(s, mean, strict=True))) / scale for s in sketches)
+    try:
+        mean = [sum(column) / len(sketches) for column in zip(*sketches, strict=True)]
+        scale = max(math.sqrt(sum(x * x for x in mean)), math.ulp(1.0))
+        estimate = max(math.sqrt(sum((x - m) ** 2 for x, m in zip(s, mean, strict=True))) / scale for s in sketches)
+    except OverflowError:
+        return None
+    return estimate if math.isfinite(estimate) else None

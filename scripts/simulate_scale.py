@@ -16,7 +16,8 @@ at each N.
     .venv/bin/python scripts/simulate_scale.py                    # 64, 256, 1024, 4096 peers
     .venv/bin/python scripts/simulate_scale.py --peers 64 1024 --no-dht-measure
 
-Writes simulate_scale.json and simulate_scale.png into --out (default scripts/results).
+Writes simulate_scale.json and simulate_scale.png into --out (default scripts/results; with --quick,
+runs/scale-quick, so a quick run never overwrites the committed results of a full one).
 """
 
 from __future__ import annotations
@@ -317,9 +318,10 @@ def main() -> None:
     parser.add_argument("--seed", type=int, default=0)
     reuse_help = "earlier reports of the same settings: their swarms and DHT measurement are reused, not rerun"
     parser.add_argument("--reuse", type=Path, nargs="+", default=[], help=reuse_help)
-    parser.add_argument("--out", type=Path, default=Path("scripts/results"))
+    parser.add_argument("--out", type=Path, help="default: scripts/results; runs/scale-quick with --quick")
     parser.add_argument("--threads", type=int, default=1, help="torch threads (default %(default)s)")
     args = parser.parse_args()
+    out = args.out or Path("runs/scale-quick" if args.quick else "scripts/results")
     torch.set_num_threads(args.threads)
     logging.getLogger("murmur").setLevel(logging.ERROR)  # aborted exchanges are counted, not printed
     peers = args.peers or ([16, 64] if args.quick else [64, 256, 1024, 4096])
@@ -335,10 +337,10 @@ def main() -> None:
     started = time.monotonic()
 
     def save(report: dict, results: dict[int, ScaleResult]) -> None:
-        args.out.mkdir(parents=True, exist_ok=True)
+        out.mkdir(parents=True, exist_ok=True)
         report["wall_seconds"] = time.monotonic() - started
-        (args.out / "simulate_scale.json").write_text(json.dumps(report, indent=2))
-        plot(results, args.out / "simulate_scale.png", dht)
+        (out / "simulate_scale.json").write_text(json.dumps(report, indent=2))
+        plot(results, out / "simulate_scale.png", dht)
 
     report = run(peers, settings, dht=dht, save=save, done=done)
     print_table({int(n): ScaleResult(**r) for n, r in report["results"].items()}, dht)

@@ -74,10 +74,15 @@ def test_help_screens(command, capsys):
         ([*JOIN, "--batch-size", "-3"], "argument --batch-size: must be at least 1, got -3"),
         ([*JOIN, "--duration", "-5"], "argument --duration: must be a positive number, got -5"),
         ([*JOIN, "--duration", "0"], "argument --duration: must be a positive number, got 0"),
-        ([*JOIN, "--data-seed", str(2**63)], f"argument --data-seed: must be between 0 and {2**63 - 1}, got {2**63}"),
-        (["sample", "d", "--seed", str(2**64)], f"argument --seed: must be between 0 and {2**63 - 1}, got {2**64}"),
+        ([*JOIN, "--data-seed", str(2**63)], f"argument --data-seed: must be at most {2**63 - 1} (2^63 - 1)"),
+        (["sample", "d", "--seed", str(2**64)], f"argument --seed: must be at most {2**63 - 1} (2^63 - 1)"),
         ([*JOIN, "--until", "3600"], "argument --until: must be a Unix time in the future (it is now "),  # 0 steps
         (["doctor", "--port", "70000"], "argument --port: must be between 0 and 65535, got 70000"),
+        # past 64 bits: the run record could not hold it (a traceback from bootstrap), nor torch seed with it
+        (["bootstrap", "--run", "r", "--seed", "9" * 23], f"argument --seed: must be at most {2**63 - 1} (2^63 - 1)"),
+        (["simulate", "--inner-steps", str(2**63)], "argument --inner-steps: must be at most"),
+        ([*JOIN, "--data-seed", str(2**64)], "argument --data-seed: must be at most"),
+        (["sample", "out", "--seed", str(2**64)], "argument --seed: must be at most"),
         (["join", "--initial-peers", PEER, "--run", "r", "--use-auto-relay=yes"], "ignored explicit argument"),
         (["join", "--initial-peers", PEER, "--run", "r", "--client-mode=1"], "ignored explicit argument"),
     ],
@@ -118,6 +123,30 @@ def test_bad_values_are_one_line_errors(argv, needle, capsys):
     err = capsys.readouterr().err
     assert needle in err, err
     assert len(err.strip().splitlines()) == 1 and "Traceback" not in err
+
+
+def test_an_unwritable_simulate_report_fails_before_anything_starts(tmp_path, capsys):
+    """A --report that cannot be written (here under a file) is one line at once, not after the whole simulation."""
+    (tmp_path / "notes").write_text("kept")
+    report = tmp_path / "notes" / "report.json"
+    argv = ["simulate", "--peers", "1", "--duration", "5", "--report", str(report), "--out-dir", str(tmp_path / "runs")]
+    assert main(argv) == 1
+    err = capsys.readouterr().err
+    assert err.startswith(f"murmur simulate: error: cannot write the report to {report}: "), err
+    assert len(err.strip().splitlines()) == 1
+    assert not (tmp_path / "runs").exists() and (tmp_path / "notes").read_text() == "kept"
+
+
+@pytest.mark.parametrize("run", ["../escaped", "a b", ""])
+def test_a_bad_simulate_run_id_is_refused_before_any_folder_is_made(run, tmp_path, monkeypatch, capsys):
+    """The run id names the default folder, runs/RUN: it used to be made (../escaped outside runs/, or runs-2 for
+    an empty id) before the bootstrap node refused the id."""
+    monkeypatch.chdir(tmp_path)
+    (tmp_path / "runs" / "earlier").mkdir(parents=True)
+    assert main(["simulate", "--peers", "1", "--duration", "1", "--run", run, "--report", "r.json"]) == 1
+    err = capsys.readouterr().err
+    assert err.startswith(f"murmur simulate: error: bad run id {run!r}") and len(err.strip().splitlines()) == 1
+    assert sorted(p.relative_to(tmp_path).as_posix() for p in tmp_path.rglob("*")) == ["runs", "runs/earlier"]
 
 
 def numeric_flags():

@@ -71,6 +71,15 @@ def test_identical_anchors_are_at_distance_zero_and_unequal_sketches_give_none()
     assert consensus_estimate([s, s[:10]]) is None and consensus_estimate([]) is None
 
 
+def test_sketches_too_large_for_the_arithmetic_give_none_not_an_error() -> None:
+    """A metrics record may carry any finite floats: one peer's huge sketch used to raise OverflowError (a
+    traceback from `murmur status`, a dashboard stuck on its last reading) or give NaN (JSON refuses it)."""
+    huge = metrics(sketch=[1e200] * 256).sketch  # the record's validation takes it
+    assert consensus_estimate([huge, [1.0] * 256]) is None
+    assert consensus_estimate([[1e160] * 256, [-1e160] * 256]) is None  # a mean whose norm overflows
+    assert consensus_estimate([[1e300, -1e300] + [0.0] * 254, [1.0] * 256]) is None
+
+
 # ---------------------------------------------------------------- the board
 
 

@@ -37,6 +37,16 @@ def quick(tmp_path_factory) -> tuple[dict, Path]:
     return json.loads((out / "simulate_scale.json").read_text()), out
 
 
+def test_a_quick_run_keeps_the_committed_results(tmp_path, monkeypatch):
+    """The README's `simulate_scale.py --quick`, run from the repository root, writes into runs/scale-quick: it used
+    to overwrite scripts/results/simulate_scale.json and .png, the full run's results that the docs quote."""
+    monkeypatch.chdir(tmp_path)
+    monkeypatch.setattr(sys, "argv", ["simulate_scale.py", "--quick", "--peers", "16", "--rounds", "2"])
+    load_script().main()
+    assert json.loads((tmp_path / "runs" / "scale-quick" / "simulate_scale.json").read_text())["results"]["16"]
+    assert not (tmp_path / "scripts").exists()
+
+
 def test_quick_mode_reports_every_metric_for_every_peer_count(quick):
     report, out = quick
     assert set(report["results"]) == {"16", "32"}

@@ -28,6 +28,7 @@ from murmur.peer.config import TrainConfig
 from murmur.peer.ops.chart import Chart, Panel, Series, nice_ticks
 from murmur.peer.ops.report import PANEL_TITLES, alive_over_time, build_chart, load_logs
 from murmur.peer.ops.status import PeerStatus, RunStatus, render_status
+from murmur.peer.sim.simulate import start_bootstrap
 
 PNG_SIGNATURE = b"\x89PNG\r\n\x1a\n"
 
@@ -85,6 +86,21 @@ def test_report_plots_a_single_peer_folder(tmp_path: Path) -> None:
     assert main(["report", str(tmp_path / "me"), "--out", str(out)]) == 0
     check_png(out)
     assert list(load_logs(tmp_path / "me")) == ["me"]
+
+
+def test_report_skips_values_that_are_not_finite(tmp_path: Path, capsys) -> None:
+    """NaN and Infinity in a log (JSON readers accept them) are left out of the chart, not a traceback."""
+    write_log(tmp_path / "me", lines=6, start=50.0, seed=0)
+    log = tmp_path / "me" / "metrics.jsonl"
+    lines = log.read_text().splitlines()
+    lines[2] = lines[2].replace('"loss": 4.6', '"loss": NaN')
+    lines[3] = lines[3].replace('"bytes_sent": 120000', '"bytes_sent": Infinity').replace('"t": 56.0', '"t": -Infinity')
+    log.write_text("\n".join(lines))
+    assert "NaN" in lines[2] and "Infinity" in lines[3]
+    assert main(["report", str(tmp_path / "me")]) == 0
+    check_png(tmp_path / "me" / "report.png")
+    by_time, _, traffic, _ = build_chart(load_logs(tmp_path / "me")).panels
+    assert len(by_time.series[0].ys) == 4 and len(traffic.series[0].ys) == 5  # the record without a time is left out
 
 
 @pytest.mark.parametrize("make", [lambda d: None, lambda d: (d / "peer-0").mkdir(), lambda d: d.rmdir()])
@@ -215,6 +231,25 @@ def test_status_table_and_unknown_run(boot: Any, capsys) -> None:
     assert main(["status", "--initial-peers", *initial_peers, "--run", "no-such-run"]) == 1
     err = capsys.readouterr().err
     assert err.strip() == "murmur status: error: run 'no-such-run' not found: no config and no live peers"
+
+
+@pytest.mark.slow
+def test_status_names_the_creator_whose_config_it_did_not_find(capsys) -> None:
+    """With a --creator that did not sign the run's config, status used to say only 'no config', as for a run
+    that does not exist; it now names the creator whose config it looked for."""
+    boot, maddrs = start_bootstrap("signed-run", TrainConfig(inner_steps=20))
+    try:
+        other = "QmNnooDu7bfjPFoTZYxMNLWUQJyrVwtbZg5gBMjTezGAJN"
+        assert main(["status", "--initial-peers", *maddrs, "--run", "signed-run", "--creator", other]) == 1
+        assert capsys.readouterr().err.strip() == (
+            f"murmur status: error: run 'signed-run' not found: no config signed by its creator {other} "
+            "(--creator) and no live peers"
+        )
+        creator = boot.peer_id.to_base58()
+        assert main(["status", "--initial-peers", *maddrs, "--run", "signed-run", "--creator", creator, "--json"]) == 0
+        assert json.loads(capsys.readouterr().out)["created_by"] == creator
+    finally:
+        stop_node(boot)
 
 
 def test_status_table_marks_client_mode_peers() -> None:

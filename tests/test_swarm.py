@@ -2,6 +2,7 @@
 
 import asyncio
 import contextlib
+import io
 import json
 import os
 import signal
@@ -13,6 +14,7 @@ import uuid
 import psutil
 import pytest
 import torch
+from rich.console import Console
 
 from murmur.averaging.compression import LowRankCompressor, LowRankConfig
 from murmur.averaging.group import GroupAverager, GroupConfig, Offer
@@ -22,6 +24,7 @@ from murmur.dht.node import NodeConfig, start_node, stop_node, visible_addresses
 from murmur.peer.cli import main
 from murmur.peer.metrics import consensus_distance, read_metrics
 from murmur.peer.ops.report import PANEL_TITLES, build_chart, load_logs
+from murmur.peer.sim.simulate import SimulationConfig, simulate
 from tests.groupkit import APPOINTMENT, plans
 
 pytestmark = pytest.mark.slow
@@ -138,6 +141,53 @@ def test_simulate_command_trains_a_swarm_and_reaps_everything(tmp_path):
     by_time, by_samples, traffic, alive = chart.panels
     assert len(by_time.series) == len(by_samples.series) == len(traffic.series) == 4
     assert max(traffic.series[0].ys) > 0 and max(alive.series[0].ys) == 2
+
+
+def test_a_stopped_simulation_reports_what_its_peers_did_and_reaps_everything(tmp_path):
+    """SIGTERM (as Ctrl-C) to `murmur simulate` while its peers train: they stop cleanly, the report covers what they
+    did, and nothing is left running (SIGTERM used to kill the simulator alone, its peers training on, orphaned)."""
+    report_path, runs = tmp_path / "report.json", tmp_path / "runs"
+    cmd = [
+        sys.executable, "-m", "murmur.peer.cli", "simulate", "--peers", "1", "--duration", "300",
+        "--report", str(report_path), "--out-dir", str(runs), "--inner-steps", "10", "--seed", "0",
+    ]  # fmt: skip
+    tag = f"simulate-stop-{uuid.uuid4()}"
+    env = {**os.environ, "MURMUR_TEST_TAG": tag}
+    sim = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=env)
+    try:
+        deadline = time.monotonic() + 120
+        while not read_metrics(runs / "peer-0" / "metrics.jsonl"):  # the peer has trained a round
+            assert sim.poll() is None and time.monotonic() < deadline, "the peer never trained a round"
+            time.sleep(0.2)
+        sim.send_signal(signal.SIGTERM)
+        out, err = sim.communicate(timeout=60)
+    finally:
+        kill_tagged(tag)
+    assert sim.returncode == 0, err[-2000:]
+    assert "stopping the peers early" in err and f"report written to {report_path}: 1/1 peers reported" in out
+    (peer,) = json.loads(report_path.read_text())["peers"]
+    assert peer["rounds"] >= 1 and peer["final_eval_loss"] < peer["initial_eval_loss"]
+    left = tagged_processes(tag)
+    assert not left, f"the stopped simulation left processes running: {left}"
+
+
+def test_a_simulation_whose_peers_never_train_says_so(tmp_path):
+    """Peers still starting at the shared end (a machine too slow for --peers: here no startup allowance and 0.1 s
+    to train) took no step; `murmur simulate` used to report that as a success, in silence."""
+    console = Console(file=io.StringIO(), width=400)
+    config = SimulationConfig(peers=1, duration=0.1, startup=0.0, out_dir=tmp_path / "runs",
+                              report=tmp_path / "report.json")  # fmt: skip
+    report = simulate(config, console)
+    assert [p.steps for p in report.peers] == [0]
+    assert "1 of 1 peers took no training step" in console.file.getvalue()
+
+
+def kill_tagged(tag: str) -> None:
+    """SIGKILL every process that inherited MURMUR_TEST_TAG=tag (a failed test's leftovers), by PID."""
+    for proc in psutil.process_iter():
+        with contextlib.suppress(psutil.Error):
+            if proc.environ().get("MURMUR_TEST_TAG") == tag:
+                proc.kill()
 
 
 def tagged_processes(tag: str, settle: float = 10.0) -> list[str]:

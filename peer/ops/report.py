@@ -13,6 +13,7 @@ take the command past a second.
 
 from __future__ import annotations
 
+import math
 import re
 from pathlib import Path
 
@@ -129,7 +130,8 @@ def _points(records: list[dict], x: str, y: str, x0: float, scale: float = 1.0) 
 
 
 def _is_number(value: object) -> bool:
-    return isinstance(value, int | float) and not isinstance(value, bool)
+    """A finite int or float (a log may hold NaN or Infinity, which JSON readers accept): only these are plotted."""
+    return isinstance(value, int | float) and not isinstance(value, bool) and math.isfinite(value)
 
 
 def _natural(name: str) -> list:

@@ -60,16 +60,18 @@ class RunStatus:
         return json.dumps(dataclasses.asdict(self), allow_nan=False)
 
 
-def read_status(records: RunRecords) -> RunStatus:
+def read_status(records: RunRecords, creator: str | None = None) -> RunStatus:
     """The run's config and live peers; RunNotFound if the DHT has neither.
 
     An announcement was stored ``records.announce_ttl`` before it expires (peers announce with the
-    default ttl), which gives how long ago each peer was last seen.
+    default ttl), which gives how long ago each peer was last seen. `creator` (the reading node's
+    `NodeConfig.creator`, whose node reads no config signed by anyone else) is named in the message.
     """
     record = records.fetch_config()
     announced = records.peers_with_expiration()
     if record is None and not announced:
-        raise RunNotFound(f"run '{records.run_id}' not found: no config and no live peers")
+        config = f"no config signed by its creator {creator} (--creator)" if creator else "no config"
+        raise RunNotFound(f"run '{records.run_id}' not found: {config} and no live peers")
     metrics = records.metrics() if announced else {}
     now = get_dht_time()
     peers = []

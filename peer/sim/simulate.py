@@ -2,8 +2,10 @@
 
 Each peer is `python -m murmur.peer.cli join ...` in its own process group (its DHT worker and `p2pd`
 inherit the group), so the simulator can stop a peer and everything under it by PID: SIGTERM to
-the peer first, SIGKILL to its group after a grace period. That happens in `finally`, on a
-normal end, an error or Ctrl-C alike. Progress comes from the peers' metrics logs; the report gathers their reports and
+the peer first, SIGKILL to its group after a grace period (at once, on a second Ctrl-C). That happens in
+`finally`, on a normal end, an error or Ctrl-C alike. A `stop` asked for while the peers train (the first
+Ctrl-C or SIGTERM of `murmur simulate`) ends the simulation early, and the report still covers what the peers
+did. Progress comes from the peers' metrics logs; the report gathers their reports and
 the consensus distance of their final anchors. A folder that holds an earlier simulation is left as it is: this one
 goes to the next free `RUN-2`, `RUN-3` ... (`peer.rundir.fresh_folder`), and says so.
 """
@@ -13,12 +15,16 @@ from __future__ import annotations
 import collections
 import contextlib
 import dataclasses
+import errno
 import math
 import os
 import signal
 import subprocess
 import sys
+import tempfile
+import threading
 import time
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -28,7 +34,7 @@ from rich.live import Live
 from rich.table import Table
 
 from murmur.dht.node import NodeConfig, start_node, stop_node, visible_addresses
-from murmur.dht.records import RunRecord, RunRecords
+from murmur.dht.records import RunRecord, RunRecords, validate_run_id
 from murmur.peer.anchorfile import ANCHOR, read_anchor
 from murmur.peer.config import TrainConfig, is_spec
 from murmur.peer.device import DeviceConfig, Runtime
@@ -55,6 +61,7 @@ class SimulationConfig:
     allow_peers: tuple[str, ...] | None = None
 
     def __post_init__(self) -> None:
+        validate_run_id(self.run_id)  # before it names a folder (runs/RUN)
         if not 1 <= self.peers <= 64:
             raise ValueError(f"--peers must be between 1 and 64, got {self.peers}")
         if not 0 < self.duration < math.inf:
@@ -114,17 +121,19 @@ def stop_processes(procs: list[subprocess.Popen], grace: float) -> None:
     (the child of `murmur join --restart`) has its group swept too.
     """
     groups = [proc.pid for proc in procs] + [pid for proc in procs for pid in group_leaders_below(proc.pid)]
-    for proc in procs:
-        if proc.poll() is None:
-            with contextlib.suppress(ProcessLookupError):
-                proc.send_signal(signal.SIGTERM)
-    deadline = time.monotonic() + grace
-    for proc in procs:
-        with contextlib.suppress(subprocess.TimeoutExpired):
-            proc.wait(timeout=max(0.0, deadline - time.monotonic()))
-    for group in groups:  # a group may outlive its leader (a p2pd child): always sweep it
-        with contextlib.suppress(ProcessLookupError, PermissionError):
-            os.killpg(group, signal.SIGKILL)
+    try:
+        for proc in procs:
+            if proc.poll() is None:
+                with contextlib.suppress(ProcessLookupError):
+                    proc.send_signal(signal.SIGTERM)
+        deadline = time.monotonic() + grace
+        for proc in procs:
+            with contextlib.suppress(subprocess.TimeoutExpired):
+                proc.wait(timeout=max(0.0, deadline - time.monotonic()))
+    finally:  # a second Ctrl-C cuts the grace short, never the sweep
+        for group in groups:  # a group may outlive its leader (a p2pd child): always sweep it
+            with contextlib.suppress(ProcessLookupError, PermissionError):
+                os.killpg(group, signal.SIGKILL)
     for proc in procs:
         with contextlib.suppress(subprocess.TimeoutExpired):
             proc.wait(timeout=5)
@@ -211,12 +220,31 @@ def _progress_table(config: SimulationConfig, elapsed: float) -> Table:
     return table
 
 
-def simulate(config: SimulationConfig, console: Console | None = None) -> SwarmReport:
+def check_writable(report: Path) -> None:
+    """Make the report's folder and check that a file can be written in it, leaving an earlier report as it is."""
+    try:
+        report.parent.mkdir(parents=True, exist_ok=True)
+        if report.is_dir():
+            raise IsADirectoryError(errno.EISDIR, "it is a folder")
+        tempfile.TemporaryFile(dir=report.parent).close()
+    except OSError as e:
+        raise ValueError(f"cannot write the report to {report}: {e.strerror or e}") from e
+
+
+def simulate(
+    config: SimulationConfig,
+    console: Console | None = None,
+    stop: threading.Event | None = None,
+    on_start: Callable[[], None] | None = None,
+) -> SwarmReport:
+    """Run the simulation and write its report. `on_start` is called once the bootstrap node is up: from then on
+    `stop`, once set, stops the peers early (cleanly), and the report covers what they did until then."""
     from murmur.averaging.access import load_policy
 
     console = console or Console(stderr=True)
     Runtime.resolve(config.device)  # a device this machine lacks fails here, not in every peer
     secret_check = load_policy(config.run_secret_file, config.allow_peers).run_check(config.run_id)
+    check_writable(config.report)  # an unwritable --report fails now, not after the whole simulation
     out_dir = fresh_folder(config.out_dir)  # an earlier simulation's files are kept, never overwritten
     if out_dir != config.out_dir:
         console.print(f"{config.out_dir} holds an earlier simulation, kept as it is; this one writes to {out_dir}",
@@ -229,6 +257,8 @@ def simulate(config: SimulationConfig, console: Console | None = None) -> SwarmR
     # one wall-clock end for every peer: they stop on the same round, holding the same model
     until = time.time() + config.startup + config.duration
     try:
+        if on_start is not None:
+            on_start()
         for i in range(config.peers):
             folder, log = config.out_dir / f"peer-{i}", config.out_dir / f"peer-{i}.log"
             log.unlink(missing_ok=True)
@@ -236,14 +266,22 @@ def simulate(config: SimulationConfig, console: Console | None = None) -> SwarmR
                      "--precision", config.device.precision, *config.access_flags())  # fmt: skip
             command = join_command(maddrs, config.run_id, folder, i + 1, *extra)
             procs.append(launch(command, log))
-        _watch(config, procs, started, console)
+        _watch(config, procs, started, console, stop or threading.Event())
     finally:
         stop_processes(procs, config.stop_grace)
         stop_node(boot)
-    return _gather(config, time.monotonic() - started)
+    report = _gather(config, time.monotonic() - started)
+    idle = sum(p.steps == 0 for p in report.peers)
+    if idle:  # the shared end came before they were up: a machine too slow to start this many peers in time
+        console.print(f"[red]{idle} of {config.peers} peers took no training step: they were still starting "
+                      f"at the shared end, {config.startup:g} s + --duration after the launch; give a longer "
+                      "--duration or fewer --peers[/red]", soft_wrap=True)  # fmt: skip
+    return report
 
 
-def _watch(config: SimulationConfig, procs: list[subprocess.Popen], started: float, console: Console) -> None:
+def _watch(
+    config: SimulationConfig, procs: list[subprocess.Popen], started: float, console: Console, stop: threading.Event
+) -> None:
     deadline = started + config.duration + config.startup_grace
     with (
         Live(console=console, refresh_per_second=1, transient=False)
@@ -251,14 +289,16 @@ def _watch(config: SimulationConfig, procs: list[subprocess.Popen], started: flo
         else (contextlib.nullcontext()) as live
     ):
         last_print = 0.0
-        while any(p.poll() is None for p in procs) and time.monotonic() < deadline:
+        while not stop.is_set() and any(p.poll() is None for p in procs) and time.monotonic() < deadline:
             elapsed = time.monotonic() - started
             if live is not None:
                 live.update(_progress_table(config, elapsed))
             elif elapsed - last_print >= 10:
                 console.print(_progress_table(config, elapsed))
                 last_print = elapsed
-            time.sleep(0.5)
+            stop.wait(0.5)
+    if stop.is_set():
+        console.print("stopping the peers early; the report covers what they did (Ctrl-C again aborts)")
     failed = [i for i, p in enumerate(procs) if p.poll() not in (None, 0)]
     if failed:
         console.print(f"[red]peers {failed} exited with an error; see {config.out_dir}/peer-N.log[/red]")
