@@ -4,6 +4,8 @@
 * ``identity``   the persistent key file that fixes a peer id: ``ensure_identity``, ``peer_id_of``
 * ``node``       start, join and stop a ``hivemind.DHT``: ``NodeConfig`` (client mode, relays), ``start_node``,
   ``stop_node``, ``visible_addresses``
+* ``contact``    a node pings its initial peers every 30 s, so a bootstrap node restarted at the same address (its
+  routing table empty) learns the swarm again
 * ``records``    typed, expiring, validated records under ``{run_id}:``: ``Announcement``, ``Metrics``,
   ``RunRecord`` and ``RunRecords`` (blocking methods, each with an ``a_`` async twin)
 * ``signing``    ``RunValidator``: every node of a run signs its records with its identity key and refuses

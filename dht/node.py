@@ -30,7 +30,7 @@ from pathlib import Path
 import hivemind
 import psutil
 
-from . import sybil
+from . import contact, sybil
 from .addresses import parse_host, parse_peer_id, parse_peer_multiaddrs, port_problem
 from .identity import IdentityError, ensure_identity, peer_id_of
 from .records import validate_run_id
@@ -80,6 +80,7 @@ class NodeConfig:
     # the run's creator, from the join line's --creator: only its config is accepted ("self": this node created
     # the run); None: the first config seen is trusted
     creator: str | None = None
+    contact_seconds: float = 30.0  # between pings to the initial peers: a restarted bootstrap learns the swarm again
 
     def __post_init__(self) -> None:
         object.__setattr__(self, "initial_peers", tuple(parse_peer_multiaddrs(self.initial_peers)))
@@ -95,9 +96,10 @@ class NodeConfig:
             validate_run_id(self.run_id)
         if self.creator is not None and self.creator != "self":
             object.__setattr__(self, "creator", parse_peer_id(self.creator))
-        timeout = self.startup_timeout
-        if isinstance(timeout, bool) or not isinstance(timeout, int | float) or not 0 < timeout < math.inf:
-            raise ValueError(f"startup_timeout must be a positive number of seconds, got {timeout!r}")
+        for name in ("startup_timeout", "contact_seconds"):
+            seconds = getattr(self, name)
+            if isinstance(seconds, bool) or not isinstance(seconds, int | float) or not 0 < seconds < math.inf:
+                raise ValueError(f"{name} must be a positive number of seconds, got {seconds!r}")
 
     @property
     def host_maddr(self) -> str:
@@ -117,7 +119,7 @@ def start_node(config: NodeConfig) -> hivemind.DHT:
     if config.identity_path is not None:
         _ensure_identity_not_taken(config.identity_path, config.initial_peers)
     if config.run_id is None:
-        return _start(config, [])
+        return _keep_in_touch(_start(config, []), config)
     with tempfile.TemporaryDirectory(prefix="murmur-id-") as scratch:
         identity = config.identity_path or str(ensure_identity(Path(scratch) / "identity.key"))
         try:
@@ -130,6 +132,17 @@ def start_node(config: NodeConfig) -> hivemind.DHT:
     except Exception as e:
         stop_node(dht)
         raise NodeError(f"DHT node on {config.host_maddr} failed to start: cannot install its Sybil guard: {e}") from e
+    return _keep_in_touch(dht, config)
+
+
+def _keep_in_touch(dht: hivemind.DHT, config: NodeConfig) -> hivemind.DHT:
+    """The started node pings its initial peers from now on (`dht.contact`)."""
+    if config.initial_peers:
+        try:
+            dht.run_coroutine(functools.partial(contact.install, config.initial_peers, config.contact_seconds))
+        except Exception as e:
+            stop_node(dht)
+            raise NodeError(f"DHT node on {config.host_maddr} failed to start: cannot keep in touch: {e}") from e
     return dht
 
 

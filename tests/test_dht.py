@@ -797,3 +797,30 @@ def test_an_announcement_is_validated_once_per_store_not_once_per_read(swarm: li
     assert writer.announce(live_announcement(a, step=2))  # a new store (a later expiration) is decoded
     wait_for(reader.peers, lambda peers: peers[a.peer_id.to_base58()].step == 2)
     assert len(decoded) > first
+
+
+@pytest.mark.slow
+def test_a_restarted_bootstrap_node_finds_its_swarm_again(tmp_path: Path) -> None:
+    """A bootstrap restarted with the same identity and port keeps every join line, but came back knowing nobody:
+    whoever joined through it (a volunteer, `murmur status`) saw a DHT of one node while the swarm went on apart.
+    The swarm's nodes ping their initial peers every `contact_seconds`, so it learns of them again."""
+    key = tmp_path / "boot.key"
+    boot = start_node(NodeConfig(identity_path=str(key)))
+    address = visible_addresses(boot)[0]
+    port = int(address.split("/tcp/")[1].split("/")[0])
+    nodes = []
+    try:
+        for _ in range(2):
+            nodes.append(start_node(NodeConfig(initial_peers=(address,), contact_seconds=1.0)))
+        assert nodes[0].store("k", "kept by the swarm", get_dht_time() + 120)
+        stop_node(boot)
+        boot = start_node(NodeConfig(identity_path=str(key), port=port))  # the join line's address again
+        assert visible_addresses(boot) == [address]
+        time.sleep(3.0)  # a few pings
+        reader = start_node(NodeConfig(initial_peers=(address,), client_mode=True))
+        nodes.append(reader)
+        found = reader.get("k", latest=True)
+        assert found is not None and found.value == "kept by the swarm"
+    finally:
+        for node in [*nodes, boot]:
+            stop_node(node)
