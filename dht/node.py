@@ -195,7 +195,7 @@ def _start(config: NodeConfig, validators: list) -> hivemind.DHT:
     finally:
         _forking_worker_of = None
         if not started:
-            _reap(_processes_of(dht), timeout=5.0)
+            _reap(_processes_of(dht), timeout=5.0, worker_grace=5.0)
     return dht
 
 
@@ -294,12 +294,25 @@ def visible_addresses(dht: hivemind.DHT) -> list[str]:
 
 
 def stop_node(dht: hivemind.DHT, timeout: float = 10.0) -> None:
-    """Shut the node down; then terminate, by PID, whatever of its worker and p2pd is still running."""
+    """Shut the node down; then terminate, by PID, whatever of its worker and p2pd is still running.
+
+    A terminal's Ctrl-C reaches the whole process group, and p2pd exits on it at once; the worker's graceful
+    shutdown then waits the whole `timeout` for p2pd's answers (a bootstrap node took 10.5 s to stop, with a
+    warning from hivemind), so a worker whose p2pd is gone is stopped without one.
+    """
     processes = _processes_of(dht)
-    if dht.pid is not None and dht.is_alive():
+    daemon_up = any(_running(p) for p in processes[1:])
+    if dht.pid is not None and dht.is_alive() and daemon_up:
         dht.shutdown_timeout = timeout
         dht.shutdown()
-    _reap(processes, timeout=timeout)
+    _reap(processes, timeout=timeout, worker_grace=timeout if daemon_up else 0.0)
+
+
+def _running(process: psutil.Process) -> bool:
+    try:
+        return process.status() != psutil.STATUS_ZOMBIE
+    except psutil.Error:
+        return False
 
 
 def _is_loopback(address: str) -> bool:
@@ -321,16 +334,17 @@ def _processes_of(dht: hivemind.DHT) -> list[psutil.Process]:
         return []
 
 
-def _reap(processes: list[psutil.Process], timeout: float) -> None:
+def _reap(processes: list[psutil.Process], timeout: float, worker_grace: float) -> None:
     """Stop a DHT's processes (worker first in the list, then its p2pd) and remove p2pd's sockets.
 
     p2pd goes first: a worker still waiting on it then fails and exits by itself. The worker is
-    signalled only if it has not exited within ``timeout``, because killing it while it holds one
-    of hivemind's process-shared MPFuture locks would hang every other DHT in this process family.
+    signalled only if it has not exited within ``worker_grace``, because killing it while it holds one
+    of hivemind's process-shared MPFuture locks would hang every other DHT in this process family (a
+    worker whose p2pd was gone before the stop has no request in flight, and gets no grace).
     """
     sockets = [path for process in processes for path in _socket_paths(process)]
     _terminate(processes[1:], grace=0.0, timeout=timeout)
-    _terminate(processes[:1], grace=timeout, timeout=timeout)
+    _terminate(processes[:1], grace=worker_grace, timeout=timeout)
     for path in sockets:
         path.unlink(missing_ok=True)
 

@@ -824,3 +824,29 @@ def test_a_restarted_bootstrap_node_finds_its_swarm_again(tmp_path: Path) -> Non
     finally:
         for node in [*nodes, boot]:
             stop_node(node)
+
+
+@pytest.mark.slow
+def test_a_node_whose_p2pd_got_the_terminals_ctrl_c_stops_at_once() -> None:
+    """Ctrl-C at a terminal reaches p2pd too (the whole process group), and p2pd exits on it; the DHT worker's
+    graceful shutdown then waited 10 s for p2pd's answers, and a bootstrap node took 10.5 s to stop."""
+    node = start_node(NodeConfig())
+    processes = [psutil.Process(node.pid), *psutil.Process(node.pid).children(recursive=True)]
+    daemon = next(p for p in processes if p.name() == "p2pd")
+    deadline = time.monotonic() + 10
+    while running(daemon):  # p2pd hears SIGINT once its own start-up is over: one sent before that is lost
+        assert time.monotonic() < deadline, "p2pd did not exit on SIGINT"
+        with contextlib.suppress(psutil.Error):
+            daemon.send_signal(signal.SIGINT)
+        time.sleep(0.1)
+    started = time.monotonic()
+    stop_node(node)
+    assert time.monotonic() - started < 3.0
+    assert not any(running(p) for p in processes)
+
+
+def running(process: psutil.Process) -> bool:
+    try:
+        return process.status() != psutil.STATUS_ZOMBIE
+    except psutil.Error:
+        return False
