@@ -52,9 +52,11 @@ Count = Annotated[int, Field(ge=0)]
 
 
 def validate_run_id(run_id: str) -> str:
-    """Return ``run_id`` if it is 1-64 characters of [A-Za-z0-9_.-]; ValueError (one line) otherwise."""
+    """Return ``run_id`` if it is 1-64 characters of [A-Za-z0-9_.-], not all dots; ValueError (one line) otherwise."""
     if not isinstance(run_id, str) or not _RUN_ID.fullmatch(run_id):
         raise ValueError(f"bad run id {run_id!r}: it must be 1-64 characters of A-Z a-z 0-9 _ . -")
+    if not run_id.strip("."):  # a simulation's default folder, runs/RUN: runs/.. is the folder it was started in
+        raise ValueError(f"bad run id {run_id!r}: it must not be only dots")
     return run_id
 
 

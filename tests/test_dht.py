@@ -224,7 +224,7 @@ def test_good_run_ids(run_id: str) -> None:
     assert validate_run_id(run_id) == run_id
 
 
-@pytest.mark.parametrize("run_id", ["", "x" * 65, "a b", "a:b", "a/b", "rün", "a\n", None, 7])
+@pytest.mark.parametrize("run_id", ["", "x" * 65, "a b", "a:b", "a/b", "rün", "a\n", None, 7, ".", ".."])
 def test_bad_run_ids(run_id: Any) -> None:
     with pytest.raises(ValueError, match="bad run id") as caught:
         validate_run_id(run_id)

@@ -203,7 +203,8 @@ def group_leaders_below(pid: int) -> list[int]:
 
 
 def _progress_table(config: SimulationConfig, elapsed: float) -> Table:
-    title = f"murmur simulate: {config.peers} peers training {config.duration:.0f} s each, {elapsed:.0f} s elapsed"
+    peers = f"{config.peers} peer{'s' if config.peers != 1 else ''}"
+    title = f"murmur simulate: {peers} training {config.duration:.0f} s each, {elapsed:.0f} s elapsed"
     table = Table(title=title)
     for column in ("peer", "round", "inner step", "loss", "eval loss", "exchanges ok/failed", "sent"):
         table.add_column(column, justify="right")
