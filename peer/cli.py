@@ -147,8 +147,9 @@ def _importing(frame) -> bool:
 
 
 def join_flags(model: str | None, data: str | None, secret_file: Path | None) -> str:
-    """What a join line adds for a custom model (its --model and --data) and for a private run."""
-    flags = f" --model {model} --data {data}" if model and data else ""
+    """What a join line adds for a custom model (its --model and --data), a built-in model on the operator's data
+    (its --data), and for a private run."""
+    flags = (f" --model {model}" if model else "") + (f" --data {data}" if data else "")
     return flags + (f" --run-secret-file {secret_file}" if secret_file else "")
 
 

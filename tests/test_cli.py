@@ -11,7 +11,7 @@ import torch
 
 from murmur.averaging.group import GroupConfig
 from murmur.dht.node import NodeConfig
-from murmur.peer.cli import main
+from murmur.peer.cli import join_flags, main
 from murmur.peer.config import ConfigError, TrainConfig
 from murmur.peer.flags import DEVICES, JOIN_DEFAULTS, build_parser
 from murmur.peer.model import DEFAULT_MODEL, MODELS
@@ -213,6 +213,14 @@ def test_a_stop_during_a_startup_import_exits_in_one_line_without_raising_inside
     done = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=30)
     assert "raised inside the import" not in done.stdout
     assert (done.returncode, done.stderr) == (130, "murmur join: interrupted\n")
+
+
+def test_a_join_line_names_the_data_of_a_run_on_the_operators_data(tmp_path):
+    # `bootstrap --data` with a built-in model: joiners train it on that data, so the join line must say so
+    assert join_flags(None, "wl:batches", None) == " --data wl:batches"
+    assert join_flags("wl:model", "wl:batches", tmp_path / "s") == f" --model wl:model --data wl:batches " \
+                                                                   f"--run-secret-file {tmp_path / 's'}"  # fmt: skip
+    assert join_flags(None, None, None) == ""
 
 
 def test_the_help_shows_the_defaults_the_peer_uses():
