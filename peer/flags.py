@@ -51,8 +51,8 @@ def integer(minimum: int, maximum: int | None = None) -> Callable[[str], int]:
     return parse
 
 
-def number(*, zero: bool = False) -> Callable[[str], float]:
-    """An argparse type: a finite number above 0 (or at least 0, with `zero`)."""
+def number(*, zero: bool = False, maximum: float = math.inf) -> Callable[[str], float]:
+    """An argparse type: a finite number above 0 (or at least 0, with `zero`), and at most `maximum`."""
 
     def parse(text: str) -> float:
         try:
@@ -61,6 +61,8 @@ def number(*, zero: bool = False) -> Callable[[str], float]:
             raise argparse.ArgumentTypeError(f"must be a number, got {text!r}") from None
         if not math.isfinite(value) or value < 0 or (value == 0 and not zero):
             raise argparse.ArgumentTypeError(f"must be a {'non-negative' if zero else 'positive'} number, got {text}")
+        if value > maximum:
+            raise argparse.ArgumentTypeError(f"must be at most {maximum:g}, got {text}")
         return value
 
     return parse
@@ -260,7 +262,7 @@ def build_parser() -> argparse.ArgumentParser:
                       help="address the page is served on (default: %(default)s, this machine only)")  # fmt: skip
     dash.add_argument("--port", type=PORT, default=8080,
                       help="the page's TCP port, 0 picks a free one (default: %(default)s)")  # fmt: skip
-    dash.add_argument("--period", type=number(), default=2.0, metavar="SECONDS",
+    dash.add_argument("--period", type=number(maximum=3600), default=2.0, metavar="SECONDS",
                       help="seconds between readings of the DHT (default: %(default)s)")  # fmt: skip
 
     export = sub.add_parser("export", help="write a run's model as model.safetensors and config.json")

@@ -81,6 +81,7 @@ def test_help_screens(command, capsys):
         # past 64 bits: the run record could not hold it (a traceback from bootstrap), nor torch seed with it
         (["bootstrap", "--run", "r", "--seed", "9" * 23], f"argument --seed: must be at most {2**63 - 1} (2^63 - 1)"),
         (["simulate", "--inner-steps", str(2**63)], "argument --inner-steps: must be at most"),
+        (["dashboard", "--initial-peers", "x", "--run", "r", "--period", "1e9"], "--period: must be at most 3600"),
         ([*JOIN, "--data-seed", str(2**64)], "argument --data-seed: must be at most"),
         (["sample", "out", "--seed", str(2**64)], "argument --seed: must be at most"),
         (["join", "--initial-peers", PEER, "--run", "r", "--use-auto-relay=yes"], "ignored explicit argument"),
