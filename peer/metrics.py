@@ -68,11 +68,12 @@ class MetricsLog:
 
 
 def read_metrics(path: Path) -> list[dict]:
-    """The records of a metrics log; a torn last line (a peer killed mid-write) is skipped."""
+    """The records of a metrics log; a torn last line (a peer killed mid-write) is skipped, as is a line that is not
+    UTF-8 JSON."""
     if not path.exists():
         return []
     records = []
-    for line in path.read_text(encoding="utf-8").splitlines():
+    for line in path.read_text(encoding="utf-8", errors="replace").splitlines():
         try:
             records.append(json.loads(line))
         except json.JSONDecodeError:

@@ -103,6 +103,17 @@ def test_report_skips_values_that_are_not_finite(tmp_path: Path, capsys) -> None
     assert len(by_time.series[0].ys) == 4 and len(traffic.series[0].ys) == 5  # the record without a time is left out
 
 
+def test_report_skips_a_line_that_is_not_utf8(tmp_path: Path) -> None:
+    """A line of bytes that are not UTF-8 (a disk error, a torn multibyte write) is skipped as a torn line is: it was
+    a codec error naming no file, and the chart was lost for one bad line."""
+    write_log(tmp_path / "me", lines=6, start=50.0, seed=0)
+    log = tmp_path / "me" / "metrics.jsonl"
+    log.write_bytes(log.read_bytes() + b'\xff\xfe{"t": 99.0}\n')
+    assert main(["report", str(tmp_path / "me")]) == 0
+    check_png(tmp_path / "me" / "report.png")
+    assert len(load_logs(tmp_path / "me")["me"]) == 6
+
+
 @pytest.mark.parametrize("make", [lambda d: None, lambda d: (d / "peer-0").mkdir(), lambda d: d.rmdir()])
 def test_report_without_metrics_is_a_one_line_error(tmp_path: Path, make: Any, capsys) -> None:
     run_dir = tmp_path / "run"
