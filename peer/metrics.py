@@ -12,7 +12,7 @@ import json
 import math
 from collections.abc import Mapping
 from pathlib import Path
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, TextIO
 
 from pydantic import BaseModel, ConfigDict, Field
 
@@ -52,19 +52,23 @@ class SwarmReport(BaseModel):
 
 
 class MetricsLog:
-    """Appends one JSON object per line; each line is flushed so readers see it at once."""
+    """Appends one JSON object per line; each line is flushed so readers see it at once. The file is opened at the
+    first line: a peer that fails to start leaves no empty log behind."""
 
     def __init__(self, path: Path) -> None:
-        path.parent.mkdir(parents=True, exist_ok=True)
         self.path = path
-        self._file = path.open("a", encoding="utf-8")
+        self._file: TextIO | None = None
 
     def write(self, **record) -> None:
+        if self._file is None:
+            self.path.parent.mkdir(parents=True, exist_ok=True)
+            self._file = self.path.open("a", encoding="utf-8")
         self._file.write(json.dumps(record, allow_nan=False) + "\n")
         self._file.flush()
 
     def close(self) -> None:
-        self._file.close()
+        if self._file is not None:
+            self._file.close()
 
 
 def read_metrics(path: Path) -> list[dict]:

@@ -232,11 +232,6 @@ class VolunteerPeer:
             )  # fmt: skip
             # before the heartbeat: nobody knows this peer yet
             resumed = options.resume and peer._resume()
-            if options.resume and not resumed and (final := final_model(options.out_dir)) is not None:
-                raise PeerError(
-                    f"--resume found no usable checkpoint in {options.checkpoints}, and {final} is the "
-                    "final model a fresh start would overwrite: move it away, or choose a new folder"
-                )
             if options.state_download:  # a resumed peer takes a live state only if the swarm moved on
                 peer._log(*catch_up(peer.loop.run, peer.sharing, peer.trainer, resumed=resumed))
             peer.trainer.check_batches()  # bad data is one line, before anyone hears of this peer
@@ -276,13 +271,19 @@ class VolunteerPeer:
         return averager
 
     def _resume(self) -> bool:
-        """Restore the newest usable checkpoint; False (and a warning) if there is none."""
+        """Restore the newest usable checkpoint; False (and a warning) if there is none, PeerError if there is none
+        but the out-dir holds a final model (a fresh start would write over it)."""
         directory, trainer, compressor = self.options.checkpoints, self.trainer, self.averager.compressor
         found = latest_checkpoint(
             directory, run_id=self.options.run_id, model=trainer.config.model,
             accept=lambda state: restore_state(state, trainer, compressor),
         )  # fmt: skip
         if found is None:
+            if (final := final_model(self.options.out_dir)) is not None:  # another folder, or another model's run
+                raise PeerError(
+                    f"--resume found no usable checkpoint in {directory}, and {final} is the final "
+                    "model a fresh start would overwrite: move it away, or choose a new folder"
+                )
             logger.warning("no usable checkpoint in %s", directory)
             return False
         predecessor = found[0].get("peer_id")

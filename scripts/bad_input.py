@@ -34,6 +34,7 @@ from pathlib import Path
 import psutil
 
 from murmur.peer.metrics import read_metrics
+from murmur.peer.rundir import LOCK, FolderLock
 
 ROOT = Path(__file__).resolve().parent.parent
 WORKLOAD = '''"""A small regression model and its batches, good and bad (written by scripts/bad_input.py)."""
@@ -247,11 +248,24 @@ def error_line(ran: Ran) -> str:
 
 
 def snapshot(folder: Path) -> dict[str, str]:
-    """Every file under `folder`, by path, with its sha256."""
+    """Every file under `folder` but a peer's folder lock (its own, not the user's), by path, with its sha256."""
     if not folder.exists():
         return {}
     return {str(p.relative_to(folder)): hashlib.sha256(p.read_bytes()).hexdigest() for p in sorted(folder.rglob("*"))
-            if p.is_file()}  # fmt: skip
+            if p.is_file() and p.name != LOCK}  # fmt: skip
+
+
+def final_model(folder: Path, run_id: str) -> Path:
+    """A folder holding a real final model of run `run_id` (and no checkpoint), as a clean stop leaves it."""
+    from torch import nn
+
+    from murmur.peer.anchorfile import save_anchor
+
+    folder.mkdir(parents=True)
+    model = nn.Linear(4, 4)
+    save_anchor(folder / "anchor.safetensors", model, dict(model.named_parameters()), run_id=run_id,
+                config={"model": "gpt-tiny"}, step=720)  # fmt: skip
+    return folder
 
 
 def earlier_run(folder: Path, *, checkpoints: bool = False) -> Path:
@@ -501,6 +515,30 @@ def _earlier_checkpoint_dir(lab: Lab) -> Outcome:
     return protected(lab, argv, lambda d: d / "run")
 
 
+def _resume_into(run_id: str) -> Callable[[Lab], Outcome]:
+    """`--resume` into a folder that holds a final model of `run_id` and no checkpoint."""
+    return lambda lab: protected(
+        lab, lambda d: [*lab.join("open-run"), "--resume", "--out-dir", str(final_model(d / "run", run_id))],
+        lambda d: d / "run",
+    )  # fmt: skip
+
+
+def _held_folder(lab: Lab) -> Outcome:
+    """A second peer on a folder another live process holds (this one, as a running peer would)."""
+    lock = None
+
+    def argv(d: Path) -> list[str]:
+        nonlocal lock
+        lock = FolderLock.take(earlier_run(d / "run", checkpoints=True))
+        return [*lab.join("open-run"), "--resume", "--out-dir", str(d / "run")]
+
+    try:
+        return protected(lab, argv, lambda d: d / "run")
+    finally:
+        if lock is not None:
+            lock.release()
+
+
 def _earlier_simulation(lab: Lab) -> Outcome:
     def argv(d: Path) -> list[str]:
         folder = earlier_run(d / "sim" / "peer-0").parent
@@ -525,6 +563,16 @@ def cases() -> list[Case]:
         Case("--checkpoint-dir of an earlier run, no --resume", lost, _earlier_checkpoint_dir, 1,
              lambda lab: r"murmur join: error: (\S+) holds an earlier run \(checkpoints in \1\): "
                          + _e(refused_folder)),
+        Case("--resume into another run's folder", lost, _resume_into("elsewhere"), 1,
+             lambda lab: r"murmur join: error: \S+/run holds run 'elsewhere' \(anchor\.safetensors\), not 'open-run': "
+                         r"--resume continues only the folder's own run; choose a new folder"),
+        Case("--resume beside a final model, no checkpoint", lost, _resume_into("open-run"), 1,
+             lambda lab: r"murmur join: error: --resume found no usable checkpoint in \S+/checkpoints, and "
+                         r"\S+/anchor\.safetensors is the final model a fresh start would overwrite: move it away, "
+                         r"or choose a new folder"),
+        Case("a folder another live peer holds", lost, _held_folder, 1,
+             lambda lab: r"murmur join: error: \S+/run is in use by another murmur peer \(process \d+\): stop it, "
+                         r"or choose another folder"),
         Case("simulate into an earlier simulation's folder", lost, _earlier_simulation, 0,
              lambda lab: r"\S+/sim holds an earlier simulation, kept as it is; this one writes to \S+/sim-2"),
         Case("--restart without a checkpoint folder", lost, command(lambda lab: [*lab.join("open-run"), "--restart"]),
@@ -545,6 +593,18 @@ def cases() -> list[Case]:
              command(lambda lab: [*lab.join("private-run"), "--run-secret-file", str(lab.wrong_secret)]), 1,
              lambda lab: _e("murmur join: error: run 'private-run' is private and this run secret is not its secret: "
                             "check --run-secret-file")),
+        Case("--checkpoint-dir that is a file", silent,
+             command(lambda lab: [*lab.join("open-run"), "--checkpoint-dir", str(lab.secret)], fast=True), 1,
+             lambda lab: _e(f"murmur join: error: {lab.secret} is a file, not a folder")),
+        Case("--allow-peers with a mistyped peer id", silent,
+             command(lambda lab: ["bootstrap", "--run", "r", "--allow-peers", "QmNnooDu7bfjPFoTZYxMNLWUQJyrVwtbZg5g"],
+                     fast=True), 1,
+             lambda lab: r"murmur bootstrap: error: --allow-peers: bad peer id 'QmNnooDu7bfjPFoTZYxMNLWUQJyrVwtbZg5g': "
+                         r".+"),
+        Case("join --until 3600 (seconds, not a time)", silent,
+             command(lambda lab: [*lab.join("open-run"), "--until", "3600"], fast=True), 2,
+             lambda lab: r"murmur join: error: argument --until: must be a Unix time in the future \(it is now \d+\), "
+                         r"got 3600: for seconds of training use --duration"),
         Case("the same --model spec, another layout", silent, layout_differs, 1,
              lambda lab: r"murmur\.averaging WARN(ING)? model layout differs from the run's: peer \w{8} .+",
              lambda lab: r"murmur join: error: model layout differs from the run's: peer \w{8} .+; no peer of the run "
