@@ -292,7 +292,7 @@ def _status(args: argparse.Namespace) -> int:
     if args.json:
         print(status.to_json())
     else:
-        Console().print(render_status(status))
+        Console().print(render_status(status, args.creator))
     return 0
 
 

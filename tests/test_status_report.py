@@ -27,7 +27,7 @@ from murmur.peer.cli import main
 from murmur.peer.config import TrainConfig
 from murmur.peer.ops.chart import Chart, Panel, Series, nice_ticks
 from murmur.peer.ops.report import PANEL_TITLES, alive_over_time, build_chart, load_logs
-from murmur.peer.ops.status import PeerStatus, RunStatus, render_status
+from murmur.peer.ops.status import PeerStatus, RunStatus, config_summary, render_status
 from murmur.peer.sim.simulate import start_bootstrap
 
 PNG_SIGNATURE = b"\x89PNG\r\n\x1a\n"
@@ -275,3 +275,8 @@ def test_status_table_marks_client_mode_peers() -> None:
     console.print(render_status(status))
     rows = {line.split()[0]: line for line in console.export_text().splitlines() if line.strip()[:1] in "ab"}
     assert "(client)" in rows["b" * 8] and "(client)" not in rows["a" * 8]
+    assert config_summary(status) == "run 'r': no config record on the DHT"
+    signed = "run 'r': no config record signed by its creator QmBoot (--creator) on the DHT"  # the reader trusts it
+    assert config_summary(status, creator="QmBoot") == signed
+    console.print(render_status(status, creator="QmBoot"))
+    assert signed in console.export_text()

@@ -97,17 +97,19 @@ def read_status(records: RunRecords, creator: str | None = None) -> RunStatus:
     )
 
 
-def config_summary(status: RunStatus) -> str:
+def config_summary(status: RunStatus, creator: str | None = None) -> str:
+    """One line on the run's config; `creator`: the --creator the reader trusts (only its config is read)."""
     if status.config is None:
-        return f"run '{status.run}': no config record on the DHT"
+        signed = f" signed by its creator {creator} (--creator)" if creator else ""
+        return f"run '{status.run}': no config record{signed} on the DHT"
     c = status.config
     return f"run '{status.run}': model {c.get('model')}, H={c.get('inner_steps')}, rank {c.get('rank')}"
 
 
-def render_status(status: RunStatus) -> RenderableType:
+def render_status(status: RunStatus, creator: str | None = None) -> RenderableType:
     """The config summary line and a table with one row per live peer."""
     if not status.peers:
-        return Group(Text(config_summary(status)), Text("no live peers"))
+        return Group(Text(config_summary(status, creator)), Text("no live peers"))
     title = f"{len(status.peers)} live peer{'s' * (len(status.peers) != 1)}"
     caption = ("outer step: rounds that took an outer step, inner step: AdamW steps, seen: since last announced, "
                "client: never dialled")  # fmt: skip
@@ -126,7 +128,7 @@ def render_status(status: RunStatus) -> RenderableType:
             "—" if p.loss is None else f"{p.loss:.3f}", f"{p.samples_per_second:.1f}", str(p.version),
             f"{p.last_seen:.0f}s",
         )  # fmt: skip
-    return Group(Text(config_summary(status)), table)
+    return Group(Text(config_summary(status, creator)), table)
 
 
 def _or_dash(value: int | None) -> str:
