@@ -52,6 +52,10 @@ class NonFiniteLoss(RuntimeError):
     """The local loss became NaN or inf; the round's local steps are discarded."""
 
 
+class StreamEnded(WorkloadError):
+    """The training stream ran out of batches (a batch builder's "train" stream must not end)."""
+
+
 class Trainer:
     """The inner loop of one peer. `source` is the built-in corpus or a researcher's `Workload`."""
 
@@ -98,7 +102,13 @@ class Trainer:
         steps = self.config.inner_steps if steps is None else steps
         try:
             for _ in range(steps):
-                batch = next(self.batches)
+                try:
+                    batch = next(self.batches)
+                except StopIteration:  # a researcher's stream that ends (one pass of a DataLoader)
+                    raise StreamEnded(
+                        f"the training stream ended after {self.batches_drawn} batches: build_batches('train', ...) "
+                        "must yield batches without end (cycle over the data)"
+                    ) from None
                 self.batches_drawn += 1
                 for group, base in zip(self.inner.param_groups, self._base_lrs, strict=True):
                     group["lr"] = warmup_lr(base, self.steps - self.warm_from, self.config.warmup_steps)

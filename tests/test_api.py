@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import gc
+import itertools
 import json
 import signal
 import uuid
@@ -12,8 +13,10 @@ import torch
 
 from examples import tiny_mlp
 from murmur.peer.api import Peer, Swarm
+from murmur.peer.checkpoint import latest_checkpoint
 from murmur.peer.cli import main
 from murmur.peer.config import ConfigError, TrainConfig
+from murmur.peer.runner import PeerError
 from murmur.peer.trainer import Trainer
 from murmur.peer.workload import Callables, WorkloadError, WorkloadSpec, custom, resolve, spec_of
 
@@ -115,3 +118,25 @@ def test_join_runs_a_custom_model_named_on_the_command_line(custom_run, tmp_path
 def test_a_peer_needs_both_builders_or_neither() -> None:
     with pytest.raises(WorkloadError, match="give both build_model and build_batches"):
         Peer(tiny_mlp.build_model, run="r", initial_peers=[])
+
+
+def one_pass(split: str, *, seed: int, batch_size: int):
+    """The example's batches, but the training stream ends after 25 (as one pass of a DataLoader would)."""
+    stream = tiny_mlp.build_batches(split, seed=seed, batch_size=batch_size)
+    return stream if split == "eval" else itertools.islice(stream, 25)
+
+
+@pytest.mark.slow
+def test_a_training_stream_that_ends_stops_the_peer_in_one_line_with_its_work_saved(custom_run, tmp_path) -> None:
+    run, initial_peers = custom_run
+    with Peer(tiny_mlp.build_model, one_pass, run=run, initial_peers=initial_peers, device="cpu", duration=60,
+              out_dir=tmp_path) as peer:  # fmt: skip
+        with pytest.raises(
+            PeerError,
+            match=r"^the training stream ended after 25 batches: build_batches\('train', "
+            r"\.\.\.\) must yield batches without end \(cycle over the data\)$",
+        ):
+            peer.train()
+    assert json.loads((tmp_path / "report.json").read_text())["steps"] == 25
+    state, _ = latest_checkpoint(tmp_path / "checkpoints", run_id=run, model=MODEL)
+    assert state["trainer"]["steps"] == 25 and state["trainer"]["batches_drawn"] == 25  # every step kept
