@@ -266,7 +266,9 @@ class Trainer:
         compute_seconds = state.get("compute_seconds")
         if type(compute_seconds) is not float or not 0 <= compute_seconds < math.inf:
             raise CheckpointError(f"compute_seconds must be a finite non-negative float, got {compute_seconds!r}")
-        model = check_tensors(state.get("model"), {n: t.shape for n, t in self.model.state_dict().items()}, "model")
+        own = self.model.state_dict()
+        model = check_tensors(state.get("model"), {n: t.shape for n, t in own.items()}, "model",
+                              integral={n for n, t in own.items() if not t.is_floating_point()})  # fmt: skip
         self._check_inner(state.get("inner"))
         scaler = self._check_scaler(state.get("scaler"))
         self.outer.load_state_dict(state.get("outer"))  # checks, then applies: the last check
