@@ -129,7 +129,8 @@ class Trainer:
     def check_batches(self) -> None:
         """Try the next training batch and the first held-out one on the model, without a step and without
         consuming either: a batch that is not a tuple of tensors, does not fit the model (a wrong shape, dtype
-        or count) or gives a non-finite loss is one line (WorkloadError), before the peer announces itself."""
+        or count), gives a non-finite loss or (training) a loss with no gradient is one line (WorkloadError), before
+        the peer announces itself."""
         try:
             batch = next(self.batches)
         except StopIteration:
@@ -145,9 +146,14 @@ class Trainer:
                     or not all(isinstance(t, torch.Tensor) for t in first)
                 ):
                     raise WorkloadError(f"the first {split} batch is not a tuple of tensors: {type(first).__name__}")
-                try:
-                    with torch.no_grad(), torch.random.fork_rng(devices=[]):  # the training RNG is not touched
-                        loss = self._loss(tuple(first)).item()
+                grad = split == "training"  # a loss to train on needs a gradient: taken with it, as a step would,
+                try:  # on its first micro-batch (the most a step holds at once)
+                    micro = tuple(first)
+                    if grad and self.grad_accum > 1:
+                        micro = tuple(t[: split_batch(len(t), min(self.grad_accum, len(t)))[0]] for t in micro)
+                    with torch.set_grad_enabled(grad), torch.random.fork_rng(devices=[]):  # the training RNG is kept
+                        output = self._loss(micro)
+                        loss = output.item()
                 except Exception as e:  # whatever the model raises on a batch it cannot take
                     shapes = ", ".join(str(tuple(t.shape)) for t in first)
                     reason = " ".join(str(e).split())[:200] or type(e).__name__
@@ -156,6 +162,10 @@ class Trainer:
                     ) from None
                 if not math.isfinite(loss):
                     raise WorkloadError(f"the first {split} batch gives a non-finite loss ({loss}): check the data")
+                if grad and not output.requires_grad:
+                    raise WorkloadError("the model's loss has no gradient (detached, or computed under "
+                                        "torch.no_grad()): forward must return the loss it trains on")  # fmt: skip
+                del output
         finally:
             self.model.train(was_training)
 

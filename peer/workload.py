@@ -109,6 +109,8 @@ def custom(
         model = build()
     if not isinstance(model, nn.Module):
         raise WorkloadError(f"the model builder returned {type(model).__name__}, not a torch.nn.Module")
+    if not any(p.requires_grad for p in model.parameters()):
+        raise WorkloadError("the model builder's model has no parameter that requires grad: nothing to train")
     eval_set = list(itertools.islice(build_batches("eval", seed=0, batch_size=config.batch_size), config.eval_batches))
     if not eval_set:
         raise WorkloadError("the batch builder gave no 'eval' batches")

@@ -140,3 +140,24 @@ def test_a_training_stream_that_ends_stops_the_peer_in_one_line_with_its_work_sa
     assert json.loads((tmp_path / "report.json").read_text())["steps"] == 25
     state, _ = latest_checkpoint(tmp_path / "checkpoints", run_id=run, model=MODEL)
     assert state["trainer"]["steps"] == 25 and state["trainer"]["batches_drawn"] == 25  # every step kept
+
+
+class Detached(tiny_mlp.Regressor):
+    def forward(self, x, y):
+        return super().forward(x, y).detach()  # a loss logged, not trained on
+
+
+def frozen() -> torch.nn.Module:
+    return tiny_mlp.Regressor().requires_grad_(False)
+
+
+def test_a_model_that_cannot_train_is_one_line_before_the_peer_announces_itself() -> None:
+    """Both trained on in silence until the first backward, which raised a RuntimeError (a traceback)."""
+    with pytest.raises(WorkloadError, match="^the model builder's model has no parameter that requires grad: "):
+        custom(CUSTOM, frozen, tiny_mlp.build_batches)
+    with pytest.raises(WorkloadError, match=r"^the model's loss has no gradient \(detached, or computed under "):
+        Trainer(CUSTOM, custom(CUSTOM, Detached, tiny_mlp.build_batches), data_seed=0).check_batches()
+    trainer = Trainer(CUSTOM, custom(CUSTOM, tiny_mlp.build_model, tiny_mlp.build_batches), data_seed=0)
+    trainer.grad_accum = 3  # tried on its first micro-batch, as a step would take it
+    trainer.check_batches()
+    assert trainer.batches_drawn == 0 and next(trainer.batches)[0].shape == (8, tiny_mlp.FEATURES)  # not consumed
