@@ -56,6 +56,8 @@ class Swarm:
         self.dht = None
 
     def start(self) -> Swarm:
+        if self.dht is not None:  # a second node would outlive this object, its p2pd with it
+            raise RuntimeError("the swarm is already started")
         self.dht = start_node(self._node_config)
         try:
             records = RunRecords(self.dht, self.run)
@@ -63,6 +65,7 @@ class Swarm:
             self._keeper = ConfigKeeper(records, record).start()
         except BaseException:
             stop_node(self.dht)
+            self.dht = None
             raise
         return self
 
@@ -73,11 +76,13 @@ class Swarm:
     def close(self) -> None:
         if self._keeper is not None:
             self._keeper.stop()
+            self._keeper = None
         if self.dht is not None:
             stop_node(self.dht)
+            self.dht = None
 
     def __enter__(self) -> Swarm:
-        return self.start()
+        return self if self.dht is not None else self.start()  # `with Swarm(...).start() as swarm` too
 
     def __exit__(self, exc_type: type[BaseException] | None, exc: BaseException | None, tb: TracebackType | None):
         self.close()
@@ -122,6 +127,8 @@ class Peer:
         self._peer: VolunteerPeer | None = None
 
     def start(self) -> Peer:
+        if self._peer is not None:  # a second peer would outlive this object, its DHT node and p2pd with it
+            raise RuntimeError("the peer is already started")
         self._peer = VolunteerPeer.create(self.options)
         return self
 
@@ -154,7 +161,7 @@ class Peer:
         return self._peer
 
     def __enter__(self) -> Peer:
-        return self.start()
+        return self if self._peer is not None else self.start()  # `with Peer(...).start() as peer` too
 
     def __exit__(self, exc_type: type[BaseException] | None, exc: BaseException | None, tb: TracebackType | None):
         self.close()

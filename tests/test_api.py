@@ -8,6 +8,7 @@ import json
 import signal
 import uuid
 
+import psutil
 import pytest
 import torch
 
@@ -161,3 +162,24 @@ def test_a_model_that_cannot_train_is_one_line_before_the_peer_announces_itself(
     trainer.grad_accum = 3  # tried on its first micro-batch, as a step would take it
     trainer.check_batches()
     assert trainer.batches_drawn == 0 and next(trainer.batches)[0].shape == (8, tiny_mlp.FEATURES)  # not consumed
+
+
+def descendants() -> set[int]:
+    return {p.pid for p in psutil.Process().children(recursive=True) if p.status() != psutil.STATUS_ZOMBIE}
+
+
+@pytest.mark.slow
+def test_a_started_peer_or_swarm_is_not_started_again(custom_run) -> None:
+    """`with` a started one started a second DHT node and p2pd, which outlived `close()` until the process ended."""
+    run, initial_peers = custom_run
+    before = descendants()
+    with Swarm(f"{run}-2", CUSTOM).start() as swarm:
+        with pytest.raises(RuntimeError, match="^the swarm is already started$"):
+            swarm.start()
+        peer = Peer(tiny_mlp.build_model, tiny_mlp.build_batches, run=run, initial_peers=initial_peers, device="cpu")
+        with peer.start():
+            started = descendants()
+            with pytest.raises(RuntimeError, match="^the peer is already started$"):
+                peer.start()
+        assert descendants() < started
+    assert descendants() <= before  # nothing left of either
