@@ -18,6 +18,7 @@ user asked for.
 from __future__ import annotations
 
 import importlib
+import inspect
 import itertools
 import os
 import sys
@@ -104,6 +105,8 @@ def custom(
     """A researcher's model and batches; the model is built under the run's seed, so every peer starts equal."""
     if isinstance(build, nn.Module):
         raise WorkloadError("pass a function that builds the model, not a model: every peer builds its own")
+    _check_signature(build, "model builder", "no arguments")
+    _check_signature(build_batches, "batch builder", "(split, *, seed, batch_size)", "eval", seed=0, batch_size=1)
     with torch.random.fork_rng(devices=[]):
         torch.manual_seed(config.seed)
         model = build()
@@ -111,15 +114,37 @@ def custom(
         raise WorkloadError(f"the model builder returned {type(model).__name__}, not a torch.nn.Module")
     if not any(p.requires_grad for p in model.parameters()):
         raise WorkloadError("the model builder's model has no parameter that requires grad: nothing to train")
-    eval_set = list(itertools.islice(build_batches("eval", seed=0, batch_size=config.batch_size), config.eval_batches))
+    eval_set = list(itertools.islice(_batches(build_batches, "eval", 0, config.batch_size), config.eval_batches))
     if not eval_set:
         raise WorkloadError("the batch builder gave no 'eval' batches")
     return Workload(
         model=model,
         optimizer=optimizer or default_optimizer(config),
-        train=lambda seed, batch_size: iter(build_batches("train", seed=seed, batch_size=batch_size)),
+        train=lambda seed, batch_size: _batches(build_batches, "train", seed, batch_size),
         eval_set=eval_set,
     )
+
+
+def _check_signature(function: Callable[..., Any], what: str, takes: str, *args: Any, **kwargs: Any) -> None:
+    """WorkloadError (one line) if `function` cannot be called with these arguments, by its signature (a
+    TypeError its body raises stays its own)."""
+    try:
+        signature = inspect.signature(function)
+    except (TypeError, ValueError):  # none to read (a builtin): the call itself says
+        return
+    try:
+        signature.bind(*args, **kwargs)
+    except TypeError as e:
+        raise WorkloadError(f"the {what} must take {takes}: {e}") from None
+
+
+def _batches(build_batches: Callable[..., Iterable[Batch]], split: str, seed: int, batch_size: int) -> Iterator[Batch]:
+    """The batch builder's `split` stream; WorkloadError (one line) if what it returned is not iterable."""
+    batches = build_batches(split, seed=seed, batch_size=batch_size)
+    if not isinstance(batches, Iterable):
+        raise WorkloadError(f"the batch builder returned {type(batches).__name__} for {split!r}, not an iterable "
+                            "of batches")  # fmt: skip
+    return iter(batches)
 
 
 class WorkloadSource(Protocol):

@@ -183,3 +183,28 @@ def test_a_started_peer_or_swarm_is_not_started_again(custom_run) -> None:
                 peer.start()
         assert descendants() < started
     assert descendants() <= before  # nothing left of either
+
+
+def positional(split, seed, batch_size):  # seed and batch_size come as keywords: this one takes them too
+    return tiny_mlp.build_batches(split, seed=seed, batch_size=batch_size)
+
+
+@pytest.mark.parametrize(
+    ("build", "build_batches", "line"),
+    [
+        (lambda width: tiny_mlp.Regressor(), tiny_mlp.build_batches,
+         "the model builder must take no arguments: missing a required argument: 'width'"),
+        (tiny_mlp.build_model, lambda split: iter(()),
+         "the batch builder must take (split, *, seed, batch_size): got an unexpected keyword argument 'seed'"),
+        (tiny_mlp.build_model, lambda split, *, seed, batch_size: None,
+         "the batch builder returned NoneType for 'eval', not an iterable of batches"),
+        (tiny_mlp.build_model, lambda split, *, seed, batch_size: positional(split, seed, batch_size) if split == "eval"
+         else 7, "the batch builder returned int for 'train', not an iterable of batches"),
+    ],
+)  # fmt: skip
+def test_builders_of_the_wrong_shape_are_one_line(build, build_batches, line) -> None:
+    """Each was a TypeError (a traceback from murmur join) from calling the builder or iterating what it gave."""
+    with pytest.raises(WorkloadError) as info:
+        Trainer(CUSTOM, custom(CUSTOM, build, build_batches), data_seed=0)
+    assert str(info.value) == line
+    Trainer(CUSTOM, custom(CUSTOM, tiny_mlp.build_model, positional), data_seed=0).check_batches()
