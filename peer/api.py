@@ -111,6 +111,8 @@ class Peer:
     ) -> None:
         if (build_model is None) != (build_batches is None):
             raise WorkloadError("give both build_model and build_batches, or neither for the built-in GPT")
+        if build_model is not None:
+            spec_of(build_model)  # one the run can name, or WorkloadError before anything starts
         workload = WorkloadSpec() if build_model is None else Callables(build_model, build_batches, optimizer)
         self.options = PeerOptions(
             run_id=run,

@@ -59,8 +59,16 @@ def resolve(spec: str, what: str) -> Callable[..., Any]:
 
 
 def spec_of(function: Callable[..., Any]) -> str:
-    """The import path that names a callable, as the run config records it."""
-    return f"{function.__module__}:{function.__qualname__}"
+    """The import path that names a callable, as the run config records it; WorkloadError (one line) if it has
+    none (a model rather than its builder, a lambda, a nested function, a functools.partial)."""
+    if isinstance(function, nn.Module):
+        raise WorkloadError("pass a function that builds the model, not a model: every peer builds its own")
+    module, name = getattr(function, "__module__", None), getattr(function, "__qualname__", None)
+    spec = f"{module}:{name}" if module and name else type(function).__name__
+    if not is_spec(spec):
+        raise WorkloadError(f"the model builder must be a function at the top level of a module, which the run "
+                            f"names by its import path (pkg.module:function), not {spec}")  # fmt: skip
+    return spec
 
 
 def default_optimizer(config: TrainConfig) -> OptimizerFactory:

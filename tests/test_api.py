@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import functools
 import gc
 import itertools
 import json
@@ -208,3 +209,23 @@ def test_builders_of_the_wrong_shape_are_one_line(build, build_batches, line) ->
         Trainer(CUSTOM, custom(CUSTOM, build, build_batches), data_seed=0)
     assert str(info.value) == line
     Trainer(CUSTOM, custom(CUSTOM, tiny_mlp.build_model, positional), data_seed=0).check_batches()
+
+
+@pytest.mark.parametrize(
+    ("model", "line"),
+    [
+        (tiny_mlp.Regressor(), "pass a function that builds the model, not a model: every peer builds its own"),
+        (functools.partial(tiny_mlp.Regressor), "the model builder must be a function at the top level of a module, "
+         "which the run names by its import path (pkg.module:function), not partial"),
+        (lambda: tiny_mlp.Regressor(), "the model builder must be a function at the top level of a module, which "
+         f"the run names by its import path (pkg.module:function), not {__name__}:<lambda>"),
+    ],
+    ids=["a model", "a partial", "a lambda"],
+)  # fmt: skip
+def test_a_model_builder_the_run_cannot_name_is_one_line(model, line) -> None:
+    """A model or a partial was an AttributeError (no __qualname__); a lambda a ConfigError 'unknown model'."""
+    for make in (lambda: Swarm("r", CUSTOM, model=model),
+                 lambda: Peer(model, tiny_mlp.build_batches, run="r", initial_peers=[])):  # fmt: skip
+        with pytest.raises(WorkloadError) as info:
+            make()
+        assert str(info.value) == line
