@@ -97,13 +97,13 @@ class Peer:
         build_batches: Callable[..., Iterable[Batch]] | None = None,
         *,
         run: str,
-        initial_peers: Sequence[str],
+        initial_peers: Sequence[str] | str,
         optimizer: OptimizerFactory | None = None,
         duration: float | None = None,
         device: str = "auto",
         client_mode: bool = False,
         data_seed: int = 0,
-        out_dir: Path | None = None,
+        out_dir: Path | str | None = None,
         exchange: GroupConfig | None = None,
         verbose: bool = False,
         overlap: bool = False,
@@ -114,13 +114,15 @@ class Peer:
         if build_model is not None:
             spec_of(build_model)  # one the run can name, or WorkloadError before anything starts
         workload = WorkloadSpec() if build_model is None else Callables(build_model, build_batches, optimizer)
+        # one address as a str is one address, not its characters (each a "bad multiaddr")
+        peers = (initial_peers,) if isinstance(initial_peers, str) else tuple(initial_peers)
         self.options = PeerOptions(
             run_id=run,
-            node=NodeConfig(initial_peers=tuple(initial_peers), client_mode=client_mode, run_id=run),
+            node=NodeConfig(initial_peers=peers, client_mode=client_mode, run_id=run),
             exchange=exchange or GroupConfig(),
             data_seed=data_seed,
             duration=duration,
-            out_dir=out_dir,
+            out_dir=None if out_dir is None else Path(out_dir),  # a str too (its checkpoints: out_dir / ...)
             verbose=verbose,
             device=DeviceConfig(device=device, outer_state=outer_state),
             workload=workload,

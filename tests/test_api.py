@@ -229,3 +229,11 @@ def test_a_model_builder_the_run_cannot_name_is_one_line(model, line) -> None:
         with pytest.raises(WorkloadError) as info:
             make()
         assert str(info.value) == line
+
+
+def test_a_peer_takes_one_address_and_a_folder_as_strings(tmp_path) -> None:
+    """One address was split into its characters ("bad multiaddr '/'"); a str out_dir was a TypeError at start."""
+    address = "/ip4/127.0.0.1/tcp/4001/p2p/QmPo8M5vZm9dz4hC9vxeahAXvShSWXEdpKdRbh4ynsqLEw"
+    peer = Peer(tiny_mlp.build_model, tiny_mlp.build_batches, run="r", initial_peers=address, out_dir=str(tmp_path))
+    assert peer.options.node.initial_peers == (address,)
+    assert peer.options.checkpoints == tmp_path / "checkpoints"
