@@ -122,7 +122,9 @@ def custom(
         raise WorkloadError(f"the model builder returned {type(model).__name__}, not a torch.nn.Module")
     if not any(p.requires_grad for p in model.parameters()):
         raise WorkloadError("the model builder's model has no parameter that requires grad: nothing to train")
-    eval_set = list(itertools.islice(_batches(build_batches, "eval", 0, config.batch_size), config.eval_batches))
+    with torch.random.fork_rng(devices=[]):  # the same on every peer, from a builder that draws from torch's
+        torch.manual_seed(config.seed)  # global RNG too (which peers of one process share)
+        eval_set = list(itertools.islice(_batches(build_batches, "eval", 0, config.batch_size), config.eval_batches))
     if not eval_set:
         raise WorkloadError("the batch builder gave no 'eval' batches")
     return Workload(

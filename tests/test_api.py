@@ -237,3 +237,18 @@ def test_a_peer_takes_one_address_and_a_folder_as_strings(tmp_path) -> None:
     peer = Peer(tiny_mlp.build_model, tiny_mlp.build_batches, run="r", initial_peers=address, out_dir=str(tmp_path))
     assert peer.options.node.initial_peers == (address,)
     assert peer.options.checkpoints == tmp_path / "checkpoints"
+
+
+def global_rng_batches(split: str, *, seed: int, batch_size: int):
+    """Batches drawn from torch's global RNG, as `torch.randn(...)` with no generator does (the seed ignored)."""
+    while True:
+        x = torch.randn(batch_size, tiny_mlp.FEATURES)  # (B, F)
+        yield x, x.sum(-1)  # (B, F), (B,)
+
+
+def test_the_held_out_set_is_the_same_on_every_peer_from_a_builder_on_the_global_rng() -> None:
+    """Peers of one process (train_together) drew different held-out sets, so their eval losses did not compare."""
+    first = custom(CUSTOM, tiny_mlp.build_model, global_rng_batches).eval_set
+    torch.randn(3)  # whatever the process drew in between (another peer's batches, a dropout mask)
+    again = custom(CUSTOM, tiny_mlp.build_model, global_rng_batches).eval_set
+    assert all(torch.equal(a, b) for x, y in zip(first, again, strict=True) for a, b in zip(x, y, strict=True))
