@@ -174,21 +174,30 @@ class Peer:
 def train_together(peers: Sequence[Peer]) -> list[PeerReport]:
     """Train started peers at once, each on its own thread (as peers in one process do); their reports.
 
-    A peer that fails raises its error here, once every peer has finished.
+    A peer that fails raises its error here, once every peer has finished. Ctrl-C (KeyboardInterrupt) stops every
+    peer cleanly, as `murmur join` does (its round, its final checkpoint and report), and is raised again once
+    they have; a second Ctrl-C does not wait.
     """
     results: list[PeerReport | BaseException | None] = [None] * len(peers)
+    stop = threading.Event()
 
     def train(i: int) -> None:
         try:
-            results[i] = peers[i].train()
+            results[i] = peers[i].train(stop)
         except Exception as e:  # handed to the caller below
             results[i] = e
 
     threads = [threading.Thread(target=train, args=(i,), name=f"murmur-peer-{i}") for i in range(len(peers))]
     for thread in threads:
         thread.start()
-    for thread in threads:
-        thread.join()
+    try:
+        for thread in threads:
+            thread.join()
+    except KeyboardInterrupt:  # the peers' threads would train on into a close() in the caller's `finally`
+        stop.set()
+        for thread in threads:
+            thread.join()
+        raise
     for result in results:
         if isinstance(result, BaseException):
             raise result

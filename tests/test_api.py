@@ -6,7 +6,10 @@ import functools
 import gc
 import itertools
 import json
+import os
 import signal
+import threading
+import time
 import uuid
 
 import psutil
@@ -14,7 +17,7 @@ import pytest
 import torch
 
 from examples import tiny_mlp
-from murmur.peer.api import Peer, Swarm
+from murmur.peer.api import Peer, Swarm, train_together
 from murmur.peer.checkpoint import latest_checkpoint
 from murmur.peer.cli import main
 from murmur.peer.config import ConfigError, TrainConfig
@@ -252,3 +255,29 @@ def test_the_held_out_set_is_the_same_on_every_peer_from_a_builder_on_the_global
     torch.randn(3)  # whatever the process drew in between (another peer's batches, a dropout mask)
     again = custom(CUSTOM, tiny_mlp.build_model, global_rng_batches).eval_set
     assert all(torch.equal(a, b) for x, y in zip(first, again, strict=True) for a, b in zip(x, y, strict=True))
+
+
+@pytest.mark.slow
+def test_ctrl_c_during_train_together_stops_every_peer_cleanly(custom_run, tmp_path) -> None:
+    """The peers' threads trained on while the caller's `finally` closed them: no checkpoint, report or model."""
+    run, initial_peers = custom_run
+    folders = [tmp_path / f"peer-{i}" for i in range(2)]
+    peers = [Peer(tiny_mlp.build_model, tiny_mlp.build_batches, run=run, initial_peers=initial_peers, device="cpu",
+                  duration=120, data_seed=i, out_dir=folder).start() for i, folder in enumerate(folders)]  # fmt: skip
+
+    def interrupt() -> None:  # Ctrl-C once both have trained a round
+        while not all((f / "metrics.jsonl").exists() and (f / "metrics.jsonl").stat().st_size for f in folders):
+            time.sleep(0.05)
+        os.kill(os.getpid(), signal.SIGINT)
+
+    threading.Thread(target=interrupt, daemon=True).start()
+    try:
+        with pytest.raises(KeyboardInterrupt):
+            train_together(peers)
+    finally:
+        for peer in peers:
+            peer.close()
+    for folder in folders:
+        steps = json.loads((folder / "report.json").read_text())["steps"]
+        state, _ = latest_checkpoint(folder / "checkpoints", run_id=run, model=MODEL)
+        assert steps > 0 and state["trainer"]["steps"] == steps and (folder / "anchor.safetensors").exists()
