@@ -150,8 +150,11 @@ class Peer:
         return self._running.peer_id
 
     def train(self, stop: threading.Event | None = None) -> PeerReport:
-        """Train until `duration` has passed or `stop` is set; returns the peer's report."""
-        return self._running.run(stop or threading.Event())
+        """Train until `duration` has passed or `stop` is set; returns the peer's report. Without `stop`, on a
+        thread of its own, so that Ctrl-C stops it cleanly (`train_together`)."""
+        if stop is None:  # Ctrl-C on the training thread would land mid-step: no final checkpoint, report or model
+            return train_together([self])[0]
+        return self._running.run(stop)
 
     def close(self) -> None:
         if self._peer is not None:

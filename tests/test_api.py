@@ -258,10 +258,12 @@ def test_the_held_out_set_is_the_same_on_every_peer_from_a_builder_on_the_global
 
 
 @pytest.mark.slow
-def test_ctrl_c_during_train_together_stops_every_peer_cleanly(custom_run, tmp_path) -> None:
-    """The peers' threads trained on while the caller's `finally` closed them: no checkpoint, report or model."""
+@pytest.mark.parametrize("count", [1, 2], ids=["Peer.train", "train_together"])
+def test_ctrl_c_during_training_stops_every_peer_cleanly(custom_run, tmp_path, count) -> None:
+    """With train_together, the peers' threads trained on while the caller's `finally` closed them; in a peer's
+    own train(), the KeyboardInterrupt landed mid-round: either way, no final checkpoint, report or model."""
     run, initial_peers = custom_run
-    folders = [tmp_path / f"peer-{i}" for i in range(2)]
+    folders = [tmp_path / f"peer-{i}" for i in range(count)]
     peers = [Peer(tiny_mlp.build_model, tiny_mlp.build_batches, run=run, initial_peers=initial_peers, device="cpu",
                   duration=120, data_seed=i, out_dir=folder).start() for i, folder in enumerate(folders)]  # fmt: skip
 
@@ -273,7 +275,7 @@ def test_ctrl_c_during_train_together_stops_every_peer_cleanly(custom_run, tmp_p
     threading.Thread(target=interrupt, daemon=True).start()
     try:
         with pytest.raises(KeyboardInterrupt):
-            train_together(peers)
+            train_together(peers) if count > 1 else peers[0].train()
     finally:
         for peer in peers:
             peer.close()
