@@ -68,6 +68,9 @@ class Trainer:
         self._workload, self.data_seed = workload, data_seed
         self.model = workload.model.to(runtime.device)
         self.inner = workload.optimizer(self.model.parameters())
+        if not isinstance(self.inner, torch.optim.Optimizer):
+            raise WorkloadError(f"the optimizer factory returned {type(self.inner).__name__}, not a "
+                                "torch.optim.Optimizer")  # fmt: skip
         self._base_lrs = [group["lr"] for group in self.inner.param_groups]  # the warmup scales each group's own
         self.outer = OuterOptimizer(self.model, config.outer(), host_state=runtime.host_state)
         self.eval_set = workload.eval_set

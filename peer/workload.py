@@ -113,6 +113,9 @@ def custom(
     """A researcher's model and batches; the model is built under the run's seed, so every peer starts equal."""
     if isinstance(build, nn.Module):
         raise WorkloadError("pass a function that builds the model, not a model: every peer builds its own")
+    if optimizer is not None and not callable(optimizer):
+        raise WorkloadError(f"pass a function that builds the optimizer from the model's parameters (params -> "
+                            f"torch.optim.Optimizer), not {type(optimizer).__name__}")  # fmt: skip
     _check_signature(build, "model builder", "no arguments")
     _check_signature(build_batches, "batch builder", "(split, *, seed, batch_size)", "eval", seed=0, batch_size=1)
     with torch.random.fork_rng(devices=[]):

@@ -283,3 +283,13 @@ def test_ctrl_c_during_training_stops_every_peer_cleanly(custom_run, tmp_path, c
         steps = json.loads((folder / "report.json").read_text())["steps"]
         state, _ = latest_checkpoint(folder / "checkpoints", run_id=run, model=MODEL)
         assert steps > 0 and state["trainer"]["steps"] == steps and (folder / "anchor.safetensors").exists()
+
+
+def test_an_optimizer_in_place_of_its_factory_is_one_line() -> None:
+    """An optimizer instance was "TypeError: 'AdamW' object is not callable"; a factory that returned None an
+    AttributeError at the warmup."""
+    made = torch.optim.AdamW(tiny_mlp.build_model().parameters())  # of another model's parameters
+    with pytest.raises(WorkloadError, match=r"^pass a function that builds the optimizer .*, not AdamW$"):
+        custom(CUSTOM, tiny_mlp.build_model, tiny_mlp.build_batches, made)
+    with pytest.raises(WorkloadError, match="^the optimizer factory returned NoneType, not a torch.optim.Optimizer$"):
+        Trainer(CUSTOM, custom(CUSTOM, tiny_mlp.build_model, tiny_mlp.build_batches, lambda params: None), data_seed=0)
