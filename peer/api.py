@@ -49,6 +49,8 @@ class Swarm:
     def __init__(
         self, run: str, config: TrainConfig, *, model: Callable[[], nn.Module] | None = None, host: str = "127.0.0.1"
     ) -> None:
+        if not isinstance(config, TrainConfig):
+            raise TypeError(f"config must be a TrainConfig (murmur.peer.config), not {type(config).__name__}")
         self.run = run
         self.config = config if model is None else config.with_overrides(model=spec_of(model))
         self._node_config = NodeConfig(host=host, run_id=run)

@@ -293,3 +293,10 @@ def test_an_optimizer_in_place_of_its_factory_is_one_line() -> None:
         custom(CUSTOM, tiny_mlp.build_model, tiny_mlp.build_batches, made)
     with pytest.raises(WorkloadError, match="^the optimizer factory returned NoneType, not a torch.optim.Optimizer$"):
         Trainer(CUSTOM, custom(CUSTOM, tiny_mlp.build_model, tiny_mlp.build_batches, lambda params: None), data_seed=0)
+
+
+def test_a_swarm_config_that_is_not_a_train_config_is_one_line() -> None:
+    """A dict was "AttributeError: 'dict' object has no attribute 'with_overrides'" (or 'to_record', at start)."""
+    for model in (None, tiny_mlp.build_model):
+        with pytest.raises(TypeError, match=r"^config must be a TrainConfig \(murmur.peer.config\), not dict$"):
+            Swarm("r", {"batch_size": 8}, model=model)
