@@ -52,8 +52,8 @@ class NonFiniteLoss(RuntimeError):
     """The local loss became NaN or inf; the round's local steps are discarded."""
 
 
-class StreamEnded(WorkloadError):
-    """The training stream ran out of batches (a batch builder's "train" stream must not end)."""
+class StreamError(WorkloadError):
+    """The training stream ran out of batches (a batch builder's "train" stream must not end), or raised."""
 
 
 class Trainer:
@@ -108,10 +108,14 @@ class Trainer:
                 try:
                     batch = next(self.batches)
                 except StopIteration:  # a researcher's stream that ends (one pass of a DataLoader)
-                    raise StreamEnded(
+                    raise StreamError(
                         f"the training stream ended after {self.batches_drawn} batches: build_batches('train', ...) "
                         "must yield batches without end (cycle over the data)"
                     ) from None
+                except Exception as e:  # a corrupt shard, a file gone: the steps so far are consistent, and kept
+                    reason = " ".join(str(e).split())[:200]
+                    raise StreamError(f"the training stream failed after {self.batches_drawn} batches: "
+                                      f"{type(e).__name__}: {reason}") from e  # fmt: skip
                 self.batches_drawn += 1
                 for group, base in zip(self.inner.param_groups, self._base_lrs, strict=True):
                     group["lr"] = warmup_lr(base, self.steps - self.warm_from, self.config.warmup_steps)
