@@ -53,7 +53,18 @@ class NonFiniteLoss(RuntimeError):
 
 
 class StreamError(WorkloadError):
-    """The training stream ran out of batches (a batch builder's "train" stream must not end), or raised."""
+    """The training stream ran out of batches (a batch builder's "train" stream must not end), raised, or gave a
+    batch the model failed on."""
+
+
+def _one_line(error: BaseException) -> str:
+    return " ".join(str(error).split())[:200] or type(error).__name__
+
+
+def _shapes(batch: Any) -> str:
+    if isinstance(batch, tuple | list) and all(isinstance(t, torch.Tensor) for t in batch):
+        return "shapes " + ", ".join(str(tuple(t.shape)) for t in batch)
+    return f"a {type(batch).__name__}"
 
 
 class Trainer:
@@ -113,14 +124,18 @@ class Trainer:
                         "must yield batches without end (cycle over the data)"
                     ) from None
                 except Exception as e:  # a corrupt shard, a file gone: the steps so far are consistent, and kept
-                    reason = " ".join(str(e).split())[:200]
                     raise StreamError(f"the training stream failed after {self.batches_drawn} batches: "
-                                      f"{type(e).__name__}: {reason}") from e  # fmt: skip
+                                      f"{type(e).__name__}: {_one_line(e)}") from e  # fmt: skip
                 self.batches_drawn += 1
                 for group, base in zip(self.inner.param_groups, self._base_lrs, strict=True):
                     group["lr"] = warmup_lr(base, self.steps - self.warm_from, self.config.warmup_steps)
                 self.inner.zero_grad(set_to_none=True)
-                loss = self._accumulate(batch)
+                try:
+                    loss = self._accumulate(batch)
+                except Exception as e:  # a batch unlike the first (another shape, not tensors): no step was taken
+                    self.inner.zero_grad(set_to_none=True)
+                    raise StreamError(f"the model failed on training batch {self.batches_drawn} "
+                                      f"({_shapes(batch)}): {type(e).__name__}: {_one_line(e)}") from e  # fmt: skip
                 if not math.isfinite(loss):
                     self.discard_round()
                     raise NonFiniteLoss(f"non-finite training loss at step {self.steps}")

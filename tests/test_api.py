@@ -137,6 +137,12 @@ def corrupt_shard(split: str, *, seed: int, batch_size: int):
     raise OSError("shard 7 is truncated")
 
 
+def misfit(split: str, *, seed: int, batch_size: int):
+    """The example's batches, but the 26th training batch has 5 features, not 16 (another shape than the first)."""
+    yield from one_pass(split, seed=seed, batch_size=batch_size)
+    yield torch.zeros(batch_size, 5), torch.zeros(batch_size)  # (B, 5), (B,)
+
+
 @pytest.mark.slow
 @pytest.mark.parametrize(
     ("build_batches", "line"),
@@ -144,14 +150,16 @@ def corrupt_shard(split: str, *, seed: int, batch_size: int):
         (one_pass, "the training stream ended after 25 batches: build_batches('train', ...) must yield batches "
          "without end (cycle over the data)"),
         (corrupt_shard, "the training stream failed after 25 batches: OSError: shard 7 is truncated"),
+        (misfit, "the model failed on training batch 26 (shapes (8, 5), (8,)): RuntimeError: mat1 and mat2 shapes "
+         "cannot be multiplied (8x5 and 16x64)"),
     ],
-    ids=["ends", "raises"],
+    ids=["ends", "raises", "misfits"],
 )  # fmt: skip
 def test_a_training_stream_that_stops_stops_the_peer_in_one_line_with_its_work_saved(
     custom_run, tmp_path, build_batches, line
 ) -> None:
-    """It escaped the training loop (a bare StopIteration, or the builder's error): a traceback, and every step since
-    the last checkpoint lost, with no report."""
+    """It escaped the training loop (a bare StopIteration, the builder's error, the model's on a batch unlike the
+    first): a traceback, and every step since the last checkpoint lost, with no report."""
     run, initial_peers = custom_run
     with Peer(tiny_mlp.build_model, build_batches, run=run, initial_peers=initial_peers, device="cpu", duration=60,
               out_dir=tmp_path) as peer:  # fmt: skip
@@ -160,7 +168,8 @@ def test_a_training_stream_that_stops_stops_the_peer_in_one_line_with_its_work_s
     assert str(info.value) == line
     assert json.loads((tmp_path / "report.json").read_text())["steps"] == 25
     state, _ = latest_checkpoint(tmp_path / "checkpoints", run_id=run, model=MODEL)
-    assert state["trainer"]["steps"] == 25 and state["trainer"]["batches_drawn"] == 25  # every step kept
+    assert state["trainer"]["steps"] == 25  # every step kept (a resumed peer goes on after the batch that failed)
+    assert state["trainer"]["batches_drawn"] == 25 + (build_batches is misfit)
 
 
 class Detached(tiny_mlp.Regressor):
