@@ -149,7 +149,7 @@ class Trainer:
         return self.last_loss
 
     def check_batches(self) -> None:
-        """Try the next training batch and the first held-out one on the model, without a step and without
+        """Try the next training batch and every held-out one on the model, without a step and without
         consuming either: a batch that is not a tuple of tensors, does not fit the model (a wrong shape, dtype
         or count), gives a non-finite loss or (training) a loss with no gradient is one line (WorkloadError), before
         the peer announces itself."""
@@ -161,15 +161,17 @@ class Trainer:
         was_training = self.model.training
         self.model.eval()
         try:
-            for split, first in (("training", batch), ("held-out", self.eval_set[0])):
+            held_out = [(f"held-out batch {i + 1} of {len(self.eval_set)}", b) for i, b in enumerate(self.eval_set)]
+            held_out[0] = ("first held-out batch", self.eval_set[0])  # every one: evaluate() takes them all
+            for name, first in [("first training batch", batch), *held_out]:
                 if (
                     not isinstance(first, tuple | list)
                     or not first
                     or not all(isinstance(t, torch.Tensor) for t in first)
                 ):
-                    raise WorkloadError(f"the first {split} batch is not a tuple of tensors: {type(first).__name__}")
-                grad = split == "training"  # a loss to train on needs a gradient: taken with it, as a step would,
-                try:  # on its first micro-batch (the most a step holds at once)
+                    raise WorkloadError(f"the {name} is not a tuple of tensors: {type(first).__name__}")
+                grad = name == "first training batch"  # a loss to train on needs a gradient: taken with it, as a
+                try:  # step would, on its first micro-batch (the most a step holds at once)
                     micro = tuple(first)
                     if grad and self.grad_accum > 1:
                         micro = tuple(t[: split_batch(len(t), min(self.grad_accum, len(t)))[0]] for t in micro)
@@ -179,11 +181,9 @@ class Trainer:
                 except Exception as e:  # whatever the model raises on a batch it cannot take
                     shapes = ", ".join(str(tuple(t.shape)) for t in first)
                     reason = " ".join(str(e).split())[:200] or type(e).__name__
-                    raise WorkloadError(
-                        f"the first {split} batch (shapes {shapes}) does not fit the model: {reason}"
-                    ) from None
+                    raise WorkloadError(f"the {name} (shapes {shapes}) does not fit the model: {reason}") from None
                 if not math.isfinite(loss):
-                    raise WorkloadError(f"the first {split} batch gives a non-finite loss ({loss}): check the data")
+                    raise WorkloadError(f"the {name} gives a non-finite loss ({loss}): check the data")
                 if grad and not output.requires_grad:
                     raise WorkloadError("the model's loss has no gradient (detached, or computed under "
                                         "torch.no_grad()): forward must return the loss it trains on")  # fmt: skip

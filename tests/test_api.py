@@ -325,3 +325,18 @@ def test_a_swarm_config_that_is_not_a_train_config_is_one_line() -> None:
     for model in (None, tiny_mlp.build_model):
         with pytest.raises(TypeError, match=r"^config must be a TrainConfig \(murmur.peer.config\), not dict$"):
             Swarm("r", {"batch_size": 8}, model=model)
+
+
+def later_held_out_misfits(split: str, *, seed: int, batch_size: int):
+    """The example's batches, but the second held-out batch has 5 features (another shape than the first)."""
+    for i, (x, y) in enumerate(tiny_mlp.build_batches(split, seed=seed, batch_size=batch_size)):
+        yield (x[:, :5] if split == "eval" and i == 1 else x), y
+
+
+def test_every_held_out_batch_is_tried_before_the_peer_announces_itself() -> None:
+    """Only the first was: the peer announced itself, then its first evaluation raised (a traceback)."""
+    trainer = Trainer(CUSTOM, custom(CUSTOM, tiny_mlp.build_model, later_held_out_misfits), data_seed=0)
+    with pytest.raises(WorkloadError) as info:
+        trainer.check_batches()
+    assert str(info.value) == ("the held-out batch 2 of 2 (shapes (8, 5), (8,)) does not fit the model: mat1 and mat2 "
+                               "shapes cannot be multiplied (8x5 and 16x64)")  # fmt: skip
