@@ -106,6 +106,7 @@ class Peer:
         client_mode: bool = False,
         data_seed: int = 0,
         out_dir: Path | str | None = None,
+        resume: bool = False,
         exchange: GroupConfig | None = None,
         verbose: bool = False,
         overlap: bool = False,
@@ -125,6 +126,7 @@ class Peer:
             data_seed=data_seed,
             duration=duration,
             out_dir=None if out_dir is None else Path(out_dir),  # a str too (its checkpoints: out_dir / ...)
+            resume=resume,  # from the newest checkpoint in out_dir (a folder of an earlier run is refused without)
             verbose=verbose,
             device=DeviceConfig(device=device, outer_state=outer_state),
             workload=workload,

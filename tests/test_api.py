@@ -340,3 +340,20 @@ def test_every_held_out_batch_is_tried_before_the_peer_announces_itself() -> Non
         trainer.check_batches()
     assert str(info.value) == ("the held-out batch 2 of 2 (shapes (8, 5), (8,)) does not fit the model: mat1 and mat2 "
                                "shapes cannot be multiplied (8x5 and 16x64)")  # fmt: skip
+
+
+@pytest.mark.slow
+def test_a_peer_resumes_from_its_out_dir(custom_run, tmp_path) -> None:
+    """Peer had no resume: its out_dir, once used, was refused ("pass --resume to continue it") for good."""
+    run, initial_peers = custom_run
+
+    def peer(**resume) -> Peer:
+        return Peer(tiny_mlp.build_model, tiny_mlp.build_batches, run=run, initial_peers=initial_peers, device="cpu",
+                    duration=2, out_dir=tmp_path, **resume)  # fmt: skip
+
+    with peer() as first:
+        steps = first.train().steps
+    with pytest.raises(ValueError, match="holds an earlier run .*: pass --resume to continue it"):
+        peer().start()
+    with peer(resume=True) as again:
+        assert again.trainer.steps == steps
