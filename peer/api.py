@@ -185,6 +185,9 @@ def train_together(peers: Sequence[Peer]) -> list[PeerReport]:
     peer cleanly, as `murmur join` does (its round, its final checkpoint and report), and is raised again once
     they have; a second Ctrl-C does not wait.
     """
+    unstarted = [i for i, peer in enumerate(peers) if peer._peer is None]
+    if unstarted:  # before any trains: the others would train their whole duration before this was raised
+        raise RuntimeError(f"start every peer first (peers[{unstarted[0]}] was not started)")
     results: list[PeerReport | BaseException | None] = [None] * len(peers)
     stop = threading.Event()
 

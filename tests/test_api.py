@@ -357,3 +357,16 @@ def test_a_peer_resumes_from_its_out_dir(custom_run, tmp_path) -> None:
         peer().start()
     with peer(resume=True) as again:
         assert again.trainer.steps == steps
+
+
+@pytest.mark.slow
+def test_train_together_refuses_a_peer_not_started_before_any_trains(custom_run) -> None:
+    """The started ones trained their whole duration first; only then was the other's error raised."""
+    run, initial_peers = custom_run
+    peers = [Peer(tiny_mlp.build_model, tiny_mlp.build_batches, run=run, initial_peers=initial_peers, device="cpu",
+                  duration=60) for _ in range(2)]  # fmt: skip
+    with peers[0]:
+        started = time.monotonic()
+        with pytest.raises(RuntimeError, match=r"^start every peer first \(peers\[1\] was not started\)$"):
+            train_together(peers)
+        assert time.monotonic() - started < 5 and peers[0].trainer.steps == 0
