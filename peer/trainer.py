@@ -33,7 +33,7 @@ from murmur.peer.device import (
 )
 from murmur.peer.model import loss_of
 from murmur.peer.outer import OuterOptimizer
-from murmur.peer.workload import Workload, WorkloadError, builtin
+from murmur.peer.workload import Workload, WorkloadError, builtin, raised_by
 
 
 def to_device(t: torch.Tensor, device: torch.device) -> torch.Tensor:
@@ -154,7 +154,8 @@ class Trainer:
         or count), gives a non-finite loss or (training) a loss with no gradient is one line (WorkloadError), before
         the peer announces itself."""
         try:
-            batch = next(self.batches)
+            with raised_by("training stream"):
+                batch = next(self.batches)
         except StopIteration:
             raise WorkloadError("the training stream gave no batch") from None
         self.batches = chain([batch], self.batches)

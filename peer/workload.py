@@ -17,9 +17,11 @@ user asked for.
 
 from __future__ import annotations
 
+import contextlib
 import importlib
 import inspect
 import itertools
+import logging
 import os
 import sys
 from collections.abc import Callable, Iterable, Iterator
@@ -33,6 +35,7 @@ from murmur.peer.config import TrainConfig, is_spec
 from murmur.peer.data import Corpus, DataConfig, batches, eval_batches, load_corpus
 from murmur.peer.model import MODELS, build_model
 
+logger = logging.getLogger("murmur.peer")
 Batch = tuple[Tensor, ...]
 OptimizerFactory = Callable[[Iterable[nn.Parameter]], torch.optim.Optimizer]
 
@@ -118,15 +121,15 @@ def custom(
                             f"torch.optim.Optimizer), not {type(optimizer).__name__}")  # fmt: skip
     _check_signature(build, "model builder", "no arguments")
     _check_signature(build_batches, "batch builder", "(split, *, seed, batch_size)", "eval", seed=0, batch_size=1)
-    with torch.random.fork_rng(devices=[]):
+    with torch.random.fork_rng(devices=[]), raised_by("model builder"):
         torch.manual_seed(config.seed)
         model = build()
     if not isinstance(model, nn.Module):
         raise WorkloadError(f"the model builder returned {type(model).__name__}, not a torch.nn.Module")
     if not any(p.requires_grad for p in model.parameters()):
         raise WorkloadError("the model builder's model has no parameter that requires grad: nothing to train")
-    with torch.random.fork_rng(devices=[]):  # the same on every peer, from a builder that draws from torch's
-        torch.manual_seed(config.seed)  # global RNG too (which peers of one process share)
+    with torch.random.fork_rng(devices=[]), raised_by("batch builder"):  # the same on every peer, from a builder
+        torch.manual_seed(config.seed)  # that draws from torch's global RNG too (which peers of one process share)
         eval_set = list(itertools.islice(_batches(build_batches, "eval", 0, config.batch_size), config.eval_batches))
     if not eval_set:
         raise WorkloadError("the batch builder gave no 'eval' batches")
@@ -136,6 +139,19 @@ def custom(
         train=lambda seed, batch_size: _batches(build_batches, "train", seed, batch_size),
         eval_set=eval_set,
     )
+
+
+@contextlib.contextmanager
+def raised_by(what: str) -> Iterator[None]:
+    """Whatever a researcher's code raises inside is a WorkloadError (one line) that names it, the original chained
+    as its cause and its traceback logged at DEBUG (`murmur -v`)."""
+    try:
+        yield
+    except (WorkloadError, StopIteration):  # a stream that ends: its caller says so
+        raise
+    except Exception as e:
+        logger.debug("the %s raised", what, exc_info=True)
+        raise WorkloadError(f"the {what} raised {type(e).__name__}: {' '.join(str(e).split())[:200]}") from e
 
 
 def _check_signature(function: Callable[..., Any], what: str, takes: str, *args: Any, **kwargs: Any) -> None:
@@ -153,7 +169,8 @@ def _check_signature(function: Callable[..., Any], what: str, takes: str, *args:
 
 def _batches(build_batches: Callable[..., Iterable[Batch]], split: str, seed: int, batch_size: int) -> Iterator[Batch]:
     """The batch builder's `split` stream; WorkloadError (one line) if what it returned is not iterable."""
-    batches = build_batches(split, seed=seed, batch_size=batch_size)
+    with raised_by("batch builder"):
+        batches = build_batches(split, seed=seed, batch_size=batch_size)
     if not isinstance(batches, Iterable):
         raise WorkloadError(f"the batch builder returned {type(batches).__name__} for {split!r}, not an iterable "
                             "of batches")  # fmt: skip

@@ -370,3 +370,25 @@ def test_train_together_refuses_a_peer_not_started_before_any_trains(custom_run)
         with pytest.raises(RuntimeError, match=r"^start every peer first \(peers\[1\] was not started\)$"):
             train_together(peers)
         assert time.monotonic() - started < 5 and peers[0].trainer.steps == 0
+
+
+def broken_model() -> torch.nn.Module:
+    raise RuntimeError("checkpoint /weights/base.pt not found")
+
+
+def no_train_shards(split: str, *, seed: int, batch_size: int):
+    if split == "train":
+        raise RuntimeError("no shard for seed 0")
+    yield from tiny_mlp.build_batches(split, seed=seed, batch_size=batch_size)
+
+
+def test_what_a_builder_raises_is_one_line_naming_it() -> None:
+    """A RuntimeError (or anything but a ValueError or OSError) was a traceback from murmur join; a ValueError a
+    line that did not say it came from the researcher's builder."""
+    with pytest.raises(WorkloadError) as info:
+        custom(CUSTOM, broken_model, tiny_mlp.build_batches)
+    assert str(info.value) == "the model builder raised RuntimeError: checkpoint /weights/base.pt not found"
+    assert isinstance(info.value.__cause__, RuntimeError)  # the builder's own traceback, for the API's user
+    trainer = Trainer(CUSTOM, custom(CUSTOM, tiny_mlp.build_model, no_train_shards), data_seed=0)
+    with pytest.raises(WorkloadError, match=r"^the training stream raised RuntimeError: no shard for seed 0$"):
+        trainer.check_batches()
