@@ -133,6 +133,7 @@ class Peer:
             overlap=overlap,
         )
         self._peer: VolunteerPeer | None = None
+        self._closed: Trainer | None = None  # the trainer of a closed peer: its trained model stays readable
 
     def start(self) -> Peer:
         if self._peer is not None:  # a second peer would outlive this object, its DHT node and p2pd with it
@@ -142,7 +143,9 @@ class Peer:
 
     @property
     def trainer(self) -> Trainer:
-        """The inner loop: the model, its optimizers, the device and precision it runs with."""
+        """The inner loop: the model, its optimizers, the device and precision it runs with (after `close()` too)."""
+        if self._peer is None and self._closed is not None:
+            return self._closed
         return self._running.trainer
 
     @property
@@ -156,12 +159,14 @@ class Peer:
     def train(self, stop: threading.Event | None = None) -> PeerReport:
         """Train until `duration` has passed or `stop` is set; returns the peer's report. Without `stop`, on a
         thread of its own, so that Ctrl-C stops it cleanly (`train_together`)."""
+        running = self._running  # "start the peer first" for this peer, not train_together's for a list
         if stop is None:  # Ctrl-C on the training thread would land mid-step: no final checkpoint, report or model
             return train_together([self])[0]
-        return self._running.run(stop)
+        return running.run(stop)
 
     def close(self) -> None:
         if self._peer is not None:
+            self._closed = self._peer.trainer
             self._peer.close()
             self._peer = None
 

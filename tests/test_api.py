@@ -392,3 +392,16 @@ def test_what_a_builder_raises_is_one_line_naming_it() -> None:
     trainer = Trainer(CUSTOM, custom(CUSTOM, tiny_mlp.build_model, no_train_shards), data_seed=0)
     with pytest.raises(WorkloadError, match=r"^the training stream raised RuntimeError: no shard for seed 0$"):
         trainer.check_batches()
+
+
+@pytest.mark.slow
+def test_the_trained_model_is_readable_after_the_peer_closes(custom_run) -> None:
+    """peer.model after the `with` block was "start the peer first (or use it as a context manager)"."""
+    run, initial_peers = custom_run
+    with Peer(tiny_mlp.build_model, tiny_mlp.build_batches, run=run, initial_peers=initial_peers, device="cpu",
+              duration=2) as peer:  # fmt: skip
+        report = peer.train()
+    assert peer.trainer.steps == report.steps and peer.trainer.evaluate() == report.final_eval_loss
+    assert isinstance(peer.model, tiny_mlp.Regressor)
+    with pytest.raises(RuntimeError, match="start the peer first"):
+        peer.train()
