@@ -171,6 +171,10 @@ class Trainer:
                     or not all(isinstance(t, torch.Tensor) for t in first)
                 ):
                     raise WorkloadError(f"the {name} is not a tuple of tensors: {type(first).__name__}")
+                if name == "first training batch" and any(t.dim() == 0 or len(t) != len(first[0]) for t in first):
+                    shapes = ", ".join(str(tuple(t.shape)) for t in first)  # a step splits each into micro-batches
+                    raise WorkloadError(f"the {name} (shapes {shapes}) does not have its batch size first in "
+                                        "every tensor: a step splits each along its first dimension")  # fmt: skip
                 grad = name == "first training batch"  # a loss to train on needs a gradient: taken with it, as a
                 try:  # step would, on its first micro-batch (the most a step holds at once)
                     micro = tuple(first)

@@ -11,7 +11,7 @@ agrees on it, but that name is only ever compared, never imported: a peer import
 user asked for.
 
     build_model()                                   -> nn.Module (called under the run's seed)
-    build_batches(split, *, seed, batch_size)       -> iterator of batches (tuples of tensors);
+    build_batches(split, *, seed, batch_size)       -> iterator of batches (tuples of tensors, batch dim first);
                                                        split is "train" (endless, per seed) or "eval"
 """
 

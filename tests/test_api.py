@@ -405,3 +405,23 @@ def test_the_trained_model_is_readable_after_the_peer_closes(custom_run) -> None
     assert isinstance(peer.model, tiny_mlp.Regressor)
     with pytest.raises(RuntimeError, match="start the peer first"):
         peer.train()
+
+
+class Scaled(tiny_mlp.Regressor):
+    def forward(self, x, y, scale):
+        return super().forward(x, y) * scale
+
+
+def with_a_scale(split: str, *, seed: int, batch_size: int):
+    for x, y in tiny_mlp.build_batches(split, seed=seed, batch_size=batch_size):
+        yield x, y, torch.tensor(2.0)  # (B, F), (B,), (): no batch dimension
+
+
+def test_a_batch_tensor_without_the_batch_dimension_first_is_one_line_before_the_peer_announces_itself() -> None:
+    """The start-up check passed it whole, and the first step, which splits every tensor into micro-batches,
+    raised a RuntimeError once the peer had announced itself ("split expects at least a 1-dimensional tensor")."""
+    trainer = Trainer(CUSTOM, custom(CUSTOM, Scaled, with_a_scale), data_seed=0)
+    with pytest.raises(WorkloadError) as info:
+        trainer.check_batches()
+    assert str(info.value) == ("the first training batch (shapes (8, 16), (8,), ()) does not have its batch size "
+                               "first in every tensor: a step splits each along its first dimension")  # fmt: skip
