@@ -73,9 +73,11 @@ def build(name: str, seed: int = 0, *, custom: bool = True) -> nn.Module:
     if is_spec(name) and not custom:
         raise OwnModel(f"{name} is a model of its own")
     if is_spec(name):
-        from murmur.peer.workload import resolve
+        from murmur.peer.workload import raised_by, resolve
 
-        model = resolve(name, "model")()
+        builder = resolve(name, "model")
+        with raised_by(f"model builder {name}"):  # one line (its ValueError, from `murmur export`), not a traceback
+            model = builder()
         if not isinstance(model, nn.Module):
             raise ExportError(f"{name} did not return a torch.nn.Module")
         return model
