@@ -119,6 +119,9 @@ class Peer:
         workload = WorkloadSpec() if build_model is None else Callables(build_model, build_batches, optimizer)
         # one address as a str is one address, not its characters (each a "bad multiaddr")
         peers = (initial_peers,) if isinstance(initial_peers, str) else tuple(initial_peers)
+        if not peers:  # it would look for the run's config for 20 s, then say the run has none
+            raise ValueError("initial_peers is empty: give the run's addresses (Swarm.initial_peers, or a join "
+                             "line's --initial-peers)")  # fmt: skip
         self.options = PeerOptions(
             run_id=run,
             node=NodeConfig(initial_peers=peers, client_mode=client_mode, run_id=run),

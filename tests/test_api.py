@@ -267,6 +267,12 @@ def test_a_peer_takes_one_address_and_a_folder_as_strings(tmp_path) -> None:
     assert peer.options.checkpoints == tmp_path / "checkpoints"
 
 
+def test_a_peer_with_no_initial_peers_is_refused_at_once() -> None:
+    """It looked for the run's config for 20 s, then said "run 'r' has no config on the DHT"."""
+    with pytest.raises(ValueError, match=r"^initial_peers is empty: give the run's addresses \(Swarm.initial_peers"):
+        Peer(tiny_mlp.build_model, tiny_mlp.build_batches, run="r", initial_peers=[])
+
+
 def global_rng_batches(split: str, *, seed: int, batch_size: int):
     """Batches drawn from torch's global RNG, as `torch.randn(...)` with no generator does (the seed ignored)."""
     while True:
