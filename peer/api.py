@@ -49,6 +49,8 @@ class Swarm:
     def __init__(
         self, run: str, config: TrainConfig, *, model: Callable[[], nn.Module] | None = None, host: str = "127.0.0.1"
     ) -> None:
+        if not isinstance(config, TrainConfig):
+            raise TypeError(f"config must be a TrainConfig (murmur.peer.config), not {type(config).__name__}")
         self.run = run
         self.config = config if model is None else config.with_overrides(model=spec_of(model))
         self._node_config = NodeConfig(host=host, run_id=run)
@@ -56,6 +58,8 @@ class Swarm:
         self.dht = None
 
     def start(self) -> Swarm:
+        if self.dht is not None:  # a second node would outlive this object, its p2pd with it
+            raise RuntimeError("the swarm is already started")
         self.dht = start_node(self._node_config)
         try:
             records = RunRecords(self.dht, self.run)
@@ -63,6 +67,7 @@ class Swarm:
             self._keeper = ConfigKeeper(records, record).start()
         except BaseException:
             stop_node(self.dht)
+            self.dht = None
             raise
         return self
 
@@ -73,11 +78,13 @@ class Swarm:
     def close(self) -> None:
         if self._keeper is not None:
             self._keeper.stop()
+            self._keeper = None
         if self.dht is not None:
             stop_node(self.dht)
+            self.dht = None
 
     def __enter__(self) -> Swarm:
-        return self.start()
+        return self if self.dht is not None else self.start()  # `with Swarm(...).start() as swarm` too
 
     def __exit__(self, exc_type: type[BaseException] | None, exc: BaseException | None, tb: TracebackType | None):
         self.close()
@@ -92,13 +99,14 @@ class Peer:
         build_batches: Callable[..., Iterable[Batch]] | None = None,
         *,
         run: str,
-        initial_peers: Sequence[str],
+        initial_peers: Sequence[str] | str,
         optimizer: OptimizerFactory | None = None,
         duration: float | None = None,
         device: str = "auto",
         client_mode: bool = False,
         data_seed: int = 0,
-        out_dir: Path | None = None,
+        out_dir: Path | str | None = None,
+        resume: bool = False,
         exchange: GroupConfig | None = None,
         verbose: bool = False,
         overlap: bool = False,
@@ -106,28 +114,41 @@ class Peer:
     ) -> None:
         if (build_model is None) != (build_batches is None):
             raise WorkloadError("give both build_model and build_batches, or neither for the built-in GPT")
+        if build_model is not None:
+            spec_of(build_model)  # one the run can name, or WorkloadError before anything starts
         workload = WorkloadSpec() if build_model is None else Callables(build_model, build_batches, optimizer)
+        # one address as a str is one address, not its characters (each a "bad multiaddr")
+        peers = (initial_peers,) if isinstance(initial_peers, str) else tuple(initial_peers)
+        if not peers:  # it would look for the run's config for 20 s, then say the run has none
+            raise ValueError("initial_peers is empty: give the run's addresses (Swarm.initial_peers, or a join "
+                             "line's --initial-peers)")  # fmt: skip
         self.options = PeerOptions(
             run_id=run,
-            node=NodeConfig(initial_peers=tuple(initial_peers), client_mode=client_mode, run_id=run),
+            node=NodeConfig(initial_peers=peers, client_mode=client_mode, run_id=run),
             exchange=exchange or GroupConfig(),
             data_seed=data_seed,
             duration=duration,
-            out_dir=out_dir,
+            out_dir=None if out_dir is None else Path(out_dir),  # a str too (its checkpoints: out_dir / ...)
+            resume=resume,  # from the newest checkpoint in out_dir (a folder of an earlier run is refused without)
             verbose=verbose,
             device=DeviceConfig(device=device, outer_state=outer_state),
             workload=workload,
             overlap=overlap,
         )
         self._peer: VolunteerPeer | None = None
+        self._closed: Trainer | None = None  # the trainer of a closed peer: its trained model stays readable
 
     def start(self) -> Peer:
+        if self._peer is not None:  # a second peer would outlive this object, its DHT node and p2pd with it
+            raise RuntimeError("the peer is already started")
         self._peer = VolunteerPeer.create(self.options)
         return self
 
     @property
     def trainer(self) -> Trainer:
-        """The inner loop: the model, its optimizers, the device and precision it runs with."""
+        """The inner loop: the model, its optimizers, the device and precision it runs with (after `close()` too)."""
+        if self._peer is None and self._closed is not None:
+            return self._closed
         return self._running.trainer
 
     @property
@@ -139,11 +160,16 @@ class Peer:
         return self._running.peer_id
 
     def train(self, stop: threading.Event | None = None) -> PeerReport:
-        """Train until `duration` has passed or `stop` is set; returns the peer's report."""
-        return self._running.run(stop or threading.Event())
+        """Train until `duration` has passed or `stop` is set; returns the peer's report. Without `stop`, on a
+        thread of its own, so that Ctrl-C stops it cleanly (`train_together`)."""
+        running = self._running  # "start the peer first" for this peer, not train_together's for a list
+        if stop is None:  # Ctrl-C on the training thread would land mid-step: no final checkpoint, report or model
+            return train_together([self])[0]
+        return running.run(stop)
 
     def close(self) -> None:
         if self._peer is not None:
+            self._closed = self._peer.trainer
             self._peer.close()
             self._peer = None
 
@@ -154,7 +180,7 @@ class Peer:
         return self._peer
 
     def __enter__(self) -> Peer:
-        return self.start()
+        return self if self._peer is not None else self.start()  # `with Peer(...).start() as peer` too
 
     def __exit__(self, exc_type: type[BaseException] | None, exc: BaseException | None, tb: TracebackType | None):
         self.close()
@@ -163,21 +189,33 @@ class Peer:
 def train_together(peers: Sequence[Peer]) -> list[PeerReport]:
     """Train started peers at once, each on its own thread (as peers in one process do); their reports.
 
-    A peer that fails raises its error here, once every peer has finished.
+    A peer that fails raises its error here, once every peer has finished. Ctrl-C (KeyboardInterrupt) stops every
+    peer cleanly, as `murmur join` does (its round, its final checkpoint and report), and is raised again once
+    they have; a second Ctrl-C does not wait.
     """
+    unstarted = [i for i, peer in enumerate(peers) if peer._peer is None]
+    if unstarted:  # before any trains: the others would train their whole duration before this was raised
+        raise RuntimeError(f"start every peer first (peers[{unstarted[0]}] was not started)")
     results: list[PeerReport | BaseException | None] = [None] * len(peers)
+    stop = threading.Event()
 
     def train(i: int) -> None:
         try:
-            results[i] = peers[i].train()
+            results[i] = peers[i].train(stop)
         except Exception as e:  # handed to the caller below
             results[i] = e
 
     threads = [threading.Thread(target=train, args=(i,), name=f"murmur-peer-{i}") for i in range(len(peers))]
     for thread in threads:
         thread.start()
-    for thread in threads:
-        thread.join()
+    try:
+        for thread in threads:
+            thread.join()
+    except KeyboardInterrupt:  # the peers' threads would train on into a close() in the caller's `finally`
+        stop.set()
+        for thread in threads:
+            thread.join()
+        raise
     for result in results:
         if isinstance(result, BaseException):
             raise result

@@ -30,7 +30,7 @@ from __future__ import annotations
 import logging
 import re
 import threading
-from collections.abc import Callable, Mapping
+from collections.abc import Callable, Collection, Mapping
 from pathlib import Path
 from typing import Any
 
@@ -265,11 +265,18 @@ def latest_checkpoint(
 
 
 def check_tensors(
-    tensors: Any, shapes: Mapping[str, tuple[int, ...]], what: str, *, partial: bool = False
+    tensors: Any,
+    shapes: Mapping[str, tuple[int, ...]],
+    what: str,
+    *,
+    partial: bool = False,
+    integral: Collection[str] = (),
 ) -> Mapping[str, torch.Tensor]:
     """Check a saved {name: tensor} against the expected names and shapes, and that all are finite.
 
-    With `partial`, names may be missing (error-feedback residuals, warm starts), never unknown.
+    With `partial`, names may be missing (error-feedback residuals, warm starts), never unknown. Every tensor
+    is a float tensor but those named in `integral`, which are not (a model's integer or bool buffers, as
+    BatchNorm's `num_batches_tracked`).
     """
     if not isinstance(tensors, Mapping):
         raise CheckpointError(f"{what} is not a dict of tensors")
@@ -278,8 +285,8 @@ def check_tensors(
     if unknown or missing:
         raise CheckpointError(f"{what} does not match this model: unknown {unknown[:3]}, missing {missing[:3]}")
     for name, t in tensors.items():
-        if not isinstance(t, torch.Tensor) or not t.is_floating_point():
-            raise CheckpointError(f"{what} {name} is not a float tensor")
+        if not isinstance(t, torch.Tensor) or t.is_floating_point() == (name in integral):
+            raise CheckpointError(f"{what} {name} is not {'an integer' if name in integral else 'a float'} tensor")
         if tuple(t.shape) != tuple(shapes[name]):
             raise CheckpointError(f"{what} {name} has shape {tuple(t.shape)}, expected {tuple(shapes[name])}")
         if not bool(torch.isfinite(t).all()):

@@ -350,9 +350,12 @@ def _export(args: argparse.Namespace) -> int:
 
 def _sample(args: argparse.Namespace) -> int:
     from murmur.peer.model import GPT
-    from murmur.peer.ops.export import load, sample
+    from murmur.peer.ops.export import OwnModel, load, sample
 
-    found = load(args.source)
+    try:
+        found = load(args.source, custom=False)  # a researcher's builder is not imported (nor called) to say so
+    except OwnModel as e:
+        raise ValueError(f"murmur sample draws text from the built-in GPTs; {e}") from None
     if not isinstance(found.model, GPT):
         raise ValueError(f"murmur sample draws text from the built-in GPTs; {found.name} is a model of its own")
     print(sample(found.model, args.prompt, tokens=args.tokens, temperature=args.temperature, top_k=args.top_k,

@@ -51,7 +51,7 @@ from murmur.peer.outer import finish_layout
 from murmur.peer.rounds import Plan, RoundEngine, Seen, Step
 from murmur.peer.rundir import FolderLock, check_fresh, check_writable, final_model
 from murmur.peer.state import StateSharing, catch_up
-from murmur.peer.trainer import NonFiniteLoss, Trainer
+from murmur.peer.trainer import NonFiniteLoss, StreamError, Trainer
 from murmur.peer.verdict import RunVerdict, all_finite
 from murmur.peer.workload import WorkloadSource, WorkloadSpec
 
@@ -388,6 +388,10 @@ class VolunteerPeer:
             except NonFiniteLoss as e:
                 self.verdict.non_finite(str(e))
                 continue
+            except StreamError as e:  # the steps taken so far are kept: checkpointed and reported below
+                logger.debug("the training stream stopped", exc_info=e)  # the builder's own traceback, under -v
+                self.verdict.failure = str(e)
+                break
             if stop.is_set() or phase is None:
                 break
             loss, steps = phase
@@ -473,6 +477,10 @@ class VolunteerPeer:
             except NonFiniteLoss as e:
                 self.verdict.non_finite(str(e))
                 finite = False
+            except StreamError as e:
+                logger.debug("the training stream stopped", exc_info=e)
+                self.verdict.failure = str(e)
+                break
             computing += time.monotonic() - started
         return future.result(), steps, computing, finite
 

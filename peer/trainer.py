@@ -33,7 +33,7 @@ from murmur.peer.device import (
 )
 from murmur.peer.model import loss_of
 from murmur.peer.outer import OuterOptimizer
-from murmur.peer.workload import Workload, WorkloadError, builtin
+from murmur.peer.workload import Workload, WorkloadError, builtin, raised_by
 
 
 def to_device(t: torch.Tensor, device: torch.device) -> torch.Tensor:
@@ -52,6 +52,21 @@ class NonFiniteLoss(RuntimeError):
     """The local loss became NaN or inf; the round's local steps are discarded."""
 
 
+class StreamError(WorkloadError):
+    """The training stream ran out of batches (a batch builder's "train" stream must not end), raised, or gave a
+    batch the model failed on."""
+
+
+def _one_line(error: BaseException) -> str:
+    return " ".join(str(error).split())[:200] or type(error).__name__
+
+
+def _shapes(batch: Any) -> str:
+    if isinstance(batch, tuple | list) and all(isinstance(t, torch.Tensor) for t in batch):
+        return "shapes " + ", ".join(str(tuple(t.shape)) for t in batch)
+    return f"a {type(batch).__name__}"
+
+
 class Trainer:
     """The inner loop of one peer. `source` is the built-in corpus or a researcher's `Workload`."""
 
@@ -64,6 +79,9 @@ class Trainer:
         self._workload, self.data_seed = workload, data_seed
         self.model = workload.model.to(runtime.device)
         self.inner = workload.optimizer(self.model.parameters())
+        if not isinstance(self.inner, torch.optim.Optimizer):
+            raise WorkloadError(f"the optimizer factory returned {type(self.inner).__name__}, not a "
+                                "torch.optim.Optimizer")  # fmt: skip
         self._base_lrs = [group["lr"] for group in self.inner.param_groups]  # the warmup scales each group's own
         self.outer = OuterOptimizer(self.model, config.outer(), host_state=runtime.host_state)
         self.eval_set = workload.eval_set
@@ -98,12 +116,26 @@ class Trainer:
         steps = self.config.inner_steps if steps is None else steps
         try:
             for _ in range(steps):
-                batch = next(self.batches)
+                try:
+                    batch = next(self.batches)
+                except StopIteration:  # a researcher's stream that ends (one pass of a DataLoader)
+                    raise StreamError(
+                        f"the training stream ended after {self.batches_drawn} batches: build_batches('train', ...) "
+                        "must yield batches without end (cycle over the data)"
+                    ) from None
+                except Exception as e:  # a corrupt shard, a file gone: the steps so far are consistent, and kept
+                    raise StreamError(f"the training stream failed after {self.batches_drawn} batches: "
+                                      f"{type(e).__name__}: {_one_line(e)}") from e  # fmt: skip
                 self.batches_drawn += 1
                 for group, base in zip(self.inner.param_groups, self._base_lrs, strict=True):
                     group["lr"] = warmup_lr(base, self.steps - self.warm_from, self.config.warmup_steps)
                 self.inner.zero_grad(set_to_none=True)
-                loss = self._accumulate(batch)
+                try:
+                    loss = self._accumulate(batch)
+                except Exception as e:  # a batch unlike the first (another shape, not tensors): no step was taken
+                    self.inner.zero_grad(set_to_none=True)
+                    raise StreamError(f"the model failed on training batch {self.batches_drawn} "
+                                      f"({_shapes(batch)}): {type(e).__name__}: {_one_line(e)}") from e  # fmt: skip
                 if not math.isfinite(loss):
                     self.discard_round()
                     raise NonFiniteLoss(f"non-finite training loss at step {self.steps}")
@@ -117,35 +149,50 @@ class Trainer:
         return self.last_loss
 
     def check_batches(self) -> None:
-        """Try the next training batch and the first held-out one on the model, without a step and without
+        """Try the next training batch and every held-out one on the model, without a step and without
         consuming either: a batch that is not a tuple of tensors, does not fit the model (a wrong shape, dtype
-        or count) or gives a non-finite loss is one line (WorkloadError), before the peer announces itself."""
+        or count), gives a non-finite loss or (training) a loss with no gradient is one line (WorkloadError), before
+        the peer announces itself."""
         try:
-            batch = next(self.batches)
+            with raised_by("training stream"):
+                batch = next(self.batches)
         except StopIteration:
             raise WorkloadError("the training stream gave no batch") from None
         self.batches = chain([batch], self.batches)
         was_training = self.model.training
         self.model.eval()
         try:
-            for split, first in (("training", batch), ("held-out", self.eval_set[0])):
+            held_out = [(f"held-out batch {i + 1} of {len(self.eval_set)}", b) for i, b in enumerate(self.eval_set)]
+            held_out[0] = ("first held-out batch", self.eval_set[0])  # every one: evaluate() takes them all
+            for name, first in [("first training batch", batch), *held_out]:
                 if (
                     not isinstance(first, tuple | list)
                     or not first
                     or not all(isinstance(t, torch.Tensor) for t in first)
                 ):
-                    raise WorkloadError(f"the first {split} batch is not a tuple of tensors: {type(first).__name__}")
-                try:
-                    with torch.no_grad(), torch.random.fork_rng(devices=[]):  # the training RNG is not touched
-                        loss = self._loss(tuple(first)).item()
+                    raise WorkloadError(f"the {name} is not a tuple of tensors: {type(first).__name__}")
+                if name == "first training batch" and any(t.dim() == 0 or len(t) != len(first[0]) for t in first):
+                    shapes = ", ".join(str(tuple(t.shape)) for t in first)  # a step splits each into micro-batches
+                    raise WorkloadError(f"the {name} (shapes {shapes}) does not have its batch size first in "
+                                        "every tensor: a step splits each along its first dimension")  # fmt: skip
+                grad = name == "first training batch"  # a loss to train on needs a gradient: taken with it, as a
+                try:  # step would, on its first micro-batch (the most a step holds at once)
+                    micro = tuple(first)
+                    if grad and self.grad_accum > 1:
+                        micro = tuple(t[: split_batch(len(t), min(self.grad_accum, len(t)))[0]] for t in micro)
+                    with torch.set_grad_enabled(grad), torch.random.fork_rng(devices=[]):  # the training RNG is kept
+                        output = self._loss(micro)
+                        loss = output.item()
                 except Exception as e:  # whatever the model raises on a batch it cannot take
                     shapes = ", ".join(str(tuple(t.shape)) for t in first)
                     reason = " ".join(str(e).split())[:200] or type(e).__name__
-                    raise WorkloadError(
-                        f"the first {split} batch (shapes {shapes}) does not fit the model: {reason}"
-                    ) from None
+                    raise WorkloadError(f"the {name} (shapes {shapes}) does not fit the model: {reason}") from None
                 if not math.isfinite(loss):
-                    raise WorkloadError(f"the first {split} batch gives a non-finite loss ({loss}): check the data")
+                    raise WorkloadError(f"the {name} gives a non-finite loss ({loss}): check the data")
+                if grad and not output.requires_grad:
+                    raise WorkloadError("the model's loss has no gradient (detached, or computed under "
+                                        "torch.no_grad()): forward must return the loss it trains on")  # fmt: skip
+                del output
         finally:
             self.model.train(was_training)
 
@@ -256,7 +303,9 @@ class Trainer:
         compute_seconds = state.get("compute_seconds")
         if type(compute_seconds) is not float or not 0 <= compute_seconds < math.inf:
             raise CheckpointError(f"compute_seconds must be a finite non-negative float, got {compute_seconds!r}")
-        model = check_tensors(state.get("model"), {n: t.shape for n, t in self.model.state_dict().items()}, "model")
+        own = self.model.state_dict()
+        model = check_tensors(state.get("model"), {n: t.shape for n, t in own.items()}, "model",
+                              integral={n for n, t in own.items() if not t.is_floating_point()})  # fmt: skip
         self._check_inner(state.get("inner"))
         scaler = self._check_scaler(state.get("scaler"))
         self.outer.load_state_dict(state.get("outer"))  # checks, then applies: the last check

@@ -11,14 +11,17 @@ agrees on it, but that name is only ever compared, never imported: a peer import
 user asked for.
 
     build_model()                                   -> nn.Module (called under the run's seed)
-    build_batches(split, *, seed, batch_size)       -> iterator of batches (tuples of tensors);
+    build_batches(split, *, seed, batch_size)       -> iterator of batches (tuples of tensors, batch dim first);
                                                        split is "train" (endless, per seed) or "eval"
 """
 
 from __future__ import annotations
 
+import contextlib
 import importlib
+import inspect
 import itertools
+import logging
 import os
 import sys
 from collections.abc import Callable, Iterable, Iterator
@@ -32,6 +35,7 @@ from murmur.peer.config import TrainConfig, is_spec
 from murmur.peer.data import Corpus, DataConfig, batches, eval_batches, load_corpus
 from murmur.peer.model import MODELS, build_model
 
+logger = logging.getLogger("murmur.peer")
 Batch = tuple[Tensor, ...]
 OptimizerFactory = Callable[[Iterable[nn.Parameter]], torch.optim.Optimizer]
 
@@ -58,8 +62,16 @@ def resolve(spec: str, what: str) -> Callable[..., Any]:
 
 
 def spec_of(function: Callable[..., Any]) -> str:
-    """The import path that names a callable, as the run config records it."""
-    return f"{function.__module__}:{function.__qualname__}"
+    """The import path that names a callable, as the run config records it; WorkloadError (one line) if it has
+    none (a model rather than its builder, a lambda, a nested function, a functools.partial)."""
+    if isinstance(function, nn.Module):
+        raise WorkloadError("pass a function that builds the model, not a model: every peer builds its own")
+    module, name = getattr(function, "__module__", None), getattr(function, "__qualname__", None)
+    spec = f"{module}:{name}" if module and name else type(function).__name__
+    if not is_spec(spec):
+        raise WorkloadError(f"the model builder must be a function at the top level of a module, which the run "
+                            f"names by its import path (pkg.module:function), not {spec}")  # fmt: skip
+    return spec
 
 
 def default_optimizer(config: TrainConfig) -> OptimizerFactory:
@@ -104,20 +116,65 @@ def custom(
     """A researcher's model and batches; the model is built under the run's seed, so every peer starts equal."""
     if isinstance(build, nn.Module):
         raise WorkloadError("pass a function that builds the model, not a model: every peer builds its own")
-    with torch.random.fork_rng(devices=[]):
+    if optimizer is not None and not callable(optimizer):
+        raise WorkloadError(f"pass a function that builds the optimizer from the model's parameters (params -> "
+                            f"torch.optim.Optimizer), not {type(optimizer).__name__}")  # fmt: skip
+    _check_signature(build, "model builder", "no arguments")
+    _check_signature(build_batches, "batch builder", "(split, *, seed, batch_size)", "eval", seed=0, batch_size=1)
+    with torch.random.fork_rng(devices=[]), raised_by("model builder"):
         torch.manual_seed(config.seed)
         model = build()
     if not isinstance(model, nn.Module):
         raise WorkloadError(f"the model builder returned {type(model).__name__}, not a torch.nn.Module")
-    eval_set = list(itertools.islice(build_batches("eval", seed=0, batch_size=config.batch_size), config.eval_batches))
+    if not any(p.requires_grad for p in model.parameters()):
+        raise WorkloadError("the model builder's model has no parameter that requires grad: nothing to train")
+    with torch.random.fork_rng(devices=[]), raised_by("batch builder"):  # the same on every peer, from a builder
+        torch.manual_seed(config.seed)  # that draws from torch's global RNG too (which peers of one process share)
+        eval_set = list(itertools.islice(_batches(build_batches, "eval", 0, config.batch_size), config.eval_batches))
     if not eval_set:
         raise WorkloadError("the batch builder gave no 'eval' batches")
     return Workload(
         model=model,
         optimizer=optimizer or default_optimizer(config),
-        train=lambda seed, batch_size: iter(build_batches("train", seed=seed, batch_size=batch_size)),
+        train=lambda seed, batch_size: _batches(build_batches, "train", seed, batch_size),
         eval_set=eval_set,
     )
+
+
+@contextlib.contextmanager
+def raised_by(what: str) -> Iterator[None]:
+    """Whatever a researcher's code raises inside is a WorkloadError (one line) that names it, the original chained
+    as its cause and its traceback logged at DEBUG (`murmur -v`)."""
+    try:
+        yield
+    except (WorkloadError, StopIteration):  # a stream that ends: its caller says so
+        raise
+    except Exception as e:
+        logger.debug("the %s raised", what, exc_info=True)
+        raise WorkloadError(f"the {what} raised {type(e).__name__}: {' '.join(str(e).split())[:200]}") from e
+
+
+def _check_signature(function: Callable[..., Any], what: str, takes: str, *args: Any, **kwargs: Any) -> None:
+    """WorkloadError (one line) if `function` cannot be called with these arguments, by its signature (a
+    TypeError its body raises stays its own)."""
+    try:
+        signature = inspect.signature(function)
+    except (TypeError, ValueError):  # none to read (a builtin): the call itself says
+        return
+    try:
+        signature.bind(*args, **kwargs)
+    except TypeError as e:
+        raise WorkloadError(f"the {what} must take {takes}: {e}") from None
+
+
+def _batches(build_batches: Callable[..., Iterable[Batch]], split: str, seed: int, batch_size: int) -> Iterator[Batch]:
+    """The batch builder's `split` stream; WorkloadError (one line) if what it returned is not iterable."""
+    with raised_by("batch builder"):
+        batches = build_batches(split, seed=seed, batch_size=batch_size)
+    if not isinstance(batches, Iterable):
+        raise WorkloadError(f"the batch builder returned {type(batches).__name__} for {split!r}, not an iterable "
+                            "of batches")  # fmt: skip
+    return iter(batches)
 
 
 class WorkloadSource(Protocol):

@@ -2,18 +2,26 @@
 
 from __future__ import annotations
 
+import functools
 import gc
+import itertools
 import json
+import os
 import signal
+import threading
+import time
 import uuid
 
+import psutil
 import pytest
 import torch
 
 from examples import tiny_mlp
-from murmur.peer.api import Peer, Swarm
+from murmur.peer.api import Peer, Swarm, train_together
+from murmur.peer.checkpoint import latest_checkpoint
 from murmur.peer.cli import main
 from murmur.peer.config import ConfigError, TrainConfig
+from murmur.peer.runner import PeerError
 from murmur.peer.trainer import Trainer
 from murmur.peer.workload import Callables, WorkloadError, WorkloadSpec, custom, resolve, spec_of
 
@@ -115,3 +123,311 @@ def test_join_runs_a_custom_model_named_on_the_command_line(custom_run, tmp_path
 def test_a_peer_needs_both_builders_or_neither() -> None:
     with pytest.raises(WorkloadError, match="give both build_model and build_batches"):
         Peer(tiny_mlp.build_model, run="r", initial_peers=[])
+
+
+def one_pass(split: str, *, seed: int, batch_size: int):
+    """The example's batches, but the training stream ends after 25 (as one pass of a DataLoader would)."""
+    stream = tiny_mlp.build_batches(split, seed=seed, batch_size=batch_size)
+    return stream if split == "eval" else itertools.islice(stream, 25)
+
+
+def corrupt_shard(split: str, *, seed: int, batch_size: int):
+    """The example's batches, but the training stream raises after 25 (a shard that does not read)."""
+    yield from one_pass(split, seed=seed, batch_size=batch_size)
+    raise OSError("shard 7 is truncated")
+
+
+def misfit(split: str, *, seed: int, batch_size: int):
+    """The example's batches, but the 26th training batch has 5 features, not 16 (another shape than the first)."""
+    yield from one_pass(split, seed=seed, batch_size=batch_size)
+    yield torch.zeros(batch_size, 5), torch.zeros(batch_size)  # (B, 5), (B,)
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize(
+    ("build_batches", "line"),
+    [
+        (one_pass, "the training stream ended after 25 batches: build_batches('train', ...) must yield batches "
+         "without end (cycle over the data)"),
+        (corrupt_shard, "the training stream failed after 25 batches: OSError: shard 7 is truncated"),
+        (misfit, "the model failed on training batch 26 (shapes (8, 5), (8,)): RuntimeError: mat1 and mat2 shapes "
+         "cannot be multiplied (8x5 and 16x64)"),
+    ],
+    ids=["ends", "raises", "misfits"],
+)  # fmt: skip
+def test_a_training_stream_that_stops_stops_the_peer_in_one_line_with_its_work_saved(
+    custom_run, tmp_path, build_batches, line
+) -> None:
+    """It escaped the training loop (a bare StopIteration, the builder's error, the model's on a batch unlike the
+    first): a traceback, and every step since the last checkpoint lost, with no report."""
+    run, initial_peers = custom_run
+    with Peer(tiny_mlp.build_model, build_batches, run=run, initial_peers=initial_peers, device="cpu", duration=60,
+              out_dir=tmp_path) as peer:  # fmt: skip
+        with pytest.raises(PeerError) as info:
+            peer.train()
+    assert str(info.value) == line
+    assert json.loads((tmp_path / "report.json").read_text())["steps"] == 25
+    state, _ = latest_checkpoint(tmp_path / "checkpoints", run_id=run, model=MODEL)
+    assert state["trainer"]["steps"] == 25  # every step kept (a resumed peer goes on after the batch that failed)
+    assert state["trainer"]["batches_drawn"] == 25 + (build_batches is misfit)
+
+
+class Detached(tiny_mlp.Regressor):
+    def forward(self, x, y):
+        return super().forward(x, y).detach()  # a loss logged, not trained on
+
+
+def frozen() -> torch.nn.Module:
+    return tiny_mlp.Regressor().requires_grad_(False)
+
+
+def test_a_model_that_cannot_train_is_one_line_before_the_peer_announces_itself() -> None:
+    """Both trained on in silence until the first backward, which raised a RuntimeError (a traceback)."""
+    with pytest.raises(WorkloadError, match="^the model builder's model has no parameter that requires grad: "):
+        custom(CUSTOM, frozen, tiny_mlp.build_batches)
+    with pytest.raises(WorkloadError, match=r"^the model's loss has no gradient \(detached, or computed under "):
+        Trainer(CUSTOM, custom(CUSTOM, Detached, tiny_mlp.build_batches), data_seed=0).check_batches()
+    trainer = Trainer(CUSTOM, custom(CUSTOM, tiny_mlp.build_model, tiny_mlp.build_batches), data_seed=0)
+    trainer.grad_accum = 3  # tried on its first micro-batch, as a step would take it
+    trainer.check_batches()
+    assert trainer.batches_drawn == 0 and next(trainer.batches)[0].shape == (8, tiny_mlp.FEATURES)  # not consumed
+
+
+def descendants() -> set[int]:
+    return {p.pid for p in psutil.Process().children(recursive=True) if p.status() != psutil.STATUS_ZOMBIE}
+
+
+@pytest.mark.slow
+def test_a_started_peer_or_swarm_is_not_started_again(custom_run) -> None:
+    """`with` a started one started a second DHT node and p2pd, which outlived `close()` until the process ended."""
+    run, initial_peers = custom_run
+    before = descendants()
+    with Swarm(f"{run}-2", CUSTOM).start() as swarm:
+        with pytest.raises(RuntimeError, match="^the swarm is already started$"):
+            swarm.start()
+        peer = Peer(tiny_mlp.build_model, tiny_mlp.build_batches, run=run, initial_peers=initial_peers, device="cpu")
+        with peer.start():
+            started = descendants()
+            with pytest.raises(RuntimeError, match="^the peer is already started$"):
+                peer.start()
+        assert descendants() < started
+    assert descendants() <= before  # nothing left of either
+
+
+def positional(split, seed, batch_size):  # seed and batch_size come as keywords: this one takes them too
+    return tiny_mlp.build_batches(split, seed=seed, batch_size=batch_size)
+
+
+@pytest.mark.parametrize(
+    ("build", "build_batches", "line"),
+    [
+        (lambda width: tiny_mlp.Regressor(), tiny_mlp.build_batches,
+         "the model builder must take no arguments: missing a required argument: 'width'"),
+        (tiny_mlp.build_model, lambda split: iter(()),
+         "the batch builder must take (split, *, seed, batch_size): got an unexpected keyword argument 'seed'"),
+        (tiny_mlp.build_model, lambda split, *, seed, batch_size: None,
+         "the batch builder returned NoneType for 'eval', not an iterable of batches"),
+        (tiny_mlp.build_model, lambda split, *, seed, batch_size: positional(split, seed, batch_size) if split == "eval"
+         else 7, "the batch builder returned int for 'train', not an iterable of batches"),
+    ],
+)  # fmt: skip
+def test_builders_of_the_wrong_shape_are_one_line(build, build_batches, line) -> None:
+    """Each was a TypeError (a traceback from murmur join) from calling the builder or iterating what it gave."""
+    with pytest.raises(WorkloadError) as info:
+        Trainer(CUSTOM, custom(CUSTOM, build, build_batches), data_seed=0)
+    assert str(info.value) == line
+    Trainer(CUSTOM, custom(CUSTOM, tiny_mlp.build_model, positional), data_seed=0).check_batches()
+
+
+@pytest.mark.parametrize(
+    ("model", "line"),
+    [
+        (tiny_mlp.Regressor(), "pass a function that builds the model, not a model: every peer builds its own"),
+        (functools.partial(tiny_mlp.Regressor), "the model builder must be a function at the top level of a module, "
+         "which the run names by its import path (pkg.module:function), not partial"),
+        (lambda: tiny_mlp.Regressor(), "the model builder must be a function at the top level of a module, which "
+         f"the run names by its import path (pkg.module:function), not {__name__}:<lambda>"),
+    ],
+    ids=["a model", "a partial", "a lambda"],
+)  # fmt: skip
+def test_a_model_builder_the_run_cannot_name_is_one_line(model, line) -> None:
+    """A model or a partial was an AttributeError (no __qualname__); a lambda a ConfigError 'unknown model'."""
+    for make in (lambda: Swarm("r", CUSTOM, model=model),
+                 lambda: Peer(model, tiny_mlp.build_batches, run="r", initial_peers=[])):  # fmt: skip
+        with pytest.raises(WorkloadError) as info:
+            make()
+        assert str(info.value) == line
+
+
+def test_a_peer_takes_one_address_and_a_folder_as_strings(tmp_path) -> None:
+    """One address was split into its characters ("bad multiaddr '/'"); a str out_dir was a TypeError at start."""
+    address = "/ip4/127.0.0.1/tcp/4001/p2p/QmPo8M5vZm9dz4hC9vxeahAXvShSWXEdpKdRbh4ynsqLEw"
+    peer = Peer(tiny_mlp.build_model, tiny_mlp.build_batches, run="r", initial_peers=address, out_dir=str(tmp_path))
+    assert peer.options.node.initial_peers == (address,)
+    assert peer.options.checkpoints == tmp_path / "checkpoints"
+
+
+def test_a_peer_with_no_initial_peers_is_refused_at_once() -> None:
+    """It looked for the run's config for 20 s, then said "run 'r' has no config on the DHT"."""
+    with pytest.raises(ValueError, match=r"^initial_peers is empty: give the run's addresses \(Swarm.initial_peers"):
+        Peer(tiny_mlp.build_model, tiny_mlp.build_batches, run="r", initial_peers=[])
+
+
+def global_rng_batches(split: str, *, seed: int, batch_size: int):
+    """Batches drawn from torch's global RNG, as `torch.randn(...)` with no generator does (the seed ignored)."""
+    while True:
+        x = torch.randn(batch_size, tiny_mlp.FEATURES)  # (B, F)
+        yield x, x.sum(-1)  # (B, F), (B,)
+
+
+def test_the_held_out_set_is_the_same_on_every_peer_from_a_builder_on_the_global_rng() -> None:
+    """Peers of one process (train_together) drew different held-out sets, so their eval losses did not compare."""
+    first = custom(CUSTOM, tiny_mlp.build_model, global_rng_batches).eval_set
+    torch.randn(3)  # whatever the process drew in between (another peer's batches, a dropout mask)
+    again = custom(CUSTOM, tiny_mlp.build_model, global_rng_batches).eval_set
+    assert all(torch.equal(a, b) for x, y in zip(first, again, strict=True) for a, b in zip(x, y, strict=True))
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("count", [1, 2], ids=["Peer.train", "train_together"])
+def test_ctrl_c_during_training_stops_every_peer_cleanly(custom_run, tmp_path, count) -> None:
+    """With train_together, the peers' threads trained on while the caller's `finally` closed them; in a peer's
+    own train(), the KeyboardInterrupt landed mid-round: either way, no final checkpoint, report or model."""
+    run, initial_peers = custom_run
+    folders = [tmp_path / f"peer-{i}" for i in range(count)]
+    peers = [Peer(tiny_mlp.build_model, tiny_mlp.build_batches, run=run, initial_peers=initial_peers, device="cpu",
+                  duration=120, data_seed=i, out_dir=folder).start() for i, folder in enumerate(folders)]  # fmt: skip
+
+    def interrupt() -> None:  # Ctrl-C once both have trained a round
+        while not all((f / "metrics.jsonl").exists() and (f / "metrics.jsonl").stat().st_size for f in folders):
+            time.sleep(0.05)
+        os.kill(os.getpid(), signal.SIGINT)
+
+    threading.Thread(target=interrupt, daemon=True).start()
+    try:
+        with pytest.raises(KeyboardInterrupt):
+            train_together(peers) if count > 1 else peers[0].train()
+    finally:
+        for peer in peers:
+            peer.close()
+    for folder in folders:
+        steps = json.loads((folder / "report.json").read_text())["steps"]
+        state, _ = latest_checkpoint(folder / "checkpoints", run_id=run, model=MODEL)
+        assert steps > 0 and state["trainer"]["steps"] == steps and (folder / "anchor.safetensors").exists()
+
+
+def test_an_optimizer_in_place_of_its_factory_is_one_line() -> None:
+    """An optimizer instance was "TypeError: 'AdamW' object is not callable"; a factory that returned None an
+    AttributeError at the warmup."""
+    made = torch.optim.AdamW(tiny_mlp.build_model().parameters())  # of another model's parameters
+    with pytest.raises(WorkloadError, match=r"^pass a function that builds the optimizer .*, not AdamW$"):
+        custom(CUSTOM, tiny_mlp.build_model, tiny_mlp.build_batches, made)
+    with pytest.raises(WorkloadError, match="^the optimizer factory returned NoneType, not a torch.optim.Optimizer$"):
+        Trainer(CUSTOM, custom(CUSTOM, tiny_mlp.build_model, tiny_mlp.build_batches, lambda params: None), data_seed=0)
+
+
+def test_a_swarm_config_that_is_not_a_train_config_is_one_line() -> None:
+    """A dict was "AttributeError: 'dict' object has no attribute 'with_overrides'" (or 'to_record', at start)."""
+    for model in (None, tiny_mlp.build_model):
+        with pytest.raises(TypeError, match=r"^config must be a TrainConfig \(murmur.peer.config\), not dict$"):
+            Swarm("r", {"batch_size": 8}, model=model)
+
+
+def later_held_out_misfits(split: str, *, seed: int, batch_size: int):
+    """The example's batches, but the second held-out batch has 5 features (another shape than the first)."""
+    for i, (x, y) in enumerate(tiny_mlp.build_batches(split, seed=seed, batch_size=batch_size)):
+        yield (x[:, :5] if split == "eval" and i == 1 else x), y
+
+
+def test_every_held_out_batch_is_tried_before_the_peer_announces_itself() -> None:
+    """Only the first was: the peer announced itself, then its first evaluation raised (a traceback)."""
+    trainer = Trainer(CUSTOM, custom(CUSTOM, tiny_mlp.build_model, later_held_out_misfits), data_seed=0)
+    with pytest.raises(WorkloadError) as info:
+        trainer.check_batches()
+    assert str(info.value) == ("the held-out batch 2 of 2 (shapes (8, 5), (8,)) does not fit the model: mat1 and mat2 "
+                               "shapes cannot be multiplied (8x5 and 16x64)")  # fmt: skip
+
+
+@pytest.mark.slow
+def test_a_peer_resumes_from_its_out_dir(custom_run, tmp_path) -> None:
+    """Peer had no resume: its out_dir, once used, was refused ("pass --resume to continue it") for good."""
+    run, initial_peers = custom_run
+
+    def peer(**resume) -> Peer:
+        return Peer(tiny_mlp.build_model, tiny_mlp.build_batches, run=run, initial_peers=initial_peers, device="cpu",
+                    duration=2, out_dir=tmp_path, **resume)  # fmt: skip
+
+    with peer() as first:
+        steps = first.train().steps
+    with pytest.raises(ValueError, match="holds an earlier run .*: pass --resume to continue it"):
+        peer().start()
+    with peer(resume=True) as again:
+        assert again.trainer.steps == steps
+
+
+@pytest.mark.slow
+def test_train_together_refuses_a_peer_not_started_before_any_trains(custom_run) -> None:
+    """The started ones trained their whole duration first; only then was the other's error raised."""
+    run, initial_peers = custom_run
+    peers = [Peer(tiny_mlp.build_model, tiny_mlp.build_batches, run=run, initial_peers=initial_peers, device="cpu",
+                  duration=60) for _ in range(2)]  # fmt: skip
+    with peers[0]:
+        started = time.monotonic()
+        with pytest.raises(RuntimeError, match=r"^start every peer first \(peers\[1\] was not started\)$"):
+            train_together(peers)
+        assert time.monotonic() - started < 5 and peers[0].trainer.steps == 0
+
+
+def broken_model() -> torch.nn.Module:
+    raise RuntimeError("checkpoint /weights/base.pt not found")
+
+
+def no_train_shards(split: str, *, seed: int, batch_size: int):
+    if split == "train":
+        raise RuntimeError("no shard for seed 0")
+    yield from tiny_mlp.build_batches(split, seed=seed, batch_size=batch_size)
+
+
+def test_what_a_builder_raises_is_one_line_naming_it() -> None:
+    """A RuntimeError (or anything but a ValueError or OSError) was a traceback from murmur join; a ValueError a
+    line that did not say it came from the researcher's builder."""
+    with pytest.raises(WorkloadError) as info:
+        custom(CUSTOM, broken_model, tiny_mlp.build_batches)
+    assert str(info.value) == "the model builder raised RuntimeError: checkpoint /weights/base.pt not found"
+    assert isinstance(info.value.__cause__, RuntimeError)  # the builder's own traceback, for the API's user
+    trainer = Trainer(CUSTOM, custom(CUSTOM, tiny_mlp.build_model, no_train_shards), data_seed=0)
+    with pytest.raises(WorkloadError, match=r"^the training stream raised RuntimeError: no shard for seed 0$"):
+        trainer.check_batches()
+
+
+@pytest.mark.slow
+def test_the_trained_model_is_readable_after_the_peer_closes(custom_run) -> None:
+    """peer.model after the `with` block was "start the peer first (or use it as a context manager)"."""
+    run, initial_peers = custom_run
+    with Peer(tiny_mlp.build_model, tiny_mlp.build_batches, run=run, initial_peers=initial_peers, device="cpu",
+              duration=2) as peer:  # fmt: skip
+        report = peer.train()
+    assert peer.trainer.steps == report.steps and peer.trainer.evaluate() == report.final_eval_loss
+    assert isinstance(peer.model, tiny_mlp.Regressor)
+    with pytest.raises(RuntimeError, match="start the peer first"):
+        peer.train()
+
+
+class Scaled(tiny_mlp.Regressor):
+    def forward(self, x, y, scale):
+        return super().forward(x, y) * scale
+
+
+def with_a_scale(split: str, *, seed: int, batch_size: int):
+    for x, y in tiny_mlp.build_batches(split, seed=seed, batch_size=batch_size):
+        yield x, y, torch.tensor(2.0)  # (B, F), (B,), (): no batch dimension
+
+
+def test_a_batch_tensor_without_the_batch_dimension_first_is_one_line_before_the_peer_announces_itself() -> None:
+    """The start-up check passed it whole, and the first step, which splits every tensor into micro-batches,
+    raised a RuntimeError once the peer had announced itself ("split expects at least a 1-dimensional tensor")."""
+    trainer = Trainer(CUSTOM, custom(CUSTOM, Scaled, with_a_scale), data_seed=0)
+    with pytest.raises(WorkloadError) as info:
+        trainer.check_batches()
+    assert str(info.value) == ("the first training batch (shapes (8, 16), (8,), ()) does not have its batch size "
+                               "first in every tensor: a step splits each along its first dimension")  # fmt: skip

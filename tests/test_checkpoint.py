@@ -42,6 +42,7 @@ from murmur.peer.model import build_model
 from murmur.peer.rundir import FolderLock, check_fresh, earlier_run
 from murmur.peer.runner import PeerError, PeerOptions, checkpoint_state, restore_state, run_peer
 from murmur.peer.trainer import Trainer
+from murmur.peer.workload import custom
 
 RUN = "ckpt-test"
 BOOTSTRAP = "/ip4/127.0.0.1/tcp/4001/p2p/QmNnooDu7bfjPFoTZYxMNLWUQJyrVwtbZg5gBMjTezGAJN"
@@ -200,6 +201,47 @@ def test_an_unusable_state_is_rejected_and_changes_nothing(corpus, tmp_path):
     # every tampered checkpoint is newer than the good one; the fallback skips them all
     found = latest_checkpoint(tmp_path, run_id=RUN, model=CONFIG.model, accept=lambda s: restore_state(s, fresh, ca))
     assert found is not None and found[0]["step"] == good["step"] and fresh.steps == a.steps
+
+
+class Normed(torch.nn.Module):
+    """A researcher's model with integer and bool buffers: BatchNorm's `num_batches_tracked` and a mask."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.norm, self.out = torch.nn.BatchNorm1d(6), torch.nn.Linear(6, 1)
+        self.register_buffer("mask", torch.tensor([True, False] * 3))
+
+    def forward(self, x: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
+        return torch.nn.functional.mse_loss(self.out(self.norm(x) * self.mask).squeeze(-1), y)  # (B, 6) -> (B,)
+
+
+def normed_batches(split: str, *, seed: int, batch_size: int):
+    g = torch.Generator().manual_seed(10_000 if split == "eval" else seed)
+    while True:
+        x = torch.randn(batch_size, 6, generator=g)  # (B, 6)
+        yield x, x.sum(-1)  # (B, 6), (B,)
+
+
+def test_a_model_with_integer_buffers_resumes_from_its_checkpoint(tmp_path):
+    config = CONFIG.with_overrides(model="tests.test_checkpoint:Normed")
+    a, ca = (
+        Trainer(config, custom(config, Normed, normed_batches), data_seed=1),
+        LowRankCompressor(config.compression()),
+    )
+    alone(a, step=True)
+    assert a.model.norm.num_batches_tracked.item() == a.steps  # an int64 buffer that training moved
+    save_checkpoint(tmp_path, checkpoint_state(RUN, a, ca))
+    b, cb = (
+        Trainer(config, custom(config, Normed, normed_batches), data_seed=1),
+        LowRankCompressor(config.compression()),
+    )
+    found = latest_checkpoint(tmp_path, run_id=RUN, model=config.model, accept=lambda s: restore_state(s, b, cb))
+    assert found is not None and b.steps == a.steps  # was skipped: "model norm.num_batches_tracked is not a float"
+    assert all(torch.equal(t, b.model.state_dict()[n]) for n, t in a.model.state_dict().items())
+    bad = checkpoint_state(RUN, a, ca)
+    bad["trainer"]["model"]["norm.num_batches_tracked"] = torch.tensor(2.5)
+    with pytest.raises(CheckpointError, match="^model norm.num_batches_tracked is not an integer tensor$"):
+        restore_state(bad, b, cb)
 
 
 def test_a_crash_mid_write_leaves_the_previous_checkpoint(tmp_path, monkeypatch):

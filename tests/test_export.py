@@ -207,3 +207,31 @@ def test_a_researchers_own_model_goes_out_as_its_state_dict(tmp_path, capsys) ->
     fresh.load_state_dict(state)  # strict, into what the builder returns
     assert main(["sample", str(tmp_path / "out")]) == 1
     assert "draws text from the built-in GPTs" in capsys.readouterr().err
+
+
+def test_sample_says_a_researchers_model_is_its_own_without_importing_its_builder(tmp_path, capsys) -> None:
+    """sample imported and called the builder the file names first: from another folder (or a builder that raises)
+    that was "--model mymodel:build: cannot import mymodel", for a command that has no --model."""
+    model = nn.Linear(3, 2)
+    save_anchor(tmp_path / "peer" / ANCHOR, model, dict(model.named_parameters()), run_id="r",
+                config={"model": "not_on_this_path:build"}, step=1, outer_step=1)  # fmt: skip
+    assert main(["export", str(tmp_path / "out"), "--from", str(tmp_path / "peer")]) == 1  # export needs it
+    assert "cannot import not_on_this_path" in capsys.readouterr().err
+    for source in ("peer", "peer/anchor.safetensors"):
+        assert main(["sample", str(tmp_path / source)]) == 1
+        assert capsys.readouterr().err == (
+            "murmur sample: error: murmur sample draws text from the built-in GPTs; not_on_this_path:build is a model "
+            "of its own\n"
+        )
+
+
+def test_a_builder_that_raises_is_one_line(tmp_path, capsys, monkeypatch) -> None:
+    """Its RuntimeError (weights it loads that this machine lacks) was a traceback from murmur export."""
+    (tmp_path / "needs_weights.py").write_text("def build():\n    raise RuntimeError('no /weights/base.pt here')\n")
+    monkeypatch.syspath_prepend(str(tmp_path))
+    model = nn.Linear(3, 2)
+    save_anchor(tmp_path / "peer" / ANCHOR, model, dict(model.named_parameters()), run_id="r",
+                config={"model": "needs_weights:build"}, step=1, outer_step=1)  # fmt: skip
+    assert main(["export", str(tmp_path / "out"), "--from", str(tmp_path / "peer")]) == 1
+    assert capsys.readouterr().err == ("murmur export: error: the model builder needs_weights:build raised "
+                                       "RuntimeError: no /weights/base.pt here\n")  # fmt: skip

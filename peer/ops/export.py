@@ -44,6 +44,10 @@ class ExportError(ValueError):
     """No model where the user pointed, or one that does not load; str(e) is one line."""
 
 
+class OwnModel(ExportError):
+    """A researcher's model where only a built-in GPT will do (`load(custom=False)`)."""
+
+
 @dataclass
 class Found:
     """A model with the run's weights in it, and where it came from."""
@@ -61,32 +65,38 @@ class Found:
                 "train_config": self.config, "source": self.source}  # fmt: skip
 
 
-def build(name: str, seed: int = 0) -> nn.Module:
-    """The run's model, its weights about to be replaced: a registry GPT, or a researcher's builder."""
+def build(name: str, seed: int = 0, *, custom: bool = True) -> nn.Module:
+    """The run's model, its weights about to be replaced: a registry GPT, or (unless not `custom`) a researcher's
+    builder, imported and called."""
     if name in MODELS:
         return build_model(name, seed=seed)
+    if is_spec(name) and not custom:
+        raise OwnModel(f"{name} is a model of its own")
     if is_spec(name):
-        from murmur.peer.workload import resolve
+        from murmur.peer.workload import raised_by, resolve
 
-        model = resolve(name, "model")()
+        builder = resolve(name, "model")
+        with raised_by(f"model builder {name}"):  # one line (its ValueError, from `murmur export`), not a traceback
+            model = builder()
         if not isinstance(model, nn.Module):
             raise ExportError(f"{name} did not return a torch.nn.Module")
         return model
     raise ExportError(f"unknown model {name!r}: neither a registry model nor pkg.module:function")
 
 
-def load(path: Path) -> Found:
-    """The model in `path`: an export folder, a peer's out dir, a checkpoints folder, an anchor or a checkpoint."""
+def load(path: Path, *, custom: bool = True) -> Found:
+    """The model in `path`: an export folder, a peer's out dir, a checkpoints folder, an anchor or a checkpoint.
+    Without `custom`, a researcher's model is an ExportError, its builder never imported."""
     path = Path(path)
     if path.is_dir():
         if (path / MODEL_FILE).exists():
-            return _from_export(path)
+            return _from_export(path, custom)
         if (path / ANCHOR).exists():
-            return _from_anchor(path / ANCHOR)
+            return _from_anchor(path / ANCHOR, custom)
         for folder in (path / "checkpoints", path):
             for file in checkpoint_files(folder):  # newest first; a bad one is skipped for the next
                 try:
-                    return _from_checkpoint(file)
+                    return _from_checkpoint(file, custom)
                 except ExportError as e:
                     last = e
             if checkpoint_files(folder):
@@ -98,7 +108,7 @@ def load(path: Path) -> Found:
         kind = tensorfile.read_metadata(path).get("murmur.kind")
     except TensorFileError as e:
         raise ExportError(f"{path} {e}") from None
-    return _from_anchor(path) if kind == "model" else _from_checkpoint(path)
+    return _from_anchor(path, custom) if kind == "model" else _from_checkpoint(path, custom)
 
 
 def _loaded(model: nn.Module, state: dict[str, torch.Tensor], where: str) -> nn.Module:
@@ -110,7 +120,7 @@ def _loaded(model: nn.Module, state: dict[str, torch.Tensor], where: str) -> nn.
     return model.eval()
 
 
-def _from_anchor(path: Path) -> Found:
+def _from_anchor(path: Path, custom: bool = True) -> Found:
     try:
         metadata, state = tensorfile.read(path)
     except TensorFileError as e:
@@ -119,12 +129,12 @@ def _from_anchor(path: Path) -> Found:
         raise ExportError(f"{path} is not a murmur model (no murmur.kind 'model' metadata)")
     name = metadata.get("murmur.model", "")
     config = _json(metadata.get("murmur.config"))
-    model = _loaded(build(name, seed=int(config.get("seed", 0) or 0)), state, str(path))
+    model = _loaded(build(name, seed=int(config.get("seed", 0) or 0), custom=custom), state, str(path))
     return Found(model, name, str(path), metadata.get("murmur.run_id"), decimal(metadata.get("murmur.step")),
                  decimal(metadata.get("murmur.outer_step")), config)  # fmt: skip
 
 
-def _from_checkpoint(path: Path) -> Found:
+def _from_checkpoint(path: Path, custom: bool = True) -> Found:
     try:
         state = load_checkpoint(path)
     except CheckpointError as e:
@@ -134,7 +144,7 @@ def _from_checkpoint(path: Path) -> Found:
         anchor, outer_step = outer["anchor"], outer["step"]
     except (KeyError, TypeError):
         raise ExportError(f"checkpoint {path} is corrupt: it has no outer anchor") from None
-    model = build(state["model"], seed=int((state.get("config") or {}).get("seed", 0) or 0))
+    model = build(state["model"], seed=int((state.get("config") or {}).get("seed", 0) or 0), custom=custom)
     if not isinstance(anchor, dict) or not all(isinstance(t, torch.Tensor) for t in anchor.values()):
         raise ExportError(f"checkpoint {path} is corrupt: its anchor is not a dict of tensors")
     model = _loaded(model, model_state(model, anchor), f"checkpoint {path}")
@@ -142,7 +152,7 @@ def _from_checkpoint(path: Path) -> Found:
                  state.get("config") or {})  # fmt: skip
 
 
-def _from_export(folder: Path) -> Found:
+def _from_export(folder: Path, custom: bool = True) -> Found:
     if not (folder / CONFIG_FILE).exists():
         raise ExportError(f"{folder} has {MODEL_FILE} but no {CONFIG_FILE}")
     config = _json((folder / CONFIG_FILE).read_text())
@@ -157,7 +167,8 @@ def _from_export(folder: Path) -> Found:
         if config.get("model_type") == MODEL_TYPE:
             model = GPT.from_pretrained(folder)
         else:
-            model = _loaded(build(str(config.get("builder") or "")), load_file(folder / MODEL_FILE), str(folder))
+            builder = build(str(config.get("builder") or ""), custom=custom)
+            model = _loaded(builder, load_file(folder / MODEL_FILE), str(folder))
     except ExportError:
         raise
     except (ValueError, TypeError, RuntimeError, OSError, SafetensorError) as e:
