@@ -341,7 +341,7 @@ def _export(args: argparse.Namespace) -> int:
     else:
         if args.run is not None:
             raise ValueError("--run goes with --initial-peers; with --from the model's file names its run")
-        found = load(args.source)
+        found = load(args.source, custom=args.model)  # a researcher's builder: only the one its user names
     model_path, config_path = write(found, args.out_dir)
     steps = "" if found.step is None else f" at step {found.step} (outer step {found.outer_step})"
     print(f"exported {found.name}{steps} from {found.source} to {model_path} and {config_path}")

@@ -184,8 +184,8 @@ def test_the_murmur_script_imports_a_researchers_builder_from_the_folder_it_runs
     save_anchor(tmp_path / "peer" / ANCHOR, model, dict(model.named_parameters()), run_id="r",
                 config={"model": "mymodel:build"}, step=1, outer_step=1)  # fmt: skip
     script = Path(sys.executable).parent / "murmur"
-    done = subprocess.run([sys.executable, str(script), "export", "out", "--from", "peer"], cwd=tmp_path,
-                          capture_output=True, text=True, timeout=120)  # fmt: skip
+    done = subprocess.run([sys.executable, str(script), "export", "out", "--from", "peer", "--model", "mymodel:build"],
+                          cwd=tmp_path, capture_output=True, text=True, timeout=120)  # fmt: skip
     assert done.returncode == 0, done.stderr
     assert json.loads((tmp_path / "out" / "config.json").read_text())["builder"] == "mymodel:build"
 
@@ -197,9 +197,12 @@ def test_a_researchers_own_model_goes_out_as_its_state_dict(tmp_path, capsys) ->
     anchor = {name: p.detach() + 1.0 for name, p in model.named_parameters()}  # the anchor, not the model
     config = TrainConfig(model="examples.tiny_mlp:build_model", batch_size=8)
     save_anchor(tmp_path / "peer" / ANCHOR, model, anchor, run_id="mlp", config=config, step=5, outer_step=1)
-    assert main(["export", str(tmp_path / "out"), "--from", str(tmp_path / "peer")]) == 0
+    out, peer = str(tmp_path / "out"), str(tmp_path / "peer")
+    assert main(["export", out, "--from", peer, "--model", "examples.tiny_mlp:build_model"]) == 0
     exported = json.loads((tmp_path / "out" / "config.json").read_text())
     assert exported["model_type"] == "custom" and exported["builder"] == "examples.tiny_mlp:build_model"
+    capsys.readouterr()
+    assert main(["export", out + "2", "--from", out, "--model", "examples.tiny_mlp:build_model"]) == 0  # an export
     state = load_file(tmp_path / "out" / "model.safetensors")
     assert set(state) == set(model.state_dict())
     assert all(torch.equal(state[name], anchor[name]) for name in anchor)
@@ -215,7 +218,8 @@ def test_sample_says_a_researchers_model_is_its_own_without_importing_its_builde
     model = nn.Linear(3, 2)
     save_anchor(tmp_path / "peer" / ANCHOR, model, dict(model.named_parameters()), run_id="r",
                 config={"model": "not_on_this_path:build"}, step=1, outer_step=1)  # fmt: skip
-    assert main(["export", str(tmp_path / "out"), "--from", str(tmp_path / "peer")]) == 1  # export needs it
+    argv = ["export", str(tmp_path / "out"), "--from", str(tmp_path / "peer"), "--model", "not_on_this_path:build"]
+    assert main(argv) == 1  # export needs it
     assert "cannot import not_on_this_path" in capsys.readouterr().err
     for source in ("peer", "peer/anchor.safetensors"):
         assert main(["sample", str(tmp_path / source)]) == 1
@@ -232,6 +236,27 @@ def test_a_builder_that_raises_is_one_line(tmp_path, capsys, monkeypatch) -> Non
     model = nn.Linear(3, 2)
     save_anchor(tmp_path / "peer" / ANCHOR, model, dict(model.named_parameters()), run_id="r",
                 config={"model": "needs_weights:build"}, step=1, outer_step=1)  # fmt: skip
-    assert main(["export", str(tmp_path / "out"), "--from", str(tmp_path / "peer")]) == 1
+    assert (
+        main(["export", str(tmp_path / "out"), "--from", str(tmp_path / "peer"), "--model", "needs_weights:build"]) == 1
+    )
     assert capsys.readouterr().err == ("murmur export: error: the model builder needs_weights:build raised "
                                        "RuntimeError: no /weights/base.pt here\n")  # fmt: skip
+
+
+def test_a_model_file_does_not_choose_what_export_imports(tmp_path, capsys, monkeypatch) -> None:
+    """A model file names its builder (pkg.module:function), and export imported and called it: a file someone
+    handed over ran code of its choosing. Now the user names the builder (--model), which must be the file's."""
+    (tmp_path / "theirs.py").write_text("import pathlib\npathlib.Path(__file__).with_name('ran').touch()\n"
+                                        "def build():\n    raise SystemExit('never')\n")  # fmt: skip
+    monkeypatch.syspath_prepend(str(tmp_path))
+    model = nn.Linear(3, 2)
+    save_anchor(tmp_path / "peer" / ANCHOR, model, dict(model.named_parameters()), run_id="r",
+                config={"model": "theirs:build"}, step=1, outer_step=1)  # fmt: skip
+    argv = ["export", str(tmp_path / "out"), "--from", str(tmp_path / "peer")]
+    assert main(argv) == 1
+    assert capsys.readouterr().err == ("murmur export: error: the model is theirs:build, a researcher's own: pass "
+                                       "--model theirs:build to import and build it (a builder is imported only when "
+                                       "its user names it)\n")  # fmt: skip
+    assert main([*argv, "--model", "mine:build"]) == 1
+    assert capsys.readouterr().err == "murmur export: error: the model is theirs:build, not --model mine:build\n"
+    assert not (tmp_path / "ran").exists() and "theirs" not in sys.modules

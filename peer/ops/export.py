@@ -65,13 +65,20 @@ class Found:
                 "train_config": self.config, "source": self.source}  # fmt: skip
 
 
-def build(name: str, seed: int = 0, *, custom: bool = True) -> nn.Module:
-    """The run's model, its weights about to be replaced: a registry GPT, or (unless not `custom`) a researcher's
-    builder, imported and called."""
+def build(name: str, seed: int = 0, *, custom: bool | str | None = True) -> nn.Module:
+    """The run's model, its weights about to be replaced: a registry GPT, or a researcher's builder, imported and
+    called if `custom` is True or names it (what its user typed as --model); a model file names its builder, but
+    a file from someone else must not choose what this machine imports and runs, so with `custom` None the
+    user is asked to name it, and with False (sample) it is refused."""
     if name in MODELS:
         return build_model(name, seed=seed)
-    if is_spec(name) and not custom:
+    if is_spec(name) and custom is False:
         raise OwnModel(f"{name} is a model of its own")
+    if is_spec(name) and custom is None:
+        raise ExportError(f"the model is {name}, a researcher's own: pass --model {name} to import and build it (a "
+                          "builder is imported only when its user names it)")  # fmt: skip
+    if is_spec(name) and isinstance(custom, str) and custom != name:
+        raise ExportError(f"the model is {name}, not --model {custom}")
     if is_spec(name):
         from murmur.peer.workload import raised_by, resolve
 
@@ -84,9 +91,10 @@ def build(name: str, seed: int = 0, *, custom: bool = True) -> nn.Module:
     raise ExportError(f"unknown model {name!r}: neither a registry model nor pkg.module:function")
 
 
-def load(path: Path, *, custom: bool = True) -> Found:
+def load(path: Path, *, custom: bool | str | None = True) -> Found:
     """The model in `path`: an export folder, a peer's out dir, a checkpoints folder, an anchor or a checkpoint.
-    Without `custom`, a researcher's model is an ExportError, its builder never imported."""
+    A researcher's model is built as `build` says for `custom`: its builder imported if True or if `custom` names
+    it, an ExportError otherwise."""
     path = Path(path)
     if path.is_dir():
         if (path / MODEL_FILE).exists():
@@ -120,7 +128,7 @@ def _loaded(model: nn.Module, state: dict[str, torch.Tensor], where: str) -> nn.
     return model.eval()
 
 
-def _from_anchor(path: Path, custom: bool = True) -> Found:
+def _from_anchor(path: Path, custom: bool | str | None = True) -> Found:
     try:
         metadata, state = tensorfile.read(path)
     except TensorFileError as e:
@@ -134,7 +142,7 @@ def _from_anchor(path: Path, custom: bool = True) -> Found:
                  decimal(metadata.get("murmur.outer_step")), config)  # fmt: skip
 
 
-def _from_checkpoint(path: Path, custom: bool = True) -> Found:
+def _from_checkpoint(path: Path, custom: bool | str | None = True) -> Found:
     try:
         state = load_checkpoint(path)
     except CheckpointError as e:
@@ -152,7 +160,7 @@ def _from_checkpoint(path: Path, custom: bool = True) -> Found:
                  state.get("config") or {})  # fmt: skip
 
 
-def _from_export(folder: Path, custom: bool = True) -> Found:
+def _from_export(folder: Path, custom: bool | str | None = True) -> Found:
     if not (folder / CONFIG_FILE).exists():
         raise ExportError(f"{folder} has {MODEL_FILE} but no {CONFIG_FILE}")
     config = _json((folder / CONFIG_FILE).read_text())
