@@ -72,9 +72,11 @@ PORT = integer(0, 65535)
 
 
 def future_time(text: str) -> float:
-    """An argparse type: a Unix time not yet past (a past one would train nothing and exit 0)."""
+    """An argparse type: a Unix time not yet past (a past one would train nothing and exit 0: `--until 3600`, seconds
+    typed for a time). A minute of grace: a program that hands its peers one end (`murmur simulate`) computes it
+    before they parse it, and a peer that then starts after it reports its 0 steps rather than failing."""
     value = number()(text)
-    if value <= (now := time.time()):
+    if value <= (now := time.time()) - 60:
         raise argparse.ArgumentTypeError(f"must be a Unix time in the future (it is now {now:.0f}), got {text}: for "
                                          "seconds of training use --duration")  # fmt: skip
     return value

@@ -336,7 +336,8 @@ def test_the_judging_statistics_of_sign_codes_are_those_of_the_decoded_contribut
     payloads = [r.phase1() for r in rounds]
     grams, decoded = rounds[1].grams(payloads), rounds[1].finish(payloads, None)
     assert list(grams) == ["d"]
-    torch.testing.assert_close(grams["d"], gram(decoded["d"]), rtol=1e-6, atol=0)
+    # fp32 sums of 3,072 products in two orders: 1.09e-6 apart on one machine's torch kernels, so 1e-5, not 1e-6
+    torch.testing.assert_close(grams["d"], gram(decoded["d"]), rtol=1e-5, atol=0)
     assert grams["d"][0, 1] != grams["d"][0, 2]  # (three members, each pair its own)
 
 

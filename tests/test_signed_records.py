@@ -134,7 +134,8 @@ def test_a_config_a_stranger_published_first_is_refused_by_a_joiner_with_the_joi
             fetch_run(RunRecords(joiner, run), wait=2.0, creator=creator)
         argv = ["status", "--initial-peers", *initial, "--run", run, "--creator", creator, "--json"]
         assert main(argv) == 1  # nor does the operator's status read the forgery
-        assert "run 'bound-run' not found: no config and no live peers" in capsys.readouterr().err
+        err = capsys.readouterr().err
+        assert f"run 'bound-run' not found: no config signed by its creator {creator} (--creator) and no live" in err
 
     finally:
         for node in nodes:
