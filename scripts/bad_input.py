@@ -594,11 +594,11 @@ def cases() -> list[Case]:
              lambda lab: _e("murmur join: error: run 'private-run' is private and this run secret is not its secret: "
                             "check --run-secret-file")),
         Case("--checkpoint-dir that is a file", silent,
-             command(lambda lab: [*lab.join("open-run"), "--checkpoint-dir", str(lab.secret)], fast=True), 1,
+             command(lambda lab: [*lab.join("open-run"), "--checkpoint-dir", str(lab.secret)]), 1,
              lambda lab: _e(f"murmur join: error: {lab.secret} is a file, not a folder")),
         Case("--allow-peers with a mistyped peer id", silent,
-             command(lambda lab: ["bootstrap", "--run", "r", "--allow-peers", "QmNnooDu7bfjPFoTZYxMNLWUQJyrVwtbZg5g"],
-                     fast=True), 1,
+             command(lambda lab: ["bootstrap", "--run", "r", "--allow-peers", "QmNnooDu7bfjPFoTZYxMNLWUQJyrVwtbZg5g"]),
+             1,
              lambda lab: r"murmur bootstrap: error: --allow-peers: bad peer id 'QmNnooDu7bfjPFoTZYxMNLWUQJyrVwtbZg5g': "
                          r".+"),
         Case("join --until 3600 (seconds, not a time)", silent,
