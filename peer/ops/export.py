@@ -72,23 +72,23 @@ def build(name: str, seed: int = 0, *, custom: bool | str | None = True) -> nn.M
     user is asked to name it, and with False (sample) it is refused."""
     if name in MODELS:
         return build_model(name, seed=seed)
-    if is_spec(name) and custom is False:
+    if not is_spec(name):
+        raise ExportError(f"unknown model {name!r}: neither a registry model nor pkg.module:function")
+    if custom is False:
         raise OwnModel(f"{name} is a model of its own")
-    if is_spec(name) and custom is None:
+    if custom is None:
         raise ExportError(f"the model is {name}, a researcher's own: pass --model {name} to import and build it (a "
                           "builder is imported only when its user names it)")  # fmt: skip
-    if is_spec(name) and isinstance(custom, str) and custom != name:
+    if isinstance(custom, str) and custom != name:
         raise ExportError(f"the model is {name}, not --model {custom}")
-    if is_spec(name):
-        from murmur.peer.workload import raised_by, resolve
+    from murmur.peer.workload import raised_by, resolve
 
-        builder = resolve(name, "model")
-        with raised_by(f"model builder {name}"):  # one line (its ValueError, from `murmur export`), not a traceback
-            model = builder()
-        if not isinstance(model, nn.Module):
-            raise ExportError(f"{name} did not return a torch.nn.Module")
-        return model
-    raise ExportError(f"unknown model {name!r}: neither a registry model nor pkg.module:function")
+    builder = resolve(name, "model")
+    with raised_by(f"model builder {name}"):  # one line (its ValueError, from `murmur export`), not a traceback
+        model = builder()
+    if not isinstance(model, nn.Module):
+        raise ExportError(f"{name} did not return a torch.nn.Module")
+    return model
 
 
 def load(path: Path, *, custom: bool | str | None = True) -> Found:
