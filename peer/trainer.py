@@ -33,7 +33,7 @@ from murmur.peer.device import (
 )
 from murmur.peer.model import loss_of
 from murmur.peer.outer import OuterOptimizer
-from murmur.peer.workload import Workload, WorkloadError, builtin, raised_by
+from murmur.peer.workload import Workload, WorkloadError, builtin, one_line, raised_by
 
 
 def to_device(t: torch.Tensor, device: torch.device) -> torch.Tensor:
@@ -55,10 +55,6 @@ class NonFiniteLoss(RuntimeError):
 class StreamError(WorkloadError):
     """The training stream ran out of batches (a batch builder's "train" stream must not end), raised, or gave a
     batch the model failed on."""
-
-
-def _one_line(error: BaseException) -> str:
-    return " ".join(str(error).split())[:200] or type(error).__name__
 
 
 def _shapes(batch: Any) -> str:
@@ -125,7 +121,7 @@ class Trainer:
                     ) from None
                 except Exception as e:  # a corrupt shard, a file gone: the steps so far are consistent, and kept
                     raise StreamError(f"the training stream failed after {self.batches_drawn} batches: "
-                                      f"{type(e).__name__}: {_one_line(e)}") from e  # fmt: skip
+                                      f"{type(e).__name__}: {one_line(e)}") from e  # fmt: skip
                 self.batches_drawn += 1
                 for group, base in zip(self.inner.param_groups, self._base_lrs, strict=True):
                     group["lr"] = warmup_lr(base, self.steps - self.warm_from, self.config.warmup_steps)
@@ -135,7 +131,7 @@ class Trainer:
                 except Exception as e:  # a batch unlike the first (another shape, not tensors): no step was taken
                     self.inner.zero_grad(set_to_none=True)
                     raise StreamError(f"the model failed on training batch {self.batches_drawn} "
-                                      f"({_shapes(batch)}): {type(e).__name__}: {_one_line(e)}") from e  # fmt: skip
+                                      f"({_shapes(batch)}): {type(e).__name__}: {one_line(e)}") from e  # fmt: skip
                 if not math.isfinite(loss):
                     self.discard_round()
                     raise NonFiniteLoss(f"non-finite training loss at step {self.steps}")
@@ -185,8 +181,7 @@ class Trainer:
                         loss = output.item()
                 except Exception as e:  # whatever the model raises on a batch it cannot take
                     shapes = ", ".join(str(tuple(t.shape)) for t in first)
-                    reason = " ".join(str(e).split())[:200] or type(e).__name__
-                    raise WorkloadError(f"the {name} (shapes {shapes}) does not fit the model: {reason}") from None
+                    raise WorkloadError(f"the {name} (shapes {shapes}) does not fit the model: {one_line(e)}") from None
                 if not math.isfinite(loss):
                     raise WorkloadError(f"the {name} gives a non-finite loss ({loss}): check the data")
                 if grad and not output.requires_grad:

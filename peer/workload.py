@@ -151,7 +151,12 @@ def raised_by(what: str) -> Iterator[None]:
         raise
     except Exception as e:
         logger.debug("the %s raised", what, exc_info=True)
-        raise WorkloadError(f"the {what} raised {type(e).__name__}: {' '.join(str(e).split())[:200]}") from e
+        raise WorkloadError(f"the {what} raised {type(e).__name__}: {one_line(e)}") from e
+
+
+def one_line(error: BaseException) -> str:
+    """What a researcher's code raised, on one line and at most 200 characters (its type if it said nothing)."""
+    return " ".join(str(error).split())[:200] or type(error).__name__
 
 
 def _check_signature(function: Callable[..., Any], what: str, takes: str, *args: Any, **kwargs: Any) -> None:
