@@ -37,8 +37,9 @@ from murmur.peer.workload import Workload, WorkloadError, builtin, one_line, rai
 
 
 def to_device(t: torch.Tensor, device: torch.device) -> torch.Tensor:
-    """A batch tensor on `device`; on CUDA through pinned host memory, so the copy does not block."""
-    if device.type != "cuda":
+    """A batch tensor on `device`; from host memory to CUDA through pinned memory, so the copy does not block (a
+    batch builder's tensors already on a card move as they are: only host memory can be pinned)."""
+    if device.type != "cuda" or t.device.type != "cpu":
         return t.to(device)
     return t.pin_memory().to(device, non_blocking=True)
 

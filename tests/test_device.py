@@ -182,6 +182,17 @@ def wire(factors: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
 
 
 @needs_cuda
+def test_a_batch_already_on_the_card_is_taken_as_it_is() -> None:
+    """A batch builder that yields CUDA tensors: pinning them (only host memory can be) raised, and the start-up
+    check refused a valid workload as a batch that "does not fit the model"."""
+    from murmur.peer.trainer import to_device
+
+    on_card, on_host = torch.ones(3, device="cuda"), torch.ones(3)
+    assert to_device(on_card, torch.device("cuda")) is on_card
+    assert to_device(on_host, torch.device("cuda")).device.type == "cuda"
+
+
+@needs_cuda
 def test_a_group_round_on_the_card_takes_the_others_payloads_off_the_wire() -> None:
     """Payloads arrive on the CPU; each member computes where its tensors live, and all agree."""
     g = torch.Generator().manual_seed(0)
