@@ -62,6 +62,11 @@ class PeerError(RuntimeError):
     """A peer could not start or join; str(e) is one line."""
 
 
+def _number(value: object) -> bool:
+    """An int or a float (`Peer(duration="10")` was a raw TypeError from the comparison)."""
+    return isinstance(value, int | float) and not isinstance(value, bool)
+
+
 @dataclass(frozen=True, kw_only=True)
 class PeerOptions:
     run_id: str
@@ -110,10 +115,10 @@ class PeerOptions:
             )
         if self.resume and self.checkpoints is None:
             raise ValueError("resume needs a checkpoint folder: give --checkpoint-dir or --out-dir")
-        if self.duration is not None and not (0 < self.duration < math.inf):
-            raise ValueError(f"duration must be a positive number of seconds, got {self.duration}")
-        if self.until is not None and not (0 < self.until < math.inf):
-            raise ValueError(f"until must be a Unix time in seconds, got {self.until}")
+        if self.duration is not None and not (_number(self.duration) and 0 < self.duration < math.inf):
+            raise ValueError(f"duration must be a positive number of seconds, got {self.duration!r}")
+        if self.until is not None and not (_number(self.until) and 0 < self.until < math.inf):
+            raise ValueError(f"until must be a Unix time in seconds, got {self.until!r}")
 
     @property
     def checkpoints(self) -> Path | None:

@@ -273,6 +273,14 @@ def test_a_peer_with_no_initial_peers_is_refused_at_once() -> None:
         Peer(tiny_mlp.build_model, tiny_mlp.build_batches, run="r", initial_peers=[])
 
 
+def test_a_duration_that_is_not_a_number_is_a_value_error() -> None:
+    """`Peer(duration="10")` was a raw TypeError ("'<' not supported between 'int' and 'str'")."""
+    address = "/ip4/127.0.0.1/tcp/4001/p2p/QmPo8M5vZm9dz4hC9vxeahAXvShSWXEdpKdRbh4ynsqLEw"
+    for duration in ("10", True):
+        with pytest.raises(ValueError, match=f"^duration must be a positive number of seconds, got {duration!r}$"):
+            Peer(tiny_mlp.build_model, tiny_mlp.build_batches, run="r", initial_peers=address, duration=duration)
+
+
 def global_rng_batches(split: str, *, seed: int, batch_size: int):
     """Batches drawn from torch's global RNG, as `torch.randn(...)` with no generator does (the seed ignored)."""
     while True:
