@@ -159,33 +159,32 @@ class Trainer:
         was_training = self.model.training
         self.model.eval()
         try:
-            held_out = [(f"held-out batch {i + 1} of {len(self.eval_set)}", b) for i, b in enumerate(self.eval_set)]
-            held_out[0] = ("first held-out batch", self.eval_set[0])  # every one: evaluate() takes them all
-            for name, first in [("first training batch", batch), *held_out]:
+            count = len(self.eval_set)  # every held-out batch: evaluate() takes them all
+            held_out = [(f"held-out batch {i + 1} of {count}" if i else "first held-out batch", b, False)
+                        for i, b in enumerate(self.eval_set)]  # fmt: skip
+            for name, first, training in [("first training batch", batch, True), *held_out]:
                 if (
                     not isinstance(first, tuple | list)
                     or not first
                     or not all(isinstance(t, torch.Tensor) for t in first)
                 ):
                     raise WorkloadError(f"the {name} is not a tuple of tensors: {type(first).__name__}")
-                if name == "first training batch" and any(t.dim() == 0 or len(t) != len(first[0]) for t in first):
-                    shapes = ", ".join(str(tuple(t.shape)) for t in first)  # a step splits each into micro-batches
-                    raise WorkloadError(f"the {name} (shapes {shapes}) does not have its batch size first in "
+                if training and any(t.dim() == 0 or len(t) != len(first[0]) for t in first):  # a step splits each
+                    raise WorkloadError(f"the {name} ({_shapes(first)}) does not have its batch size first in "
                                         "every tensor: a step splits each along its first dimension")  # fmt: skip
-                grad = name == "first training batch"  # a loss to train on needs a gradient: taken with it, as a
-                try:  # step would, on its first micro-batch (the most a step holds at once)
-                    micro = tuple(first)
-                    if grad and self.grad_accum > 1:
+                try:  # a loss to train on needs a gradient: taken with it, as a step would, on its first micro-batch
+                    micro = tuple(first)  # (the most a step holds at once)
+                    if training and self.grad_accum > 1:
                         micro = tuple(t[: split_batch(len(t), min(self.grad_accum, len(t)))[0]] for t in micro)
-                    with torch.set_grad_enabled(grad), torch.random.fork_rng(devices=[]):  # the training RNG is kept
+                    with torch.set_grad_enabled(training), torch.random.fork_rng(devices=[]):  # the training RNG kept
                         output = self._loss(micro)
                         loss = output.item()
                 except Exception as e:  # whatever the model raises on a batch it cannot take
-                    shapes = ", ".join(str(tuple(t.shape)) for t in first)
-                    raise WorkloadError(f"the {name} (shapes {shapes}) does not fit the model: {one_line(e)}") from None
+                    reason = one_line(e)
+                    raise WorkloadError(f"the {name} ({_shapes(first)}) does not fit the model: {reason}") from None
                 if not math.isfinite(loss):
                     raise WorkloadError(f"the {name} gives a non-finite loss ({loss}): check the data")
-                if grad and not output.requires_grad:
+                if training and not output.requires_grad:
                     raise WorkloadError("the model's loss has no gradient (detached, or computed under "
                                         "torch.no_grad()): forward must return the loss it trains on")  # fmt: skip
                 del output
