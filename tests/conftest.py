@@ -1,10 +1,8 @@
-"""Shared fixtures: every process a test starts is reaped by PID, p2pd daemons included; a disk that fills up."""
+"""Shared fixtures: every process a test starts is reaped by PID, p2pd daemons included."""
 
 from __future__ import annotations
 
 import os
-import resource
-import signal
 
 import psutil
 import pytest
@@ -39,14 +37,3 @@ def reap_processes():
     """After each test module, no process it started (DHT workers, p2pd, peers) is left running."""
     yield
     reap_descendants()
-
-
-@pytest.fixture
-def disk_full_at():
-    """Call it with a size: until the test ends, a write past that many bytes of a file fails (EFBIG), as a full
-    disk fails it (RLIMIT_FSIZE, with SIGXFSZ ignored so that the write returns the error)."""
-    limit = resource.getrlimit(resource.RLIMIT_FSIZE)
-    previous = signal.signal(signal.SIGXFSZ, signal.SIG_IGN)
-    yield lambda size: resource.setrlimit(resource.RLIMIT_FSIZE, (size, limit[1]))
-    resource.setrlimit(resource.RLIMIT_FSIZE, limit)
-    signal.signal(signal.SIGXFSZ, previous)

@@ -2,6 +2,7 @@
 weights and buffers included), its metadata names the run, a model that is not finite is never written, and a
 corrupt file is a one-line error."""
 
+import json
 import logging
 from pathlib import Path
 
@@ -20,6 +21,7 @@ from murmur.peer.data import DataConfig, load_corpus
 from murmur.peer.journal import Journal
 from murmur.peer.model import build_model
 from murmur.peer.trainer import Trainer
+from tests.diskfull import disk_full_at
 
 RUN = "anchor-test"
 CONFIG = TrainConfig(inner_steps=2, batch_size=4, eval_batches=1, warmup_steps=4)
@@ -123,19 +125,29 @@ def test_a_checkpoint_is_not_taken_for_a_model(tmp_path):
         read_anchor(path)
 
 
-def test_a_full_disk_at_the_final_model_is_a_one_line_error_and_keeps_the_earlier_file(tmp_path, disk_full_at):
+def test_a_full_disk_at_the_final_model_is_a_one_line_error_and_keeps_the_earlier_file(tmp_path):
     """safetensors says a full disk with its own SafetensorError, which `murmur join` printed as a traceback at the
     end of a run; it is now an OSError (the command's one line), and the file that was there is whole."""
-    from murmur.peer.cli import expected
-
     model = nn.Linear(64, 64)
     path = tmp_path / ANCHOR
     save_anchor(path, model, dict(model.named_parameters()), run_id=RUN, config={"model": "m"}, step=1)
     before = path.read_bytes()
-    disk_full_at(len(before) // 2)
-    with pytest.raises(OSError) as info:
-        save_anchor(path, model, dict(model.named_parameters()), run_id=RUN, config={"model": "m"}, step=2)
-    message = str(info.value)
+    code = f"""if True:
+        import json, sys
+        from pathlib import Path
+        from torch import nn
+        from murmur.peer.anchorfile import save_anchor
+        from murmur.peer.cli import expected
+        model = nn.Linear(64, 64)
+        try:
+            params = dict(model.named_parameters())
+            save_anchor(Path(sys.argv[1]), model, params, run_id={RUN!r}, config={{"model": "m"}}, step=2)
+        except BaseException as error:
+            print(json.dumps([type(error).__name__, isinstance(error, OSError), expected(error), str(error)]))
+        """
+    done = disk_full_at(len(before) // 2, ["-c", code, str(path)])
+    assert done.returncode == 0, done.stderr
+    kind, is_os_error, is_expected, message = json.loads(done.stdout)
+    assert is_os_error and is_expected, (kind, message)
     assert message.startswith(f"cannot write {path}: ") and "File too large" in message and "\n" not in message
-    assert expected(info.value)
     assert path.read_bytes() == before and [p.name for p in tmp_path.iterdir()] == [ANCHOR]

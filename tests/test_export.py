@@ -26,6 +26,7 @@ from murmur.peer.data import DataConfig, evaluate, load_corpus
 from murmur.peer.model import GPT
 from murmur.peer.runner import PeerOptions, VolunteerPeer, checkpoint_state
 from murmur.peer.trainer import Trainer
+from tests.diskfull import disk_full_at
 
 README = Path(__file__).resolve().parents[1] / "README.md"
 CONFIG = TrainConfig(inner_steps=3, batch_size=4, eval_batches=2, seed=7)
@@ -117,13 +118,15 @@ def test_a_bad_source_is_one_line(tmp_path, capsys, make, error) -> None:
     assert not (tmp_path / "out").exists()
 
 
-def test_a_full_disk_is_one_line_and_leaves_no_file(trained, tmp_path, capsys, disk_full_at) -> None:
+def test_a_full_disk_is_one_line_and_leaves_no_file(trained, tmp_path) -> None:
     peer_dir = tmp_path / "peer"
     save_anchor(peer_dir / ANCHOR, trained.model, trained.outer.anchor, run_id="r", config=CONFIG, step=1,
                 outer_step=1)  # fmt: skip
-    disk_full_at((peer_dir / ANCHOR).stat().st_size // 2)
-    assert main(["export", str(tmp_path / "out"), "--from", str(peer_dir)]) == 1  # was a SafetensorError traceback
-    err = capsys.readouterr().err
+    script = Path(sys.executable).parent / "murmur"  # the command, as a user runs it
+    done = disk_full_at((peer_dir / ANCHOR).stat().st_size // 2, [str(script), "export", str(tmp_path / "out"),
+                                                                   "--from", str(peer_dir)])  # fmt: skip
+    assert done.returncode == 1  # was a SafetensorError traceback
+    err = done.stderr
     assert err.startswith(f"murmur export: error: cannot write {tmp_path / 'out' / 'model.safetensors'}: ")
     assert "File too large" in err and err.count("\n") == 1 and list((tmp_path / "out").iterdir()) == []
 
