@@ -42,7 +42,7 @@ if __name__ == "__main__" or os.path.basename(sys.argv[0]) == "murmur":  # the p
         signal.signal(_signum, _interrupted_while_importing)
 
 from murmur.peer.flags import build_parser  # noqa: E402  (after the handler: pydantic takes a while to import)
-from murmur.peer.supervise import FORWARDED  # noqa: E402
+from murmur.peer.supervise import FORWARDED, follow_launcher  # noqa: E402
 
 # the errors a user can cause, each one line: ValueError and OSError (AddressError, ConfigError, IdentityError,
 # AccessError, WorkloadError, ... are ValueErrors) and these, looked up only in modules already imported
@@ -402,6 +402,9 @@ def main(argv: list[str] | None = None) -> int:
         "report": _report,
         "doctor": _doctor,
     }
+    if args.command == "join" and not follow_launcher():
+        print("murmur join: error: the program that started this peer has exited", file=sys.stderr)
+        return 1
     if args.command == "join" and args.restart:
         return _run(_supervised_join, args)
     return _run(commands[args.command], args)

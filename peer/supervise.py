@@ -42,6 +42,8 @@ RESTARTED = "restarting with --resume"  # in the line the supervisor logs for ea
 CRASH_EXIT = 70  # EX_SOFTWARE: what the peer exits with on an unexpected exception (restarted)
 _PR_SET_PDEATHSIG = 1
 FORWARDED = signal.SIGUSR1  # a stop the supervisor passes on to its peer
+# set by a program that starts peers as child processes (`murmur simulate`) to its pid: see `follow_launcher`
+LAUNCHER = "MURMUR_LAUNCHER_PID"
 
 
 class SupervisorError(RuntimeError):
@@ -85,6 +87,26 @@ def exit_code(status: int) -> int:
 def _die_with_parent() -> None:
     with contextlib.suppress(OSError, AttributeError):
         ctypes.CDLL(None, use_errno=True).prctl(_PR_SET_PDEATHSIG, signal.SIGTERM)
+
+
+def follow_launcher() -> bool:
+    """A peer that a program of ours started (`LAUNCHER` in its environment names it) gets SIGTERM, a clean stop,
+    when that program dies, `kill -9` included, rather than training on, orphaned, until its --until. The variable
+    is taken out of the environment: the peer `--restart` forks is the supervisor's to follow. False if the
+    launcher has gone already. (A wrapper that forks, between the two, is followed instead.)"""
+    launcher = os.environ.pop(LAUNCHER, None)
+    if launcher is None or not launcher.isdigit():
+        return True
+    _die_with_parent()
+    if str(os.getppid()) == launcher:
+        return True
+    try:  # the launcher died before the line above took effect, or a wrapper that forks is between the two
+        os.kill(int(launcher), 0)
+    except ProcessLookupError:
+        return False
+    except OSError:
+        pass
+    return True
 
 
 def _fork(run: Callable[[bool], int], resume: bool) -> int:

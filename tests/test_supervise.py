@@ -18,7 +18,7 @@ from pathlib import Path
 import psutil
 import pytest
 
-from murmur.peer.supervise import RestartPolicy, describe, exit_code, restartable
+from murmur.peer.supervise import LAUNCHER, RestartPolicy, describe, exit_code, restartable
 from tests.test_swarm import tagged_processes
 
 ROOT = Path(__file__).resolve().parent.parent
@@ -175,3 +175,24 @@ def test_a_restarted_peer_trains_what_is_left_of_its_duration(tmp_path):
     (first, left), (resumed, duration) = (json.loads(line) for line in log.read_text().splitlines())
     assert (first, left, resumed) == (False, 10.0, True)
     assert 1.0 <= duration < 8.0  # the 2 s before the kill, and the supervisor's start, are spent
+
+
+FOLLOW = """if True:
+    import ctypes, os, signal, sys
+    from murmur.peer.supervise import LAUNCHER, follow_launcher
+    followed = follow_launcher()
+    death = ctypes.c_int()
+    ctypes.CDLL(None).prctl(2, ctypes.byref(death))  # PR_GET_PDEATHSIG
+    print(followed, death.value == signal.SIGTERM, LAUNCHER in os.environ)
+    """
+
+
+@pytest.mark.parametrize(("launcher", "printed"), [
+    (lambda: str(os.getpid()), "True True False"),  # its launcher: followed, and the variable not passed on
+    (lambda: "999999999", "False True False"),  # a launcher gone already: the peer says so and exits
+    (lambda: "", "True False False"),  # none: nothing followed
+])  # fmt: skip
+def test_a_peer_follows_the_program_that_launched_it(launcher, printed):
+    env = {**os.environ, LAUNCHER: launcher()}
+    done = subprocess.run([sys.executable, "-c", FOLLOW], env=env, capture_output=True, text=True, timeout=60)
+    assert done.stdout.split() == printed.split(), done.stderr

@@ -21,6 +21,7 @@ from murmur.averaging.group import GroupAverager, GroupConfig, Offer
 from murmur.averaging.transport import P2PTransport
 from murmur.dht.loop import LoopThread
 from murmur.dht.node import NodeConfig, start_node, stop_node, visible_addresses
+from murmur.peer.anchorfile import ANCHOR
 from murmur.peer.cli import main
 from murmur.peer.metrics import consensus_distance, read_metrics
 from murmur.peer.ops.report import PANEL_TITLES, build_chart, load_logs
@@ -169,6 +170,34 @@ def test_a_stopped_simulation_reports_what_its_peers_did_and_reaps_everything(tm
     assert peer["rounds"] >= 1 and peer["final_eval_loss"] < peer["initial_eval_loss"]
     left = tagged_processes(tag)
     assert not left, f"the stopped simulation left processes running: {left}"
+
+
+@pytest.mark.slow
+def test_a_killed_simulation_stops_its_peers_cleanly(tmp_path):
+    """`kill -9` of `murmur simulate`: its peers (in sessions of their own) used to train on, orphaned, until the
+    shared end; now each is told to stop as its launcher dies, and stops cleanly: its report and final model are
+    written, and nothing is left running."""
+    runs = tmp_path / "runs"
+    cmd = [
+        sys.executable, "-m", "murmur.peer.cli", "simulate", "--peers", "1", "--duration", "600",
+        "--report", str(tmp_path / "report.json"), "--out-dir", str(runs), "--inner-steps", "10", "--seed", "0",
+    ]  # fmt: skip
+    tag = f"simulate-kill-{uuid.uuid4()}"
+    sim = subprocess.Popen(cmd, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL, env={**os.environ,
+                           "MURMUR_TEST_TAG": tag})  # fmt: skip
+    try:
+        deadline = time.monotonic() + 120
+        while not read_metrics(runs / "peer-0" / "metrics.jsonl"):  # the peer has trained a round
+            assert sim.poll() is None and time.monotonic() < deadline, "the peer never trained a round"
+            time.sleep(0.2)
+        sim.kill()
+        sim.wait(timeout=10)
+        left = tagged_processes(tag, settle=60)
+    finally:
+        kill_tagged(tag)
+    assert not left, f"the killed simulation's peers trained on: {left}"
+    report = json.loads((runs / "peer-0" / "report.json").read_text())
+    assert report["rounds"] >= 1 and (runs / "peer-0" / ANCHOR).exists()
 
 
 def test_a_simulation_whose_peers_never_train_says_so(tmp_path):

@@ -41,6 +41,7 @@ from murmur.peer.device import DeviceConfig, Runtime
 from murmur.peer.metrics import PeerReport, SwarmReport, consensus_distance, read_metrics
 from murmur.peer.model import build_model
 from murmur.peer.rundir import fresh_folder
+from murmur.peer.supervise import LAUNCHER
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -88,8 +89,9 @@ def join_command(maddrs: list[str], run_id: str, out_dir: Path, data_seed: int, 
 
 
 def launch(command: list[str], log: Path) -> subprocess.Popen:
-    """Start `command` in its own process group (so `stop_processes` reaches its p2pd), output to `log`."""
-    env = {**os.environ, "HIVEMIND_LOGLEVEL": os.environ.get("HIVEMIND_LOGLEVEL", "ERROR")}
+    """Start `command` in its own process group (so `stop_processes` reaches its p2pd), output to `log`. A peer
+    stops cleanly when this process dies (`supervise.follow_launcher`)."""
+    env = {**os.environ, "HIVEMIND_LOGLEVEL": os.environ.get("HIVEMIND_LOGLEVEL", "ERROR"), LAUNCHER: str(os.getpid())}
     with log.open("a") as out:  # the child keeps its own copy of the descriptor
         return subprocess.Popen(command, stdout=out, stderr=subprocess.STDOUT, start_new_session=True, env=env)
 
