@@ -82,16 +82,18 @@ def future_time(text: str) -> float:
     return value
 
 
-def train_flags(parser: argparse.ArgumentParser) -> None:
+def train_flags(parser: argparse.ArgumentParser, *, registry_only: bool = False) -> None:
     """A flag for every field of `TrainConfig`, made from its schema: `--inner-steps` from `inner_steps`, its type
-    and bounds checked here, its description as the help. None (the flag not given) keeps the config's default."""
+    and bounds checked here, its description as the help. None (the flag not given) keeps the config's default.
+    `registry_only`: --model takes a registry model only (`murmur simulate`), and its help says so."""
     group = parser.add_argument_group("run config (published to the DHT; joiners take it from there)")
     for name, field in TrainConfig.model_fields.items():
         extra = field.json_schema_extra or {}
         default = field.default
         shown = f"{default:g}" if isinstance(default, float) else str(default).lower() if default in (True, False) \
             else default  # fmt: skip
-        kwargs: dict = {"dest": name, "default": None, "help": f"{field.description} (default: {shown})"}
+        described = "a registry model (peer.model.MODELS)" if registry_only and name == "model" else field.description
+        kwargs: dict = {"dest": name, "default": None, "help": f"{described} (default: {shown})"}
         if extra.get("metavar"):
             kwargs["metavar"] = extra["metavar"]
         if field.annotation is bool:
@@ -246,7 +248,7 @@ def build_parser() -> argparse.ArgumentParser:
     sim.add_argument("--out-dir", type=Path,
                      help="folder for the peers' logs (default: runs/RUN; a folder that holds an earlier "
                           "simulation is kept, and the next free RUN-2, RUN-3 ... is used)")  # fmt: skip
-    train_flags(sim)
+    train_flags(sim, registry_only=True)
     device_flags(sim, batching=False)
     access_flags(sim)
 

@@ -52,6 +52,8 @@ def test_help_screens(command, capsys):
         "doctor": ["--host", "--port"],
     }.get(command[0] if command else "", []):
         assert flag in out  # fmt: skip
+    # simulate runs registry models only: its --model does not offer a researcher's builder, which it refuses
+    assert ("pkg.module:function" in " ".join(out.lower().split())) == (command[:1] in (["bootstrap"], ["join"]))
 
 
 @pytest.mark.parametrize(
