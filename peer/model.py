@@ -7,6 +7,7 @@ parameters in any process, so a swarm agrees on the starting point without sendi
 from __future__ import annotations
 
 import math
+from collections.abc import Mapping
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -162,10 +163,17 @@ def build_model(name: str, *, seed: int) -> GPT:
 
 
 def loss_of(output: object) -> Tensor:
-    """The loss a model's forward returned: the tensor itself, or the last element of a tuple (as `GPT`)."""
-    loss = output[-1] if isinstance(output, tuple | list) and output else output
+    """The loss a model's forward returned: the tensor itself, an output's `loss` (a dict's "loss", a Hugging Face
+    `ModelOutput`'s, a named tuple's), or else the last element of a tuple (as `GPT`)."""
+    if isinstance(output, Mapping) and "loss" in output:
+        loss = output["loss"]
+    elif not isinstance(output, Tensor) and isinstance(getattr(output, "loss", None), Tensor):
+        loss = output.loss
+    else:
+        loss = output[-1] if isinstance(output, tuple | list) and output else output
     if not isinstance(loss, Tensor) or loss.dim() != 0:
-        raise ValueError("the model's forward must return a scalar loss, or a tuple ending with one")
+        raise ValueError("the model's forward must return a scalar loss, a tuple ending with one, or an output "
+                         "whose `loss` is one (a dict's \"loss\", a Hugging Face ModelOutput)")  # fmt: skip
     return loss
 
 

@@ -1,8 +1,9 @@
 """What a peer trains: a model, its inner optimizer, and its batches, built-in or the researcher's own.
 
 A `Workload` is any `torch.nn.Module` whose `forward(*batch)` returns the loss (or a tuple whose
-last element is the loss), an optimizer factory, and two batch sources: an endless training stream
-per data seed and a fixed held-out set that is the same on every peer.
+last element is the loss, or an output whose `loss` it is: a dict, a Hugging Face `ModelOutput`), an
+optimizer factory, and two batch sources: an endless training stream per data seed and a fixed
+held-out set that is the same on every peer.
 
 A researcher's own code comes in as import paths (`pkg.module:function`) typed on the local
 command line (imported as `python -m` would, from the current folder too) or passed as callables to

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import collections
 import functools
 import gc
 import itertools
@@ -191,6 +192,33 @@ def test_a_model_that_cannot_train_is_one_line_before_the_peer_announces_itself(
     trainer.grad_accum = 3  # tried on its first micro-batch, as a step would take it
     trainer.check_batches()
     assert trainer.batches_drawn == 0 and next(trainer.batches)[0].shape == (8, tiny_mlp.FEATURES)  # not consumed
+
+
+class DictOutput(tiny_mlp.Regressor):
+    """Returns its loss as a Hugging Face model does: in a mapping beside the logits (a `ModelOutput` is one)."""
+
+    def forward(self, x, y):
+        return {"logits": self.net(x), "loss": super().forward(x, y)}
+
+
+class NamedOutput(tiny_mlp.Regressor):
+    """Returns its loss as the first field of a named tuple, not its last element."""
+
+    Output = collections.namedtuple("Output", ["loss", "logits"])
+
+    def forward(self, x, y):
+        return self.Output(super().forward(x, y), self.net(x))
+
+
+@pytest.mark.parametrize("model", [DictOutput, NamedOutput])
+def test_a_model_whose_output_carries_its_loss_trains(model) -> None:
+    """A Hugging Face model's forward returns a ModelOutput (a dict) with a `loss`: refused before, as "must return a
+    scalar loss", so a user had to wrap every such model."""
+    trainer = Trainer(CUSTOM, custom(CUSTOM, model, tiny_mlp.build_batches), data_seed=0)
+    trainer.check_batches()
+    before = trainer.evaluate()
+    trainer.inner_phase()
+    assert trainer.evaluate() < before
 
 
 def descendants() -> set[int]:
