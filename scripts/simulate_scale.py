@@ -33,6 +33,8 @@ from pathlib import Path
 
 import torch
 
+from murmur.peer.flags import integer, number
+from murmur.peer.rundir import check_writable
 from murmur.peer.sim.scale import ScaleResult, ScaleSettings, simulate
 
 CONSENSUS_TARGET = 0.02  # at 1024 peers with churn, after the finish
@@ -306,22 +308,31 @@ def reuse(paths: list[Path], settings: ScaleSettings) -> tuple[dict[int, ScaleRe
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("--peers", type=int, nargs="+", help="peer counts (default 64 256 1024 4096; quick 16 64)")
+    parser.add_argument(
+        "--peers", type=integer(2), nargs="+", help="peer counts (default 64 256 1024 4096; quick 16 64)"
+    )
     parser.add_argument("--quick", action="store_true", help="16 and 64 peers, 6 rounds, no DHT measurement")
-    parser.add_argument("--rounds", type=int, help="rounds of samples per peer (default 16, quick 6)")
-    parser.add_argument("--inner-lr", type=float, default=ScaleSettings.inner_lr)
+    parser.add_argument("--rounds", type=integer(1), help="rounds of samples per peer (default 16, quick 6)")
+    parser.add_argument("--inner-lr", type=number(), default=ScaleSettings.inner_lr)
     parser.add_argument("--no-churn", action="store_true", help="every peer stays for the whole run")
-    parser.add_argument("--finish-rounds", type=int, default=ScaleSettings.finish_rounds,
+    parser.add_argument("--finish-rounds", type=integer(0), default=ScaleSettings.finish_rounds,
                         help="rounds of anchor averaging after the budget (default %(default)s; 0: none)")  # fmt: skip
     parser.add_argument("--no-dht-measure", action="store_true", help="skip starting real DHT nodes")
-    parser.add_argument("--dht-nodes", type=int, default=8, help="real DHT nodes to measure (default %(default)s)")
-    parser.add_argument("--seed", type=int, default=0)
+    parser.add_argument(
+        "--dht-nodes", type=integer(2), default=8, help="real DHT nodes to measure (default %(default)s)"
+    )
+    parser.add_argument("--seed", type=integer(0), default=0)
     reuse_help = "earlier reports of the same settings: their swarms and DHT measurement are reused, not rerun"
     parser.add_argument("--reuse", type=Path, nargs="+", default=[], help=reuse_help)
     parser.add_argument("--out", type=Path, help="default: scripts/results; runs/scale-quick with --quick")
-    parser.add_argument("--threads", type=int, default=1, help="torch threads (default %(default)s)")
+    parser.add_argument("--threads", type=integer(1), default=1, help="torch threads (default %(default)s)")
     args = parser.parse_args()
     out = args.out or Path("runs/scale-quick" if args.quick else "scripts/results")
+    try:  # now, not after the whole run
+        out.mkdir(parents=True, exist_ok=True)
+        check_writable(out)
+    except (OSError, ValueError) as e:
+        parser.error(f"--out {out}: {e.strerror if isinstance(e, OSError) else e}")
     torch.set_num_threads(args.threads)
     logging.getLogger("murmur").setLevel(logging.ERROR)  # aborted exchanges are counted, not printed
     peers = args.peers or ([16, 64] if args.quick else [64, 256, 1024, 4096])

@@ -47,6 +47,27 @@ def test_a_quick_run_keeps_the_committed_results(tmp_path, monkeypatch):
     assert not (tmp_path / "scripts").exists()
 
 
+@pytest.mark.parametrize(
+    ("flags", "error"),
+    [
+        (["--rounds", "0"], "argument --rounds: must be at least 1, got 0"),  # ran with the default, exit 0
+        (["--peers", "1"], "argument --peers: must be at least 2, got 1"),  # a traceback
+        (["--threads", "0"], "argument --threads: must be at least 1, got 0"),  # a traceback
+        (["--inner-lr", "nan"], "argument --inner-lr: must be a positive number, got nan"),  # a traceback
+        (["--out", "notes/x"], "--out notes/x: Not a directory"),  # a traceback, after the whole run
+    ],
+)
+def test_a_bad_flag_is_one_line_before_anything_runs(flags, error, tmp_path, monkeypatch, capsys):
+    monkeypatch.chdir(tmp_path)
+    (tmp_path / "notes").write_text("a file, not a folder")
+    monkeypatch.setattr(sys, "argv", ["simulate_scale.py", "--quick", "--peers", "16", *flags])
+    with pytest.raises(SystemExit) as exit_info:
+        load_script().main()
+    assert exit_info.value.code == 2
+    assert capsys.readouterr().err.splitlines()[-1] == f"simulate_scale.py: error: {error}"
+    assert not (tmp_path / "runs").exists()
+
+
 def test_quick_mode_reports_every_metric_for_every_peer_count(quick):
     report, out = quick
     assert set(report["results"]) == {"16", "32"}
