@@ -71,6 +71,31 @@ def number(*, zero: bool = False, maximum: float = math.inf) -> Callable[[str], 
 PORT = integer(0, 65535)
 
 
+def out_folder(text: str) -> Path:
+    """An argparse type: a folder that results are written into, made now and checked writable, so that a bad one
+    fails in one line before a run of minutes rather than at its end."""
+    from murmur.peer.rundir import check_writable
+
+    path = Path(text)
+    try:
+        path.mkdir(parents=True, exist_ok=True)
+        check_writable(path)
+    except OSError as e:
+        raise argparse.ArgumentTypeError(f"cannot make the folder {text}: {e.strerror}") from None
+    except ValueError as e:
+        raise argparse.ArgumentTypeError(str(e)) from None
+    return path
+
+
+def out_file(text: str) -> Path:
+    """An argparse type: a file that results are written to, its folder made now and checked (`out_folder`)."""
+    path = Path(text)
+    if path.is_dir():
+        raise argparse.ArgumentTypeError(f"{text} is a folder, not a file")
+    out_folder(str(path.parent))
+    return path
+
+
 def future_time(text: str) -> float:
     """An argparse type: a Unix time not yet past (a past one would train nothing and exit 0: `--until 3600`, seconds
     typed for a time). A minute of grace: a program that hands its peers one end (`murmur simulate`) computes it

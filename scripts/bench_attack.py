@@ -56,6 +56,7 @@ from flood import FloodConfig, run_flood  # scripts/flood.py: the flood scenario
 from murmur.averaging import wire
 from murmur.peer.config import TrainConfig
 from murmur.peer.data import DataConfig, load_corpus
+from murmur.peer.flags import integer, out_folder
 from murmur.peer.sim.virtual import Scenario, run_murmur
 
 ATTACKS = ("scaled", "noise", "sign_flip", "nan", "replay", "anchor", "withhold")
@@ -244,9 +245,11 @@ def main() -> None:
                         help="budgets in outer rounds, each with its scenarios (default: 8:single,coalition "
                              "30:coalition; quick: 2:single,coalition)")  # fmt: skip
     parser.add_argument("--attacks", nargs="+", choices=ATTACKS, default=list(ATTACKS))
-    parser.add_argument("--attacker", type=int, default=3, help="which of the 8 peers attacks alone")
-    parser.add_argument("--coalition", type=int, nargs=2, default=[3, 6], help="the two peers that attack together")
-    parser.add_argument("--jobs", type=int, default=2, help="runs at once, a process each (virtual time: the "
+    parser.add_argument("--attacker", type=integer(0, 7), default=3, help="which of the 8 peers attacks alone")
+    parser.add_argument(
+        "--coalition", type=integer(0, 7), nargs=2, default=[3, 6], help="the two peers that attack together"
+    )
+    parser.add_argument("--jobs", type=integer(1), default=2, help="runs at once, a process each (virtual time: the "
                         "figures do not depend on it)")  # fmt: skip
     parser.add_argument(
         "--flood",
@@ -270,7 +273,7 @@ def main() -> None:
         help="the flood (or the late replica) with the attackers on half the CPUs and the honest side on the rest, "
         "as on machines of their own; kept as flood_pinned (late_replica_pinned) beside the shared run's",
     )
-    parser.add_argument("--out", type=Path, default=Path("scripts/results"))
+    parser.add_argument("--out", type=out_folder, default=Path("scripts/results"))
     args = parser.parse_args()
     if args.flood_only or args.late_only:
         flood_only(args.out, args.quick, args.pin, late=args.late_only)

@@ -48,6 +48,7 @@ from murmur.averaging.group import GroupConfig
 from murmur.dht.node import stop_node
 from murmur.peer.anchorfile import ANCHOR, read_anchor
 from murmur.peer.config import TrainConfig
+from murmur.peer.flags import integer, number, out_folder
 from murmur.peer.metrics import PeerReport, consensus_distance, lonely_rounds, read_metrics
 from murmur.peer.sim.simulate import (
     TreeMeter,
@@ -320,10 +321,12 @@ def _verdict(config: BenchConfig, calm: dict, churn: dict) -> dict:
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--quick", action="store_true", help="3 peers, 30 s a phase, a kill every 6 s")
-    parser.add_argument("--peers", type=int, help="initial peers (default 6, quick 3)")
-    parser.add_argument("--duration", type=float, help="seconds a phase is measured (default 180, quick 30)")
-    parser.add_argument("--kill-every", type=float, help="seconds between SIGKILLs (default 20, quick 6)")
-    parser.add_argument("--out", type=Path, default=RESULTS, help="folder for bench_churn.json (default: %(default)s)")
+    parser.add_argument("--peers", type=integer(2), help="initial peers (default 6, quick 3)")
+    parser.add_argument("--duration", type=number(), help="seconds a phase is measured (default 180, quick 30)")
+    parser.add_argument("--kill-every", type=number(), help="seconds between SIGKILLs (default 20, quick 6)")
+    parser.add_argument(
+        "--out", type=out_folder, default=RESULTS, help="folder for bench_churn.json (default: %(default)s)"
+    )
     parser.add_argument("--runs", type=Path, default=Path("runs/bench_churn"), help="folder for the peers' logs")
     parser.add_argument("--grow", action="store_true",
                         help="new peers join on top instead of in place of a victim that leaves for good")  # fmt: skip

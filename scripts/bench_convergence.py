@@ -17,12 +17,14 @@ import argparse
 import itertools
 import json
 import time
+import typing
 from pathlib import Path
 
 import torch
 
-from murmur.peer.config import TrainConfig
+from murmur.peer.config import ConfigError, TrainConfig
 from murmur.peer.data import load_corpus
+from murmur.peer.flags import integer, number, out_folder
 from murmur.peer.sim.virtual import Link, MethodResult, Scenario, run_ddp, run_diloco, run_murmur
 
 
@@ -55,26 +57,28 @@ def run_method(
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--quick", action="store_true", help="4 peers, 8 outer rounds: a few minutes")
-    parser.add_argument("--peers", type=int, help="peers (default 8, quick 4)")
-    parser.add_argument("--rounds", type=int, help="outer rounds of the budget (default 30, quick 8)")
-    parser.add_argument("--inner-steps", type=int, help="H (default 20, quick 10)")
-    parser.add_argument("--bandwidth-mbps", type=float, default=50.0)
-    parser.add_argument("--latency-ms", type=float, default=50.0)
+    parser.add_argument("--peers", type=integer(2), help="peers (default 8, quick 4)")
+    parser.add_argument("--rounds", type=integer(1), help="outer rounds of the budget (default 30, quick 8)")
+    parser.add_argument("--inner-steps", type=integer(1), help="H (default 20, quick 10)")
+    parser.add_argument("--bandwidth-mbps", type=number(), default=50.0)
+    parser.add_argument("--latency-ms", type=number(zero=True), default=50.0)
     # The defaults won a sweep at the --quick budget (see the README): plain averaging (outer lr 1,
     # no momentum) beat DiLoCo's 0.7 / 0.9 for both diloco and murmur; lr 2e-3 was best for ddp.
-    parser.add_argument("--inner-lr", type=float, default=2e-3, help="AdamW lr of every method, ddp included")
-    parser.add_argument("--outer-lr", type=float, default=1.0)
-    parser.add_argument("--outer-momentum", type=float, default=0.0)
-    parser.add_argument("--ddp-lr", type=float, help="ddp's AdamW lr (default: --inner-lr)")
-    parser.add_argument("--codec", default="sign", help="murmur's pseudo-gradient codec: sign or lowrank")
+    parser.add_argument("--inner-lr", type=number(), default=2e-3, help="AdamW lr of every method, ddp included")
+    parser.add_argument("--outer-lr", type=number(), default=1.0)
+    parser.add_argument("--outer-momentum", type=number(zero=True), default=0.0)
+    parser.add_argument("--ddp-lr", type=number(), help="ddp's AdamW lr (default: --inner-lr)")
+    codecs = {name: typing.get_args(TrainConfig.model_fields[name].annotation) for name in ("codec", "consensus_codec")}
+    parser.add_argument("--codec", default="sign", choices=codecs["codec"], help="murmur's pseudo-gradient codec")
     parser.add_argument(
         "--consensus-codec",
         default=TrainConfig().consensus_codec,
-        help="how murmur pulls anchors that differ: int8, lowrank or dense (default: %(default)s)",
+        choices=codecs["consensus_codec"],
+        help="how murmur pulls anchors that differ (default: %(default)s)",
     )
-    parser.add_argument("--out", type=Path, default=Path("."))
+    parser.add_argument("--out", type=out_folder, default=Path("."))
     # one thread: on a busy 2-core machine two torch threads per process spin against each other (6x slower)
-    parser.add_argument("--threads", type=int, default=1, help="torch threads (default: %(default)s)")
+    parser.add_argument("--threads", type=integer(1), default=1, help="torch threads (default: %(default)s)")
     sweep_help = "only the learning-rate sweep: 4 peers, 8 rounds unless --peers/--rounds say otherwise"
     parser.add_argument("--sweep", action="store_true", help=sweep_help)
     args = parser.parse_args()
@@ -85,14 +89,17 @@ def main() -> None:
         sweep(args.out, peers, rounds, args.inner_steps or (10 if rounds <= 8 else 20), args.codec)
         return
 
-    base = TrainConfig(
-        inner_steps=args.inner_steps or (10 if args.quick else 20),
-        inner_lr=args.inner_lr,
-        outer_lr=args.outer_lr,
-        outer_momentum=args.outer_momentum,
-        codec=args.codec,
-        consensus_codec=args.consensus_codec,
-    )
+    try:  # the config's own bounds (an outer momentum of 1 or more): one line
+        base = TrainConfig(
+            inner_steps=args.inner_steps or (10 if args.quick else 20),
+            inner_lr=args.inner_lr,
+            outer_lr=args.outer_lr,
+            outer_momentum=args.outer_momentum,
+            codec=args.codec,
+            consensus_codec=args.consensus_codec,
+        )
+    except ConfigError as e:
+        parser.error(str(e))
     budget = peers * base.batch_size * base.inner_steps * rounds
     link = Link(bandwidth_bps=args.bandwidth_mbps * 1e6, latency_s=args.latency_ms / 1e3)
     scenarios = {

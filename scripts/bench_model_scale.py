@@ -225,15 +225,18 @@ def measure(name: str, phase: str) -> dict:
 
 
 def main(argv: list[str] | None = None) -> int:
+    from murmur.peer.flags import integer, out_file  # here: the measured processes import only what they measure
+    from murmur.peer.model import MODELS
+
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     parser.add_argument("--quick", action="store_true", help=f"only {', '.join(QUICK)}")
     parser.add_argument("--models", help=f"comma-separated registry names (default: {','.join(FULL)})")
-    parser.add_argument("--repeats", type=int, default=3, help="fresh process pairs per size (default 3)")
-    parser.add_argument("--out", type=Path, default=RESULTS / "bench_model_scale.json")
+    parser.add_argument("--repeats", type=integer(1), default=3, help="fresh process pairs per size (default 3)")
+    parser.add_argument("--out", type=out_file, default=RESULTS / "bench_model_scale.json")
     args = parser.parse_args(argv)
-    if args.repeats < 1:
-        parser.error(f"--repeats must be at least 1, got {args.repeats}")
     names = args.models.split(",") if args.models else QUICK if args.quick else FULL
+    if unknown := [name for name in names if name not in MODELS]:
+        parser.error(f"--models: unknown {', '.join(unknown)} (the registry has {', '.join(MODELS)})")
     rows = []
     # the fixed cost, for two peers: the mean of the probe's repeats (what is left of a copy at 8,432 parameters)
     probe_pairs = [(measure(PROBE, "plain"), measure(PROBE, "murmur")) for _ in range(args.repeats)]

@@ -70,6 +70,7 @@ from netlab import HUB_HOST, NetLab, is_root
 
 from murmur.averaging.group import GroupConfig
 from murmur.peer.config import TrainConfig
+from murmur.peer.flags import integer, number, out_folder
 from murmur.peer.metrics import PeerReport, read_metrics
 from murmur.peer.model import MODELS
 from murmur.peer.sim.simulate import join_command, launch, stop_processes
@@ -423,8 +424,10 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--quick", action="store_true", help="2 peers, 15 s, clean + kill (a test runs it)")
     parser.add_argument("--tune", action="store_true", help="run hivemind's presets on the clean scenario only")
-    parser.add_argument("--peers", type=int, help="peers per swarm (default 4, quick 2)")
-    parser.add_argument("--budget", type=float, help="seconds measured per stack and scenario (default 90, quick 15)")
+    parser.add_argument("--peers", type=integer(2), help="peers per swarm (default 4, quick 2)")
+    parser.add_argument(
+        "--budget", type=number(), help="seconds measured per stack and scenario (default 90, quick 15)"
+    )
     parser.add_argument("--scenarios", nargs="+", choices=SCENARIOS, help="default: all three (quick: clean kill)")
     parser.add_argument("--preset", choices=sorted(PRESETS), help="hivemind.Optimizer preset (default: the tuned best)")
     parser.add_argument("--model", choices=list(MODELS), help="registry model both stacks train (default gpt-tiny); "
@@ -432,7 +435,7 @@ def main() -> None:
     parser.add_argument("--loopback", action="store_true", help="no namespaces even as root (bytes from ss)")
     parser.add_argument("--overlap", action="store_true",
                         help="Murmur peers train through their exchanges (murmur join --overlap): an A/B")  # fmt: skip
-    parser.add_argument("--out", type=Path, default=RESULTS, help="folder for the JSON (default: %(default)s)")
+    parser.add_argument("--out", type=out_folder, default=RESULTS, help="folder for the JSON (default: %(default)s)")
     parser.add_argument("--runs", type=Path, default=Path("runs/bench_vs_hivemind"), help="folder for peer logs")
     args = parser.parse_args()
     quick = {"peers": 2, "budget": 15.0, "scenarios": ("clean", "kill"),

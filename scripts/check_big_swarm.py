@@ -35,6 +35,7 @@ from pathlib import Path
 
 from murmur.dht.node import stop_node
 from murmur.peer.config import TrainConfig
+from murmur.peer.flags import number, out_file
 from murmur.peer.sim.simulate import join_command, launch, start_bootstrap, stop_processes
 
 RESULTS = Path(__file__).resolve().parent / "results"
@@ -67,8 +68,8 @@ def log_has(log: Path, pattern: str) -> str | None:
 
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
-    parser.add_argument("--train-seconds", type=float, default=540.0, help="from start to the shared --until")
-    parser.add_argument("--out", type=Path, default=RESULTS / "check_big_swarm.json")
+    parser.add_argument("--train-seconds", type=number(), default=540.0, help="from start to the shared --until")
+    parser.add_argument("--out", type=out_file, default=RESULTS / "check_big_swarm.json")
     args = parser.parse_args(argv)
     config = TrainConfig(model=MODEL, inner_steps=2, batch_size=2, eval_batches=1, finish_rounds=2)
     run = f"big-{os.getpid()}"

@@ -53,6 +53,7 @@ from murmur.peer.api import Peer, Swarm, train_together
 from murmur.peer.config import TrainConfig
 from murmur.peer.data import DataConfig, load_corpus
 from murmur.peer.device import DeviceConfig, Runtime
+from murmur.peer.flags import integer, number, out_folder
 from murmur.peer.model import MODELS, build_model, count_parameters
 from murmur.peer.trainer import Trainer
 
@@ -272,8 +273,8 @@ def line(model: str, mode: str, phase: dict) -> str:
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--models", default="gpt2-small", help="registry models for the swarm, comma-separated")
-    parser.add_argument("--duration", type=float, default=30.0, help="seconds each phase trains (default: 30)")
-    parser.add_argument("--batch-size", type=int, default=None, help="the run's batch size (default: the run's)")
+    parser.add_argument("--duration", type=number(), default=30.0, help="seconds each phase trains (default: 30)")
+    parser.add_argument("--batch-size", type=integer(1), default=None, help="the run's batch size (default: the run's)")
     parser.add_argument("--modes", default=",".join(MODES), help="swarm phases after plain, comma-separated")
     parser.add_argument(
         "--scale-models",
@@ -281,7 +282,7 @@ def main(argv: list[str] | None = None) -> int:
         help="models for bench_model_scale's figures on the card, comma-separated ('' for none)",
     )
     parser.add_argument("--device", choices=("cuda", "cpu"), default="cuda", help="cpu: a smoke run of the script")
-    parser.add_argument("--out", type=Path, default=RESULTS)
+    parser.add_argument("--out", type=out_folder, default=RESULTS)
     args = parser.parse_args(argv)
     models, modes = [m for m in args.models.split(",") if m], args.modes.split(",")
     scale_models = [m for m in args.scale_models.split(",") if m]

@@ -33,8 +33,7 @@ from pathlib import Path
 
 import torch
 
-from murmur.peer.flags import integer, number
-from murmur.peer.rundir import check_writable
+from murmur.peer.flags import integer, number, out_folder
 from murmur.peer.sim.scale import ScaleResult, ScaleSettings, simulate
 
 CONSENSUS_TARGET = 0.02  # at 1024 peers with churn, after the finish
@@ -324,15 +323,10 @@ def main() -> None:
     parser.add_argument("--seed", type=integer(0), default=0)
     reuse_help = "earlier reports of the same settings: their swarms and DHT measurement are reused, not rerun"
     parser.add_argument("--reuse", type=Path, nargs="+", default=[], help=reuse_help)
-    parser.add_argument("--out", type=Path, help="default: scripts/results; runs/scale-quick with --quick")
+    parser.add_argument("--out", type=out_folder, help="default: scripts/results; runs/scale-quick with --quick")
     parser.add_argument("--threads", type=integer(1), default=1, help="torch threads (default %(default)s)")
     args = parser.parse_args()
-    out = args.out or Path("runs/scale-quick" if args.quick else "scripts/results")
-    try:  # now, not after the whole run
-        out.mkdir(parents=True, exist_ok=True)
-        check_writable(out)
-    except (OSError, ValueError) as e:
-        parser.error(f"--out {out}: {e.strerror if isinstance(e, OSError) else e}")
+    out = args.out or out_folder("runs/scale-quick" if args.quick else "scripts/results")
     torch.set_num_threads(args.threads)
     logging.getLogger("murmur").setLevel(logging.ERROR)  # aborted exchanges are counted, not printed
     peers = args.peers or ([16, 64] if args.quick else [64, 256, 1024, 4096])

@@ -1,0 +1,49 @@
+"""The benchmark and check scripts a researcher runs: a bad flag is one line and exit 2 before anything runs (it was
+a traceback, a run with the default instead, or a failure at the end of a run of minutes)."""
+
+from __future__ import annotations
+
+import importlib.util
+import sys
+from pathlib import Path
+
+import pytest
+
+SCRIPTS = Path(__file__).resolve().parent.parent / "scripts"
+
+
+@pytest.mark.parametrize(
+    ("script", "flags", "error"),
+    [
+        ("bench_convergence.py", ["--rounds", "0"], "argument --rounds: must be at least 1, got 0"),
+        ("bench_convergence.py", ["--outer-momentum", "1"], "outer_momentum must be below 1"),
+        ("bench_convergence.py", ["--codec", "zip"], "argument --codec: invalid choice: 'zip'"),
+        (
+            "bench_convergence.py",
+            ["--out", "notes/x"],
+            "argument --out: cannot make the folder notes/x: Not a directory",
+        ),
+        ("bench_model_scale.py", ["--models", "gpt-tiny,gpt-huge"], "--models: unknown gpt-huge (the registry has "),
+        ("bench_model_scale.py", ["--out", "."], "argument --out: . is a folder, not a file"),
+        ("bench_attack.py", ["--attacker", "8"], "argument --attacker: must be between 0 and 7, got 8"),
+        ("bench_churn.py", ["--kill-every", "0"], "argument --kill-every: must be a positive number, got 0"),
+        ("bench_vs_hivemind.py", ["--budget", "nan"], "argument --budget: must be a positive number, got nan"),
+        ("gpu_check.py", ["--batch-size", "0"], "argument --batch-size: must be at least 1, got 0"),
+        ("check_big_swarm.py", ["--train-seconds", "-5"], "argument --train-seconds: must be a positive number"),
+    ],
+)
+def test_a_bad_flag_is_one_line_before_anything_runs(script, flags, error, tmp_path, monkeypatch, capsys) -> None:
+    (tmp_path / "notes").write_text("a file, not a folder")
+    monkeypatch.chdir(tmp_path)
+    monkeypatch.setattr(sys, "argv", [script, *flags])
+    monkeypatch.syspath_prepend(str(SCRIPTS))  # as `python scripts/X.py` has it, for the scripts it imports
+    spec = importlib.util.spec_from_file_location(script.removesuffix(".py"), SCRIPTS / script)
+    module = importlib.util.module_from_spec(spec)
+    monkeypatch.setitem(sys.modules, spec.name, module)  # its dataclasses look themselves up there
+    spec.loader.exec_module(module)  # in this process: the imports a subprocess would pay for are done already
+    with pytest.raises(SystemExit) as exit_info:
+        module.main()
+    assert exit_info.value.code == 2
+    last = capsys.readouterr().err.splitlines()[-1]
+    assert last.startswith(f"{script}: error: ") and error in last, last
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["notes"]  # nothing made: no run started
