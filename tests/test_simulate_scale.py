@@ -54,7 +54,10 @@ def test_a_quick_run_keeps_the_committed_results(tmp_path, monkeypatch):
         (["--peers", "1"], "argument --peers: must be at least 2, got 1"),  # a traceback
         (["--threads", "0"], "argument --threads: must be at least 1, got 0"),  # a traceback
         (["--inner-lr", "nan"], "argument --inner-lr: must be a positive number, got nan"),  # a traceback
-        (["--out", "notes/x"], "--out notes/x: Not a directory"),  # a traceback, after the whole run
+        (
+            ["--out", "notes/x"],
+            "argument --out: cannot make the folder notes/x: Not a directory",
+        ),  # a traceback, after the whole run
     ],
 )
 def test_a_bad_flag_is_one_line_before_anything_runs(flags, error, tmp_path, monkeypatch, capsys):
