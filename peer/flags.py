@@ -148,8 +148,16 @@ def _bounded(kind: type, bounds: list) -> Callable[[str], int | float]:
     return parse
 
 
+def _creator(text: str) -> str:
+    """The run creator's peer id: its form is checked where it is used (`dht.node`), except "self", which the
+    creator's own node means internally and which, typed here, waited for a config that nobody else could sign."""
+    if text == "self":
+        raise argparse.ArgumentTypeError("must be the run creator's peer id, as the join line names it, not 'self'")
+    return text
+
+
 def creator_flag(parser: argparse.ArgumentParser) -> None:
-    parser.add_argument("--creator", metavar="PEER_ID",
+    parser.add_argument("--creator", type=_creator, metavar="PEER_ID",
                         help="the run creator's peer id, as the join line names it: a run config signed by anyone "
                              "else is refused (default: trust the first config found)")  # fmt: skip
 

@@ -73,6 +73,8 @@ def test_help_screens(command, capsys):
         (["simulate", "--inner-lr", "nan"], "argument --inner-lr: must be a positive number, got nan"),
         (["simulate", "--finish-rounds", "-1"], "argument --finish-rounds: must be at least 0, got -1"),
         ([*JOIN, "--grad-accum", "0"], "argument --grad-accum: must be at least 1, got 0"),
+        ([*JOIN, "--creator", "self"], "argument --creator: must be the run creator's peer id"),  # waited 20 s
+        (["status", "--initial-peers", PEER, "--run", "r", "--creator", "self"], "argument --creator: must be"),
         ([*JOIN, "--batch-size", "-3"], "argument --batch-size: must be at least 1, got -3"),
         ([*JOIN, "--duration", "-5"], "argument --duration: must be a positive number, got -5"),
         ([*JOIN, "--duration", "0"], "argument --duration: must be a positive number, got 0"),
