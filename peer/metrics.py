@@ -8,7 +8,9 @@ gets a validated object or a one-line error.
 
 from __future__ import annotations
 
+import contextlib
 import json
+import logging
 import math
 from collections.abc import Mapping
 from pathlib import Path
@@ -18,6 +20,8 @@ from pydantic import BaseModel, ConfigDict, Field
 
 if TYPE_CHECKING:
     import torch
+
+logger = logging.getLogger("murmur.peer")
 
 
 class PeerReport(BaseModel):
@@ -53,22 +57,60 @@ class SwarmReport(BaseModel):
 
 class MetricsLog:
     """Appends one JSON object per line; each line is flushed so readers see it at once. The file is opened at the
-    first line: a peer that fails to start leaves no empty log behind."""
+    first line: a peer that fails to start leaves no empty log behind.
+
+    A line that cannot be written (a full disk) is lost with a warning, once until lines are written again, and
+    never stops the caller: a peer that trains for days must not die of its log. The file is opened again for the
+    next line, after a newline that ends whatever part of the lost line reached it (`read_metrics` skips that).
+    """
 
     def __init__(self, path: Path) -> None:
         self.path = path
         self._file: TextIO | None = None
+        self.lost = 0  # lines lost since the last one written
 
     def write(self, **record) -> None:
-        if self._file is None:
-            self.path.parent.mkdir(parents=True, exist_ok=True)
-            self._file = self.path.open("a", encoding="utf-8")
-        self._file.write(json.dumps(record, allow_nan=False) + "\n")
-        self._file.flush()
+        line = json.dumps(record, allow_nan=False) + "\n"
+        try:
+            if self._file is None:
+                self._file = self._open()
+            self._file.write(line)
+            self._file.flush()
+        except OSError as e:
+            self._drop()
+            if not self.lost:
+                logger.warning("%s: a line could not be written (%s); training goes on, and the log is written "
+                               "again once it can be", self.path, e.strerror or e)  # fmt: skip
+            self.lost += 1
+            return
+        if self.lost:
+            logger.warning("%s is written again; %d lines were lost", self.path, self.lost)
+            self.lost = 0
+
+    def _open(self) -> TextIO:
+        self.path.parent.mkdir(parents=True, exist_ok=True)
+        file = self.path.open("a", encoding="utf-8")
+        try:
+            if file.tell() > 0:  # a line cut short by a full disk: end it, so the next line stands alone
+                with self.path.open("rb") as old:
+                    old.seek(-1, 2)
+                    torn = old.read(1) != b"\n"
+                if torn:
+                    file.write("\n")
+        except BaseException:
+            file.close()
+            raise
+        return file
+
+    def _drop(self) -> None:
+        """Close the file, discarding what its buffer still holds (a close flushes, and may fail the same way)."""
+        file, self._file = self._file, None
+        if file is not None:
+            with contextlib.suppress(OSError):
+                file.close()
 
     def close(self) -> None:
-        if self._file is not None:
-            self._file.close()
+        self._drop()
 
 
 def read_metrics(path: Path) -> list[dict]:
