@@ -12,6 +12,7 @@ import contextlib
 import json
 import logging
 import math
+import os
 from collections.abc import Mapping
 from pathlib import Path
 from typing import TYPE_CHECKING, TextIO
@@ -62,6 +63,7 @@ class MetricsLog:
     A line that cannot be written (a full disk) is lost with a warning, once until lines are written again, and
     never stops the caller: a peer that trains for days must not die of its log. The file is opened again for the
     next line, after a newline that ends whatever part of the lost line reached it (`read_metrics` skips that).
+    A log removed while it is written (its out-dir deleted) is started again, with a warning, where it was.
     """
 
     def __init__(self, path: Path) -> None:
@@ -72,6 +74,9 @@ class MetricsLog:
     def write(self, **record) -> None:
         line = json.dumps(record, allow_nan=False) + "\n"
         try:
+            if self._file is not None and os.fstat(self._file.fileno()).st_nlink == 0:
+                logger.warning("%s was removed while the peer ran; a new one is started", self.path)
+                self._drop()  # its lines went nowhere a reader sees: the out-dir (or the file) was deleted
             if self._file is None:
                 self._file = self._open()
             self._file.write(line)

@@ -1,9 +1,12 @@
 """The per-round metrics log of a peer that runs for days: a full disk loses lines with one warning and never stops
-the peer, and the log goes on, line by whole line, once the disk has room again."""
+the peer, and the log goes on, line by whole line, once the disk has room again; a log removed under it (its
+out-dir deleted) is started again rather than written into a deleted file."""
 
 import json
+import shutil
 import textwrap
 
+from murmur.peer.metrics import MetricsLog, read_metrics
 from tests.diskfull import disk_full_at
 
 
@@ -40,3 +43,17 @@ def test_a_full_disk_loses_lines_with_one_warning_and_the_log_goes_on_when_it_ha
     assert rounds == list(range(kept)) + list(range(40, 45)) and 10 < kept < 40  # the lines lost are the full disk's
     assert torn in ([], [kept])  # the next line after it stands alone
     assert warnings[1] == f"WARNING {path} is written again; {40 - kept} lines were lost"
+
+
+def test_a_log_removed_while_the_peer_runs_is_started_again_where_it_was(tmp_path, caplog):
+    out = tmp_path / "run"
+    log = MetricsLog(out / "metrics.jsonl")
+    log.write(round=1)
+    shutil.rmtree(out)  # the volunteer cleans up the wrong folder while the peer trains
+    log.write(round=2)
+    log.write(round=3)
+    log.close()
+    assert [r["round"] for r in read_metrics(out / "metrics.jsonl")] == [2, 3]  # not written into a deleted file
+    assert [r.getMessage() for r in caplog.records] == [
+        f"{out / 'metrics.jsonl'} was removed while the peer ran; a new one is started"
+    ]
