@@ -5,7 +5,8 @@
 * ``node``       start, join and stop a ``hivemind.DHT``: ``NodeConfig`` (client mode, relays), ``start_node``,
   ``stop_node``, ``visible_addresses``
 * ``contact``    a node pings its initial peers every 30 s, so a bootstrap node restarted at the same address (its
-  routing table empty) learns the swarm again
+  routing table empty) learns the swarm again; and keeps one DHT node id per peer, so a peer restarted with its
+  identity (under a new node id) is not stored on twice
 * ``records``    typed, expiring, validated records under ``{run_id}:``: ``Announcement``, ``Metrics``,
   ``RunRecord`` and ``RunRecords`` (blocking methods, each with an ``a_`` async twin)
 * ``signing``    ``RunValidator``: every node of a run signs its records with its identity key and refuses

@@ -7,6 +7,13 @@ someone happened to contact it, everyone who joined through it (a volunteer's jo
 dashboard) saw a DHT of one node, and the swarm went on apart from it. So every node pings its initial peers
 every ``period`` seconds: a ping adds each side to the other's routing table (hivemind's ``rpc_ping``), and the
 restarted node learns the swarm within a period.
+
+A node restarted with the same identity (``--identity``, and every restart of ``murmur join --restart``) also comes
+back under a new DHT node id, and hivemind kept the old id beside the new one: calls to the old id reach the same
+peer and succeed, so nothing ever dropped it. Every store near that peer then went to it twice, the second copy was
+refused as no newer than the first, and hivemind reports the last answer: about every other announcement of every
+other peer read "was not stored", a warning every two seconds for as long as the swarm ran. So every node keeps
+one node id per peer id (``install_one_id_per_peer``): an answer from a peer under a new node id drops its old one.
 """
 
 from __future__ import annotations
@@ -42,3 +49,19 @@ async def install(initial_peers: tuple[str, ...], period: float, _dht, node) -> 
         await shutdown()
 
     node.shutdown = stop_then_shutdown
+
+
+async def install_one_id_per_peer(_dht, node) -> None:
+    """In the DHT worker: when a peer answers (or asks) under a node id other than the one the routing table holds
+    for it, the old id is dropped before hivemind adds the new one."""
+    protocol = node.protocol
+    table, update = protocol.routing_table, protocol.update_routing_table
+
+    async def one_id_per_peer(node_id, peer_id, responded=True):
+        old = table.get(peer_id=peer_id)
+        if responded and node_id is not None and old is not None and old != node_id and old in table:
+            del table[old]  # the same peer, restarted under a new node id
+            logger.debug("peer %s is back under a new DHT node id; its old one is forgotten", peer_id)
+        await update(node_id, peer_id, responded)
+
+    protocol.update_routing_table = one_id_per_peer

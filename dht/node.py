@@ -136,13 +136,15 @@ def start_node(config: NodeConfig) -> hivemind.DHT:
 
 
 def _keep_in_touch(dht: hivemind.DHT, config: NodeConfig) -> hivemind.DHT:
-    """The started node pings its initial peers from now on (`dht.contact`)."""
-    if config.initial_peers:
-        try:
+    """The started node keeps one node id per peer (a peer restarted with its identity comes back under a new one),
+    and pings its initial peers from now on (`dht.contact`)."""
+    try:
+        dht.run_coroutine(contact.install_one_id_per_peer)
+        if config.initial_peers:
             dht.run_coroutine(functools.partial(contact.install, config.initial_peers, config.contact_seconds))
-        except Exception as e:
-            stop_node(dht)
-            raise NodeError(f"DHT node on {config.host_maddr} failed to start: cannot keep in touch: {e}") from e
+    except Exception as e:
+        stop_node(dht)
+        raise NodeError(f"DHT node on {config.host_maddr} failed to start: cannot keep in touch: {e}") from e
     return dht
 
 
