@@ -18,7 +18,9 @@ never counted, so it can never push out a good one, and it is never deleted eith
 run's file), so the newest checkpoint that loads is always kept.
 `CheckpointWriter` does the same off the training thread: the loop only takes the snapshot.
 `latest_checkpoint` returns the newest usable one for a run and model, skipping each other one
-with a warning. `load_state_dict` methods check saved state with `check_tensors` and `check_count`.
+with a warning. `remembered_peers` reads the live peers a checkpoint names from its header alone: a peer that
+resumes joins through them too, when the initial peers it was given are gone. `load_state_dict` methods check
+saved state with `check_tensors` and `check_count`.
 
 Checkpoints of format 1 (`ckpt-<step>.pt`, `peer.checkpoint_v1`) that an older murmur left are still
 read, so an upgraded peer resumes where it was (at the same step a `.safetensors` one wins); they are
@@ -27,6 +29,7 @@ never written, never counted when pruning and never deleted: the user removes th
 
 from __future__ import annotations
 
+import json
 import logging
 import re
 import threading
@@ -36,6 +39,7 @@ from typing import Any
 
 import torch
 
+from murmur.dht.addresses import AddressError, parse_peer_multiaddr
 from murmur.peer import checkpoint_v1, tensorfile
 from murmur.peer.tensorfile import Snapshot, TensorFileError
 
@@ -262,6 +266,30 @@ def latest_checkpoint(
             continue
         return state, path
     return None
+
+
+def remembered_peers(directory: Path, *, run_id: str, limit: int = 8) -> list[str]:
+    """The addresses of the live peers that the newest checkpoint of `run_id` in `directory` remembers (its state's
+    "peers"), without the peer that wrote it; [] if none. Only the header is read (no tensor, no hash: each is only
+    an address to try, checked as a multiaddr), so a peer can join through them before it knows its model."""
+    for path in checkpoint_files(Path(directory)):
+        try:
+            metadata = tensorfile.read_metadata(path) if path.suffix == ".safetensors" else {}
+            state = json.loads(metadata.get(tensorfile.STATE, "null"))
+        except (TensorFileError, ValueError):
+            continue
+        if metadata.get("murmur.run_id") != run_id or not isinstance(state, dict):
+            continue
+        writer, found = state.get("peer_id"), []
+        for address in state.get("peers") if isinstance(state.get("peers"), list) else []:
+            try:
+                address = parse_peer_multiaddr(address)
+            except AddressError:
+                continue
+            if not (isinstance(writer, str) and writer and address.endswith(f"/p2p/{writer}")):
+                found.append(address)
+        return list(dict.fromkeys(found))[:limit]
+    return []
 
 
 def check_tensors(

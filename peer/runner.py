@@ -24,8 +24,8 @@ import logging
 import math
 import threading
 import time
-from collections.abc import Callable, Mapping
-from dataclasses import dataclass, field
+from collections.abc import Callable, Mapping, Sequence
+from dataclasses import dataclass, field, replace
 from pathlib import Path
 from typing import Any
 
@@ -42,7 +42,7 @@ from murmur.dht.heartbeat import Heartbeat, RosterWatch
 from murmur.dht.loop import LoopThread
 from murmur.dht.node import NodeConfig, start_node, stop_node, visible_addresses
 from murmur.dht.records import Announcement, PeerState, RunRecord, RunRecords
-from murmur.peer.checkpoint import CheckpointWriter, check_tensors, latest_checkpoint
+from murmur.peer.checkpoint import CheckpointWriter, check_tensors, latest_checkpoint, remembered_peers
 from murmur.peer.config import TrainConfig
 from murmur.peer.device import DeviceConfig, Runtime, keep_freed_memory, on_stream, side_stream
 from murmur.peer.journal import Journal
@@ -149,7 +149,8 @@ def fetch_run(
         time.sleep(0.5)
 
 
-def checkpoint_state(run_id: str, trainer: Trainer, compressor: LowRankCompressor, peer_id: str = "") -> dict[str, Any]:
+def checkpoint_state(run_id: str, trainer: Trainer, compressor: LowRankCompressor, peer_id: str = "",
+                     peers: Sequence[str] = ()) -> dict[str, Any]:  # fmt: skip
     """What a peer checkpoints: its trainer and its compressor's warm starts, labelled for the file header."""
     return {
         "run_id": run_id,
@@ -157,6 +158,8 @@ def checkpoint_state(run_id: str, trainer: Trainer, compressor: LowRankCompresso
         "step": trainer.steps,
         "config": trainer.config.to_record(),  # in the file's metadata, for whoever reads it (never compared)
         "peer_id": peer_id,  # who wrote it: a restarted peer does not ask its dead predecessor
+        # live peers' addresses: a peer that resumes joins through them too (its initial peers may be gone by then)
+        "peers": list(peers),
         "trainer": trainer.state_dict(),
         "warm_starts": compressor.state_dict(),
     }
@@ -219,7 +222,7 @@ class VolunteerPeer:
             torch.set_num_threads(1)
             keep_freed_memory()  # a round's large temporaries reuse the last round's pages
             runtime = Runtime.resolve(options.device)  # before the node: a missing GPU fails fast
-            dht = start_node(options.node)
+            dht = start_node(_with_remembered_peers(options))
             records = RunRecords(dht, options.run_id)
             config, record = fetch_run(records, options.config_wait, options.exchange.access, options.node.creator)
             workload = options.workload.build(config)
@@ -312,8 +315,9 @@ class VolunteerPeer:
             logger.warning("checkpoint not taken: the model is not finite")
             return False
         try:
-            return self.writer.submit(checkpoint_state(self.options.run_id, self.trainer, self.averager.compressor,
-                                                       self.peer_id), final=final)  # fmt: skip
+            state = checkpoint_state(self.options.run_id, self.trainer, self.averager.compressor, self.peer_id,
+                                     self.live_addresses())  # fmt: skip
+            return self.writer.submit(state, final=final)
         except Exception as e:  # a checkpoint that cannot be taken never stops training
             logger.warning("checkpoint not taken: %s", e)
             return False
@@ -348,6 +352,13 @@ class VolunteerPeer:
             for pid, a in self.watch.peers.items()
             if a.version == PROTOCOL_VERSION
         ]
+
+    def live_addresses(self, most: int = 8) -> list[str]:
+        """An address of each of up to `most` other live peers that can be dialled, those furthest along first, as
+        the last read of the roster shows them (never waits)."""
+        live = [a for pid, a in self.watch.peers.items() if pid != self.peer_id and a.addresses and not a.client_mode]
+        live.sort(key=lambda a: -a.step)  # the peers furthest along have been up longest
+        return [a.addresses[0] for a in live[:most]]
 
     def join_line(self, others: int = 3) -> str:
         """A ready-to-paste command that joins this run through this peer or a few other live ones."""
@@ -540,6 +551,19 @@ class VolunteerPeer:
         stop_node(self.dht)
         if self.lock is not None:
             self.lock.release()  # last: everything this peer writes is written
+
+
+def _with_remembered_peers(options: PeerOptions) -> NodeConfig:
+    """The node config, and for a peer that resumes, the live peers its newest checkpoint remembers added to its
+    initial peers: a peer restarted after its bootstrap node died (`--restart`, a reboot) joins through them."""
+    node = options.node
+    if not (options.resume and node.initial_peers and options.checkpoints is not None):
+        return node
+    known = remembered_peers(options.checkpoints, run_id=options.run_id)
+    added = [address for address in known if address not in node.initial_peers]
+    if added:
+        logger.info("joining through %d live peers the last checkpoint remembers as well", len(added))
+    return replace(node, initial_peers=(*node.initial_peers, *added))
 
 
 async def _average(averager: GroupAverager, offer, plan: Plan, group_size: int) -> GroupResult | None:

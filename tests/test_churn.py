@@ -10,6 +10,7 @@ import sys
 import threading
 import time
 import uuid
+from dataclasses import replace
 
 import psutil
 import pytest
@@ -18,6 +19,7 @@ from murmur.averaging.group import GroupConfig
 from murmur.dht.node import NodeConfig, start_node, stop_node, visible_addresses
 from murmur.dht.records import RunRecord, RunRecords
 from murmur.peer.anchorfile import ANCHOR, read_anchor
+from murmur.peer.checkpoint import remembered_peers
 from murmur.peer.config import TrainConfig
 from murmur.peer.metrics import read_metrics
 from murmur.peer.runner import PeerOptions, VolunteerPeer
@@ -103,6 +105,49 @@ def test_peers_outlive_the_bootstrap_node_and_a_newcomer_joins_through_a_peer():
     finally:
         for p in peers:
             p.close()
+        stop_node(boot)
+
+
+def test_a_peer_resumed_after_its_bootstrap_node_died_joins_through_the_peers_its_checkpoint_remembers(tmp_path):
+    """`murmur join --restart` restarts a killed peer with the flags it was given, its initial peers included; once
+    the bootstrap node was gone, every restart failed ("could not reach the initial peer"), and the supervisor gave
+    up on a peer whose swarm trained on. A checkpoint names the live peers it saw, and a resumed peer joins
+    through them too."""
+    run = f"remember-{uuid.uuid4().hex[:8]}"
+    boot = start_node(NodeConfig(run_id=run))
+    other = peer = None
+    try:
+        RunRecords(boot, run).publish_config(
+            RunRecord(run_id=run, config=CONFIG.to_record(), created_by=boot.peer_id.to_base58())
+        )
+        other = Running(run, visible_addresses(boot), seed=1)
+        node = NodeConfig(initial_peers=tuple(visible_addresses(boot)), run_id=run)
+        options = PeerOptions(run_id=run, node=node, exchange=EXCHANGE, data_seed=2, eval_every=1000,
+                              out_dir=tmp_path / "me", checkpoint_interval=0, trace_rounds=True)  # fmt: skip
+        peer = VolunteerPeer.create(options)
+        stop = threading.Event()
+        thread = threading.Thread(target=peer.run, args=(stop,), daemon=True)
+        thread.start()
+        remembered = lambda: remembered_peers(options.checkpoints, run_id=run)  # noqa: E731
+        wait_for(lambda: other.peer.addresses[0] in remembered(), 90, "a checkpoint that names the other peer")
+        stop.set()
+        thread.join(60)
+        peer.close()
+        kill_node(boot)  # the only initial peer the restarted peer is given
+        peer = VolunteerPeer.create(replace(options, resume=True))  # was: NodeError, the initial peer unreachable
+        steps = peer.trainer.steps
+        assert steps > 0  # resumed from its checkpoint
+        stop = threading.Event()
+        thread = threading.Thread(target=peer.run, args=(stop,), daemon=True)
+        thread.start()
+        wait_for(lambda: peer.averager.stats.ok >= 1, 90, "an exchange of the resumed peer")
+        stop.set()
+        thread.join(60)
+    finally:
+        if peer is not None:
+            peer.close()
+        if other is not None:
+            other.close()
         stop_node(boot)
 
 
