@@ -430,6 +430,7 @@ def _one_line(error: BaseException) -> str:
 
 def _supervised_join(args: argparse.Namespace) -> int:
     """`murmur join --restart`: the peer runs in a forked child, restarted with --resume if it dies."""
+    from murmur.peer.checkpoint import checkpoint_files
     from murmur.peer.supervise import preload, supervise
 
     options = _join_options(args)  # a bad flag is one line from the parent, before any fork
@@ -444,7 +445,11 @@ def _supervised_join(args: argparse.Namespace) -> int:
             args.duration = max(ends - time.monotonic(), 1.0)  # (at least a round, whose end writes the final model)
         return _run(_join, args)  # an unexpected exception escapes: the supervisor restarts the peer
 
-    return supervise(child, resume=args.resume)
+    def newest_checkpoint() -> str | None:  # a peer that wrote none since its start got nowhere
+        found = checkpoint_files(options.checkpoints)
+        return found[0].name if found else None
+
+    return supervise(child, resume=args.resume, progress=newest_checkpoint)
 
 
 if __name__ == "__main__":

@@ -23,6 +23,11 @@ the newest checkpoint, in about a second.
   `max_restarts` restarts within `period` seconds, with one line saying so. A restart is immediate;
   only quick deaths in a row (each within `healthy_after` of its start) wait 1, 2, 4 … s (at most
   `max_backoff`) before the next start.
+- A peer that lived long but got nowhere is no healthier: with `progress` (for `murmur join`, the newest
+  checkpoint's name), a death after which it reads as before counts as quick however long the peer lived,
+  and more than `max_restarts` such deaths in a row give up too. A peer that died every 70 s before its
+  first checkpoint (a download, then a crash at its first exchange) was restarted at once, forever: 70 s
+  apart, 10 restarts never fit in 10 minutes.
 """
 
 from __future__ import annotations
@@ -147,10 +152,13 @@ def supervise(
     resume: bool,
     policy: RestartPolicy = RestartPolicy(),
     log: Callable[[str], None] = lambda line: print(line, file=sys.stderr, flush=True),
+    progress: Callable[[], object] | None = None,
 ) -> int:
     """Run `run(resume)` in a forked child until it ends for good; returns its exit code.
 
-    `run` is called in the child with `resume` for the first start and True for every restart.
+    `run` is called in the child with `resume` for the first start and True for every restart. `progress()`, read
+    in the parent before each start and after each death, changes when the peer got somewhere (None: every life
+    counts as progress).
     """
     stopping = threading.Event()
     child = 0
@@ -163,9 +171,11 @@ def supervise(
 
     previous = {s: signal.signal(s, forward) for s in (signal.SIGINT, signal.SIGTERM)}
     deaths: list[float] = []
-    quick = 0  # deaths in a row, each within `healthy_after` of its start
+    quick = 0  # deaths in a row, each within `healthy_after` of its start or with no progress
+    stuck = 0  # deaths in a row with no progress
     try:
         while True:
+            before = progress() if progress is not None else None
             started = time.monotonic()
             child = _fork(run, resume)
             if stopping.is_set():  # a stop that came between the fork and the line above
@@ -183,7 +193,12 @@ def supervise(
                 raise SupervisorError(
                     f"the peer died {len(deaths)} times in {policy.period:.0f} s (last: {describe(status)}); giving up"
                 )
-            quick = quick + 1 if lived < policy.healthy_after else 0
+            moved = progress is None or progress() != before
+            stuck = 0 if moved else stuck + 1
+            if stuck > policy.max_restarts:
+                raise SupervisorError(f"the peer died {stuck} times in a row without writing a new checkpoint (last: "
+                                      f"{describe(status)}); giving up")  # fmt: skip
+            quick = quick + 1 if lived < policy.healthy_after or not moved else 0
             backoff = 0.0 if quick <= 1 else min(policy.max_backoff, 2.0 ** (quick - 2))
             log(f"murmur join: the peer {describe(status)} after {lived:.0f} s; {RESTARTED}"
                 + (f" in {backoff:.0f} s" if backoff else ""))  # fmt: skip

@@ -30,12 +30,20 @@ SCRIPT = textwrap.dedent(
     from murmur.peer.supervise import FORWARDED, RestartPolicy, SupervisorError, supervise
 
     starts, plan = Path(sys.argv[1]), json.loads(sys.argv[2])
+    policy = json.loads(sys.argv[3]) if len(sys.argv) > 3 else {"max_restarts": 2, "max_backoff": 0.0}
+    saved = starts.with_name("saved")  # what the peer wrote that counts as progress (for join: its checkpoints)
 
     def run(resume):
         n = len(starts.read_text().splitlines()) if starts.exists() else 0
         with starts.open("a") as f:
             f.write(json.dumps({"pid": os.getpid(), "resume": resume, "pgid": os.getpgid(0)}) + "\\n")
         action = plan[min(n, len(plan) - 1)]
+        if action == "save-and-die":
+            with saved.open("a") as f:
+                f.write("checkpoint\\n")
+        if action in ("live-and-die", "save-and-die"):  # lives longer than healthy_after, then is killed
+            time.sleep(0.4)
+            action = "sigkill"
         if action == "sigkill":
             os.kill(os.getpid(), signal.SIGKILL)
         if action == "raise":
@@ -50,7 +58,8 @@ SCRIPT = textwrap.dedent(
         return int(action)
 
     try:
-        code = supervise(run, resume=False, policy=RestartPolicy(max_restarts=2, max_backoff=0.0))
+        progress = lambda: saved.read_text() if saved.exists() else ""
+        code = supervise(run, resume=False, policy=RestartPolicy(**policy), progress=progress)
     except SupervisorError as e:
         print(f"gave up: {e}", file=sys.stderr)
         code = 3
@@ -59,12 +68,13 @@ SCRIPT = textwrap.dedent(
 )
 
 
-def start(tmp_path: Path, plan: list, tag: str = "") -> tuple[subprocess.Popen, Path]:
+def start(tmp_path: Path, plan: list, tag: str = "", policy: dict | None = None) -> tuple[subprocess.Popen, Path]:
     script, starts = tmp_path / "supervised.py", tmp_path / "starts.jsonl"
     script.write_text(SCRIPT)
-    env = {**os.environ, "PYTHONPATH": str(ROOT), "MURMUR_TEST_TAG": tag or str(uuid.uuid4())}
+    path = os.pathsep.join(filter(None, [os.environ.get("PYTHONPATH"), str(ROOT)]))  # the murmur this test imports
+    env = {**os.environ, "PYTHONPATH": path, "MURMUR_TEST_TAG": tag or str(uuid.uuid4())}
     proc = subprocess.Popen(
-        [sys.executable, str(script), str(starts), json.dumps(plan)],
+        [sys.executable, str(script), str(starts), json.dumps(plan), *([json.dumps(policy)] if policy else [])],
         stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=env, start_new_session=True,
     )  # fmt: skip
     return proc, starts
@@ -108,6 +118,27 @@ def test_a_peer_that_keeps_dying_is_given_up_on(tmp_path):
     code, err = finish(proc)
     assert code == 3 and len(records(starts)) == 3  # the first start and max_restarts=2 restarts
     assert "gave up: the peer died 3 times in 600 s (last: killed by SIGKILL); giving up" in err
+
+
+# deaths at least 0.4 s apart: never more than 2 in a 0.5 s period, and each after healthy_after
+SLOW_DEATHS = {"max_restarts": 2, "max_backoff": 0.0, "healthy_after": 0.1, "period": 0.5}
+
+
+def test_a_peer_that_lives_long_but_never_checkpoints_is_given_up_on(tmp_path):
+    """A peer that died each time after `healthy_after` (a state download, then a crash at its first exchange),
+    spaced too far apart for `max_restarts` deaths to fit in `period`, was restarted at once, forever."""
+    proc, starts = start(tmp_path, ["live-and-die"] * 5 + ["0"], policy=SLOW_DEATHS)
+    code, err = finish(proc)
+    assert code == 3 and len(records(starts)) == 3, err  # the first start and max_restarts=2 restarts
+    assert ("gave up: the peer died 3 times in a row without writing a new checkpoint (last: killed by SIGKILL); "
+            "giving up") in err  # fmt: skip
+
+
+def test_a_peer_that_checkpoints_before_each_death_is_restarted_every_time(tmp_path):
+    proc, starts = start(tmp_path, ["save-and-die"] * 4 + ["0"], policy=SLOW_DEATHS)
+    code, err = finish(proc)
+    assert code == 0 and len(records(starts)) == 5, err
+    assert "without writing a new checkpoint" not in err
 
 
 def test_sigterm_is_forwarded_and_the_peer_stops_cleanly(tmp_path):
