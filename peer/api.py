@@ -198,24 +198,33 @@ def train_together(peers: Sequence[Peer]) -> list[PeerReport]:
         raise RuntimeError(f"start every peer first (peers[{unstarted[0]}] was not started)")
     results: list[PeerReport | BaseException | None] = [None] * len(peers)
     stop = threading.Event()
+    done = [threading.Event() for _ in peers]
 
     def train(i: int) -> None:
         try:
             results[i] = peers[i].train(stop)
         except Exception as e:  # handed to the caller below
             results[i] = e
+        finally:
+            done[i].set()
 
     threads = [threading.Thread(target=train, args=(i,), name=f"murmur-peer-{i}") for i in range(len(peers))]
     for thread in threads:
         thread.start()
+    # waited on through events, not Thread.join(): on Python 3.11 a KeyboardInterrupt in join() marks the thread
+    # stopped while it still runs (bpo-45274's fix), so a second join() returned at once
     try:
-        for thread in threads:
-            thread.join()
+        for event in done:
+            event.wait()
     except KeyboardInterrupt:  # the peers' threads would train on into a close() in the caller's `finally`
         stop.set()
-        for thread in threads:
-            thread.join()
+        for event in done:
+            event.wait()
         raise
+    finally:
+        if all(event.is_set() for event in done):
+            for thread in threads:
+                thread.join()
     for result in results:
         if isinstance(result, BaseException):
             raise result

@@ -352,6 +352,40 @@ def test_ctrl_c_during_training_stops_every_peer_cleanly(custom_run, tmp_path, c
         assert steps > 0 and state["trainer"]["steps"] == steps and (folder / "anchor.safetensors").exists()
 
 
+def slow_batches(split: str, *, seed: int, batch_size: int):
+    """The example's batches, a training one every 0.3 s: a Ctrl-C lands mid-step."""
+    for batch in tiny_mlp.build_batches(split, seed=seed, batch_size=batch_size):
+        if split == "train":
+            time.sleep(0.3)
+        yield batch
+
+
+@pytest.mark.slow
+def test_ctrl_c_raises_only_once_the_peer_has_stopped(custom_run, tmp_path) -> None:
+    """On Python 3.11 a KeyboardInterrupt in Thread.join() marks the thread stopped while it runs (bpo-45274's
+    fix), so train() raised at once: the training thread went on into the `with` block's close(), and its final
+    checkpoint was "checkpoint not taken: the checkpoint writer is closed"."""
+    run, initial_peers = custom_run
+    peer = Peer(tiny_mlp.build_model, slow_batches, run=run, initial_peers=initial_peers, device="cpu",
+                duration=120, out_dir=tmp_path).start()  # fmt: skip
+
+    def interrupt() -> None:  # Ctrl-C once it has trained a round, in the middle of a step
+        while not ((tmp_path / "metrics.jsonl").exists() and (tmp_path / "metrics.jsonl").stat().st_size):
+            time.sleep(0.05)
+        time.sleep(0.15)
+        os.kill(os.getpid(), signal.SIGINT)
+
+    threading.Thread(target=interrupt, daemon=True).start()
+    try:
+        with pytest.raises(KeyboardInterrupt):
+            peer.train()
+        assert not [t.name for t in threading.enumerate() if t.name.startswith("murmur-peer-")]
+        state, _ = latest_checkpoint(tmp_path / "checkpoints", run_id=run, model=MODEL)  # before close()
+        assert state["trainer"]["steps"] == json.loads((tmp_path / "report.json").read_text())["steps"] > 0
+    finally:
+        peer.close()
+
+
 def test_an_optimizer_in_place_of_its_factory_is_one_line() -> None:
     """An optimizer instance was "TypeError: 'AdamW' object is not callable"; a factory that returned None an
     AttributeError at the warmup."""
