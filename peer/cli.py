@@ -334,10 +334,12 @@ def _export(args: argparse.Namespace) -> int:
     if args.initial_peers is not None:
         if args.run is None:
             raise ValueError("--initial-peers needs --run: the run whose model to download")
+        from murmur.averaging.access import load_policy
         from murmur.dht.records import validate_run_id
 
         validate_run_id(args.run)
-        found = from_swarm(reader_node(args), model=args.model, data=args.data)
+        access = load_policy(args.run_secret_file, args.allow_peers)  # a bad secret file: before a node starts
+        found = from_swarm(reader_node(args), model=args.model, data=args.data, access=access)
     else:
         if args.run is not None:
             raise ValueError("--run goes with --initial-peers; with --from the model's file names its run")

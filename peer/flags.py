@@ -316,6 +316,7 @@ def build_parser() -> argparse.ArgumentParser:
     export.add_argument("--run", help="run id, with --initial-peers")
     creator_flag(export)
     workload_flags(export, joining=True)
+    access_flags(export)  # a private run's donors send its model only to who knows its secret
 
     sample = sub.add_parser("sample", help="print text from a built-in GPT that a run trained")
     sample.add_argument("source", type=Path, metavar="PATH",

@@ -173,6 +173,46 @@ def test_export_from_a_live_swarm_takes_a_donors_anchor(tmp_path, capsys) -> Non
         stop_node(boot)
 
 
+@pytest.mark.slow
+def test_export_from_a_private_swarm_takes_the_run_secret_file(tmp_path, capsys) -> None:
+    """A private run's export was a StateTransferError traceback ("this run is private and the request carries no
+    proof of its secret"), and export took no --run-secret-file: the join line's flags were refused."""
+    from murmur.averaging.access import load_policy
+    from murmur.averaging.group import GroupConfig
+
+    run, secret = f"export-{uuid.uuid4().hex[:8]}", tmp_path / "secret"
+    secret.write_text("s" * 32)
+    policy = load_policy(secret, None)
+    boot = start_node(NodeConfig(run_id=run))
+    peer = None
+    try:
+        RunRecords(boot, run).publish_config(RunRecord(
+            run_id=run, config=CONFIG.with_overrides(solo_after=1).to_record(), created_by=boot.peer_id.to_base58(),
+            secret_check=policy.run_check(run),
+        ))  # fmt: skip
+        options = PeerOptions(run_id=run, node=NodeConfig(initial_peers=tuple(visible_addresses(boot)), run_id=run),
+                              exchange=GroupConfig(access=policy), duration=4.0, eval_every=1000)  # fmt: skip
+        peer = VolunteerPeer.create(options)
+        thread = threading.Thread(target=peer.run, args=(threading.Event(),))
+        thread.start()
+        thread.join(60)  # its rounds alone took outer steps; it still serves its state until closed
+        assert peer.trainer.outer.step >= 1
+        argv = ["export", str(tmp_path / "out"), "--initial-peers", *visible_addresses(boot), "--run", run]
+        assert main(argv) == 1
+        assert capsys.readouterr().err == (
+            f"murmur export: error: run '{run}' is private: pass --run-secret-file FILE with the run's secret\n"
+        )
+        assert main([*argv, "--run-secret-file", str(secret)]) == 0
+        assert f"from run {run}, from peer {peer.peer_id}" in capsys.readouterr().out
+        exported = GPT.from_pretrained(tmp_path / "out")
+        for name, p in exported.named_parameters():
+            assert torch.equal(p.detach(), peer.trainer.outer.anchor[name]), name
+    finally:
+        if peer is not None:
+            peer.close()
+        stop_node(boot)
+
+
 def _compressor(trainer: Trainer):
     from murmur.averaging.compression import LowRankCompressor
 

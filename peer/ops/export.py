@@ -25,7 +25,7 @@ import math
 import os
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import torch
 from torch import nn
@@ -36,6 +36,9 @@ from murmur.peer.checkpoint import CheckpointError, checkpoint_files, decimal, l
 from murmur.peer.config import is_spec
 from murmur.peer.model import CONFIG_FILE, GPT, MODEL_FILE, MODELS, build_model
 from murmur.peer.tensorfile import TensorFileError
+
+if TYPE_CHECKING:
+    from murmur.averaging.access import AccessPolicy
 
 MODEL_TYPE = "murmur-gpt"
 
@@ -210,9 +213,12 @@ def write(found: Found, out_dir: Path) -> tuple[Path, Path]:
     return model_path, config_path
 
 
-def from_swarm(node, *, model: str | None = None, data: str | None = None, wait: float = 30.0) -> Found:
+def from_swarm(node, *, model: str | None = None, data: str | None = None, access: AccessPolicy | None = None,
+               wait: float = 30.0) -> Found:  # fmt: skip
     """A live swarm's model: a node (a `NodeConfig` with the run id) downloads a donor's state, as a late joiner
-    does."""
+    does (with `access`, an `AccessPolicy`, that of a private run)."""
+    from murmur.averaging.access import AccessPolicy
+    from murmur.averaging.state_transfer import StateTransferError
     from murmur.dht.loop import LoopThread
     from murmur.dht.node import start_node, stop_node
     from murmur.dht.records import RunRecords
@@ -226,12 +232,15 @@ def from_swarm(node, *, model: str | None = None, data: str | None = None, wait:
     loop = LoopThread("murmur-export")
     try:
         records = RunRecords(dht, run_id)
-        config, _ = fetch_run(records, wait, creator=node.creator)
+        access = access or AccessPolicy()
+        config, _ = fetch_run(records, wait, access=access, creator=node.creator)  # a private run needs its secret
         trainer = Trainer(config, WorkloadSpec(model=model, data=data).build(config), data_seed=0)
-        sharing = loop.run(StateSharing.create(dht, records), timeout=30)
+        sharing = loop.run(StateSharing.create(dht, records, access=access), timeout=30)
         try:
             found = loop.run(sharing.download(expected_layout(trainer)), timeout=sharing.config.ceiling(
                 sum(4 * p.numel() for p in trainer.outer.params.values())) + 30)  # fmt: skip
+        except StateTransferError as e:  # every donor failed or declined: one line, not a traceback
+            raise ExportError(f"run '{run_id}': {e}") from None
         finally:
             loop.run(sharing.stop(), timeout=10)
         if found is None:
