@@ -29,8 +29,20 @@ INT64_MAX = 2**63 - 1  # the largest whole number the run record (msgpack) and t
 
 
 class Parser(argparse.ArgumentParser):
+    commands: dict[str, argparse.ArgumentParser] = {}  # the top parser's: its subcommands' parsers
+
     def error(self, message: str) -> None:  # one line, exit code 2
         self.exit(2, f"{self.prog}: error: {message}\n")
+
+    def parse_args(self, args=None, namespace=None):  # type: ignore[override]
+        """As argparse's, but a flag the command does not take is that command's error (`murmur status: error:
+        unrecognized arguments: ...`), not `murmur`'s, which reads as if no command took it."""
+        namespace, extras = self.parse_known_args(args, namespace)
+        if extras:
+            self.commands.get(getattr(namespace, "command", None), self).error(
+                f"unrecognized arguments: {' '.join(extras)}"
+            )
+        return namespace
 
 
 def integer(minimum: int, maximum: int | None = None) -> Callable[[str], int]:
@@ -254,6 +266,7 @@ def build_parser() -> argparse.ArgumentParser:
     parser = Parser(prog="murmur", description="Decentralized training: gossip DiLoCo over a DHT.")
     parser.add_argument("-v", "--verbose", action="store_true", help="log debug messages")
     sub = parser.add_subparsers(dest="command", required=True, parser_class=Parser)
+    parser.commands = sub.choices
 
     boot = sub.add_parser("bootstrap", help="start a bootstrap node for a run and print the join line")
     boot.add_argument("--run", required=True, help="run id, shared by every peer of the run")

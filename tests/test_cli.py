@@ -101,6 +101,24 @@ def test_bad_flags_exit_2_with_one_line(argv, needle, capsys):
 
 
 @pytest.mark.parametrize(
+    ("argv", "line"),
+    [
+        (["status", "--initial-peers", PEER, "--run", "r", "--run-secret-file", "secret.txt"],
+         "murmur status: error: unrecognized arguments: --run-secret-file secret.txt"),
+        (["dashboard", "--initial-peers", PEER, "--run", "r", "--model", "pkg.mod:build"],
+         "murmur dashboard: error: unrecognized arguments: --model pkg.mod:build"),
+        ([*JOIN, "--outdir", "runs/me"], "murmur join: error: unrecognized arguments: --outdir runs/me"),
+    ],
+)  # fmt: skip
+def test_a_flag_the_command_does_not_take_is_named_with_the_command(argv, line, capsys):
+    """A join line's --run-secret-file handed to status was "murmur: error: unrecognized arguments: ...", which
+    named no command: as if `murmur` itself had no such flag."""
+    with pytest.raises(SystemExit) as exit_info:
+        main(argv)
+    assert exit_info.value.code == 2 and capsys.readouterr().err == line + "\n"
+
+
+@pytest.mark.parametrize(
     ("argv", "needle"),
     [
         (["join", "--initial-peers", "not-a-multiaddr", "--run", "r"], "not-a-multiaddr"),
