@@ -1,4 +1,5 @@
-"""The README and docs/: every relative link and anchor resolves, and example peer ids are ones our keys make."""
+"""The README and docs/: every relative link and anchor resolves, every file of the repository they name exists,
+and example peer ids are ones our keys make."""
 
 from __future__ import annotations
 
@@ -10,6 +11,7 @@ import pytest
 ROOT = Path(__file__).resolve().parents[1]
 PAGES = [ROOT / "README.md", *sorted((ROOT / "docs").glob("*.md"))]
 LINK = re.compile(r"\]\(([^)\s]+)\)")
+REPO_PATH = re.compile(r"`((?:averaging|dht|docs|examples|peer|scripts|tests)/[\w./-]*)`")  # `scripts/results/x.txt`
 
 
 def anchors(page: Path) -> set[str]:
@@ -34,6 +36,14 @@ def test_every_relative_link_and_anchor_resolves(page: Path) -> None:
         elif anchor and file.suffix == ".md" and anchor not in anchors(file):
             broken.append(target)
     assert not broken, f"{page.name}: {broken}"
+
+
+@pytest.mark.parametrize("page", PAGES, ids=lambda p: p.name)
+def test_every_repository_path_named_exists(page: Path) -> None:
+    """The README cited `scripts/results/simulate_scale_quick_sketch.txt` for a figure; no such file was ever
+    committed."""
+    missing = [path for path in REPO_PATH.findall(page.read_text()) if not (ROOT / path).exists()]
+    assert not missing, f"{page.name}: {missing}"
 
 
 def test_the_readme_opens_with_the_two_commands_then_the_journeys() -> None:
