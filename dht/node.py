@@ -2,8 +2,9 @@
 
 A ``hivemind.DHT`` is a forked worker process that runs one ``p2pd`` child. ``start_node`` starts
 one from a validated ``NodeConfig`` and turns every start failure into ``NodeError`` (a port that is
-already taken, and initial peers that cannot be reached, are named as such); ``stop_node`` shuts it
-down and makes sure, by PID, that the worker and its ``p2pd`` are gone.
+already taken, an identity file that another running node holds, and initial peers that cannot be
+reached, are named as such); ``stop_node`` shuts it down and makes sure, by PID, that the worker and
+its ``p2pd`` are gone.
 
 The worker and its ``p2pd`` die with the process that started them: a ``kill -9`` of that process
 (the OOM killer) leaves no orphan behind. hivemind's worker ignores SIGINT and outlives its parent,
@@ -14,6 +15,8 @@ its ``p2pd`` and itself.
 
 from __future__ import annotations
 
+import errno
+import fcntl
 import functools
 import gc
 import ipaddress
@@ -42,6 +45,8 @@ _SOCKET_FLAG = "-listen=/unix"  # p2pd's control socket; hivemind names the clie
 _ORPHAN_POLL = 0.25  # seconds between a DHT worker's looks at its parent
 _forking_worker_of: int | None = None  # the pid that is forking a DHT worker right now (see _guard_worker)
 _guard_registered = False
+_identity_locks: set[int] = set()  # the descriptors that hold this process's nodes' identity files locked
+_node_locks: dict[int, int] = {}  # id of a started DHT -> its identity's descriptor in `_identity_locks`
 # A DHT worker and its p2pd run this much nicer than the peer that starts them: under a flood of junk streams
 # more of the CPU goes to training (docs/attack.md). Not much nicer: at +10, against a peer whose training keeps
 # the cores busy, a DHT worker that had used a burst of CPU waited seconds for the next (its scheduler weight
@@ -116,8 +121,21 @@ def start_node(config: NodeConfig) -> hivemind.DHT:
     """
     if problem := port_problem(config.host, config.port):  # p2pd would share the port silently (SO_REUSEPORT)
         raise NodeError(f"{problem}: pass another --port, or stop the program that holds it")
-    if config.identity_path is not None:
-        _ensure_identity_not_taken(config.identity_path, config.initial_peers)
+    if config.identity_path is None:
+        return _start_node(config)
+    _ensure_identity_not_taken(config.identity_path, config.initial_peers)
+    lock = _lock_identity(config.identity_path)
+    try:
+        dht = _start_node(config)
+    except BaseException:
+        _unlock(lock)
+        raise
+    if lock is not None:
+        _node_locks[id(dht)] = lock
+    return dht
+
+
+def _start_node(config: NodeConfig) -> hivemind.DHT:
     if config.run_id is None:
         return _keep_in_touch(_start(config, []), config)
     with tempfile.TemporaryDirectory(prefix="murmur-id-") as scratch:
@@ -242,7 +260,12 @@ def _guard_worker() -> None:
     Ctrl-C to the parent. A terminal sends SIGINT to the whole process group; the worker would otherwise run
     the parent's handler (`murmur.peer.cli`), and print a traceback of its own, while the parent stops
     cleanly and then stops the worker. SIGTERM kills the worker as by default. The worker, and so its p2pd,
-    runs `NETWORK_NICENESS` nicer than the parent, and its collector leaves what it inherited alone."""
+    runs `NETWORK_NICENESS` nicer than the parent, and its collector leaves what it inherited alone. No forked
+    child keeps the parent's identity locks: they go with the process that started the node."""
+    for lock in _identity_locks:
+        os.close(lock)  # the parent's descriptors still hold the locks
+    _identity_locks.clear()
+    _node_locks.clear()
     parent = _forking_worker_of
     if parent is not None and os.getppid() == parent:
         os.nice(NETWORK_NICENESS)  # this one thread so far: every later thread and p2pd inherits it
@@ -289,6 +312,30 @@ def _ensure_identity_not_taken(identity_path: str, initial_peers: tuple[str, ...
             raise NodeError(f"identity {identity_path!r} is already taken: initial peer {address} has its peer id")
 
 
+def _lock_identity(identity_path: str) -> int | None:
+    """Lock the key file for as long as this node runs (`flock`, which the kernel drops with the process), so that a
+    second node with the same identity on this machine is refused in one line rather than run as the same peer id:
+    the two would overwrite each other's announcements, and each trained alone. None on a file system without locks.
+    """
+    fd = os.open(identity_path, os.O_RDONLY | os.O_CLOEXEC)
+    try:
+        fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+    except OSError as e:
+        os.close(fd)
+        if e.errno in (errno.EWOULDBLOCK, errno.EAGAIN):
+            raise NodeError(f"identity {identity_path!r} is in use by another node running on this machine: "
+                            "give each peer its own --identity") from None  # fmt: skip
+        return None  # ENOLCK, EOPNOTSUPP: a file system without locks, and nothing to hold
+    _identity_locks.add(fd)  # before the DHT worker is forked: the worker closes its copy (_guard_worker)
+    return fd
+
+
+def _unlock(lock: int | None) -> None:
+    if lock is not None:
+        _identity_locks.discard(lock)
+        os.close(lock)
+
+
 def visible_addresses(dht: hivemind.DHT) -> list[str]:
     """The node's multiaddrs, each ending in /p2p/<id>; loopback ones first, otherwise in p2pd's order."""
     addresses = list(dict.fromkeys(str(maddr) for maddr in dht.get_visible_maddrs()))
@@ -304,10 +351,13 @@ def stop_node(dht: hivemind.DHT, timeout: float = 10.0) -> None:
     """
     processes = _processes_of(dht)
     daemon_up = any(_running(p) for p in processes[1:])
-    if dht.pid is not None and dht.is_alive() and daemon_up:
-        dht.shutdown_timeout = timeout
-        dht.shutdown()
-    _reap(processes, timeout=timeout, worker_grace=timeout if daemon_up else 0.0)
+    try:
+        if dht.pid is not None and dht.is_alive() and daemon_up:
+            dht.shutdown_timeout = timeout
+            dht.shutdown()
+        _reap(processes, timeout=timeout, worker_grace=timeout if daemon_up else 0.0)
+    finally:
+        _unlock(_node_locks.pop(id(dht), None))
 
 
 def _running(process: psutil.Process) -> bool:

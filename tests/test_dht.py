@@ -672,6 +672,26 @@ def test_identity_survives_restarts_and_cannot_be_shared(tmp_path: Path) -> None
 
 
 @pytest.mark.slow
+def test_two_running_nodes_cannot_share_one_identity_file(tmp_path: Path) -> None:
+    """Two peers started with the same --identity on one machine both ran, as one peer id: each overwrote the
+    other's announcement ('announcement ... was not stored'), status showed one peer, and each trained alone. The
+    second is refused in one line now; the lock goes with the node (its worker holds none), so a restart works."""
+    key = tmp_path / "same.key"
+    first = start_node(NodeConfig(identity_path=str(key)))
+    try:
+        assert not any(Path(f.path) == key for f in psutil.Process(first.pid).open_files())
+        before = descendants()
+        with pytest.raises(NodeError, match="in use by another node running on this machine") as caught:
+            start_node(NodeConfig(identity_path=str(key), run_id="shared-key"))
+        assert "\n" not in str(caught.value) and str(key) in str(caught.value)
+        assert descendants() <= before
+    finally:
+        stop_node(first)
+    second = start_node(NodeConfig(identity_path=str(key)))
+    stop_node(second)
+
+
+@pytest.mark.slow
 def test_unreachable_initial_peer_is_a_node_error(tmp_path: Path) -> None:
     before = descendants()
     nobody = peer_id_of(ensure_identity(tmp_path / "nobody.key"))
