@@ -72,6 +72,7 @@ class Board:
             self.alive.append(len(status.peers))
             self.consensus.append(status.consensus_estimate)
             self.exchanges_per_minute.append(sum(n for _, n in self._events) * 60.0 / span if span > 0 else 0.0)
+            self._age_out(oldest=self.t[0], live={p.peer_id for p in status.peers})
             if len(self.peers) > MAX_PEERS:
                 for peer_id in sorted(self.peers, key=lambda p: self.peers[p].seen)[: len(self.peers) - MAX_PEERS]:
                     del self.peers[peer_id]
@@ -92,6 +93,18 @@ class Board:
             series.bytes.append((p.bytes_sent or 0) + (p.bytes_received or 0))
             series.samples_per_second.append(p.samples_per_second)
         return finished
+
+    def _age_out(self, oldest: float, live: set[str]) -> None:
+        """Drop the peers' points older than the board's history, and the peers that left with none to show: a
+        peer's own series holds at most HISTORY points, so a departed peer's lines stayed on the charts (and in
+        every /api/state) for as long as the dashboard ran."""
+        for peer_id in list(self.peers):
+            series = self.peers[peer_id]
+            while series.t and series.t[0] < oldest:
+                for points in (series.t, series.loss, series.bytes, series.samples_per_second):
+                    points.popleft()
+            if not series.t and peer_id not in live:
+                del self.peers[peer_id]
 
     def failed(self, error: str) -> None:
         with self._lock:
