@@ -8,7 +8,8 @@
   routing table empty) learns the swarm again; and keeps one DHT node id per peer, so a peer restarted with its
   identity (under a new node id) is not stored on twice
 * ``records``    typed, expiring, validated records under ``{run_id}:``: ``Announcement``, ``Metrics``,
-  ``RunRecord`` and ``RunRecords`` (blocking methods, each with an ``a_`` async twin)
+  ``RunRecord`` and ``RunRecords`` (blocking methods, each with an ``a_`` async twin), ``config_digest`` (what a
+  peer announces of the config it trains on)
 * ``signing``    ``RunValidator``: every node of a run signs its records with its identity key and refuses
   forged, foreign-subkey, schema-breaking and config-hijacking records (``NodeConfig.run_id`` installs it)
 * ``sybil``      ``SybilGuard``: a run's per-peer records are stored only by the peer they name (a Sybil's fakes,
@@ -30,6 +31,7 @@ from .records import (
     PeerState,
     RunRecord,
     RunRecords,
+    config_digest,
     validate_run_id,
 )
 
@@ -47,6 +49,7 @@ __all__ = [
     "PeerState",
     "RunRecord",
     "RunRecords",
+    "config_digest",
     "ensure_identity",
     "parse_host",
     "parse_peer_multiaddr",

@@ -13,6 +13,8 @@ validated again when read: readers skip malformed or expired entries and never r
 from __future__ import annotations
 
 import asyncio
+import hashlib
+import json
 import logging
 import re
 import threading
@@ -35,6 +37,7 @@ __all__ = [
     "PeerState",
     "RunRecord",
     "RunRecords",
+    "config_digest",
     "validate_run_id",
 ]
 
@@ -58,6 +61,13 @@ def validate_run_id(run_id: str) -> str:
     if not run_id.strip("."):  # a simulation's default folder, runs/RUN: runs/.. is the folder it was started in
         raise ValueError(f"bad run id {run_id!r}: it must not be only dots")
     return run_id
+
+
+def config_digest(config: dict[str, Any]) -> str:
+    """A short digest of a run's flat training config, which peers announce: peers of one run average only with
+    peers that train on the same config (its creator may publish another under the same run id)."""
+    canonical = json.dumps(config, sort_keys=True, separators=(",", ":"), allow_nan=False)
+    return hashlib.sha256(canonical.encode()).hexdigest()[:16]
 
 
 class _Record(BaseModel):
@@ -85,6 +95,7 @@ class Announcement(_Record):
     appointment: str | None = Field(default=None, max_length=64)
     step_seconds: float | None = Field(default=None, ge=0)
     exchange_seconds: float | None = Field(default=None, ge=0)
+    config: str | None = Field(default=None, pattern=r"^[0-9a-f]{16}$")  # config_digest of the config it trains on
 
     @field_validator("addresses")
     @classmethod

@@ -41,7 +41,7 @@ from murmur.dht.addresses import host_of
 from murmur.dht.heartbeat import Heartbeat, RosterWatch
 from murmur.dht.loop import LoopThread
 from murmur.dht.node import NodeConfig, start_node, stop_node, visible_addresses
-from murmur.dht.records import Announcement, PeerState, RunRecord, RunRecords
+from murmur.dht.records import Announcement, PeerState, RunRecord, RunRecords, config_digest
 from murmur.peer.checkpoint import CheckpointWriter, check_tensors, latest_checkpoint, remembered_peers
 from murmur.peer.config import TrainConfig
 from murmur.peer.device import DeviceConfig, Runtime, keep_freed_memory, on_stream, side_stream
@@ -190,6 +190,8 @@ class VolunteerPeer:
         self.creator: str | None = None  # the run's creator, named in this peer's join line
         self.peer_id = dht.peer_id.to_base58()
         self.addresses = visible_addresses(dht)
+        self.config_digest = config_digest(trainer.config.to_record())  # announced: it averages with peers alike
+        self._other_configs: set[str] = set()  # the other configs of the run seen in the roster, each said once
         self.engine = RoundEngine(self.peer_id, trainer.config.rounds(), client=options.node.client_mode,
                                   trace=options.trace_rounds)  # fmt: skip
         self.samples_per_second = 0.0
@@ -335,10 +337,20 @@ class VolunteerPeer:
             appointment=seen.appointment,
             step_seconds=seen.step_seconds,
             exchange_seconds=seen.exchange_seconds,
+            config=self.config_digest,
         )
 
     def roster(self) -> list[Seen]:
-        """The live peers as the last read of the DHT shows them (never waits)."""
+        """The live peers as the last read of the DHT shows them (never waits), those that train on this peer's
+        config: a peer of another config of the run (its creator published a new one while this peer trained) is
+        never averaged with, and said once."""
+        peers = {pid: a for pid, a in self.watch.peers.items() if a.version == PROTOCOL_VERSION}
+        if others := {a.config for a in peers.values() if a.config != self.config_digest} - self._other_configs:
+            self._other_configs |= others
+            count = sum(a.config in others for a in peers.values())
+            self._log(logging.WARNING, f"run '{self.options.run_id}': {count} live peer{'s' * (count > 1)} on another "
+                      "config of the run (its creator published a new one?), not averaged with; `murmur status` "
+                      "marks the peers that are not on the run's config now")  # fmt: skip
         return [
             Seen(
                 pid,
@@ -349,8 +361,8 @@ class VolunteerPeer:
                 a.client_mode,
                 host_of(a.addresses),
             )  # fmt: skip
-            for pid, a in self.watch.peers.items()
-            if a.version == PROTOCOL_VERSION
+            for pid, a in peers.items()
+            if a.config == self.config_digest
         ]
 
     def live_addresses(self, most: int = 8) -> list[str]:

@@ -431,10 +431,12 @@ async def _attack(args) -> None:
             keys_now = [a.appointment for a in seen.values() if a.appointment]
             appointment = collections.Counter(keys_now).most_common(1)[0][0] if keys_now else None
             step_seconds = [a.step_seconds for a in seen.values() if a.step_seconds]
+            config = collections.Counter(a.config for a in seen.values()).most_common(1)[0][0]  # peers group alike
             fakes = [Announcement(peer_id=pid, addresses=[f"/ip4/{args.fake_host}/tcp/{4000 + i}/p2p/{pid}"],
                                   step=max(a.step for a in seen.values()), samples_per_second=1.0, state="training",
                                   appointment=_ahead(appointment, i % LEAD),
-                                  step_seconds=statistics.median(step_seconds) if step_seconds else None)
+                                  step_seconds=statistics.median(step_seconds) if step_seconds else None,
+                                  config=config)
                      for i, pid in enumerate(keys)]  # fmt: skip
             expiration = get_dht_time() + records.announce_ttl
             values = [a.model_dump(mode="json") for a in fakes]

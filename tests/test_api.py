@@ -5,6 +5,7 @@ from __future__ import annotations
 import collections
 import functools
 import gc
+import io
 import itertools
 import json
 import os
@@ -501,3 +502,44 @@ def test_a_batch_tensor_without_the_batch_dimension_first_is_one_line_before_the
         trainer.check_batches()
     assert str(info.value) == ("the first training batch (shapes (8, 16), (8,), ()) does not have its batch size "
                                "first in every tensor: a step splits each along its first dimension")  # fmt: skip
+
+
+@pytest.mark.slow
+def test_peers_of_two_configs_of_one_run_do_not_average_together(caplog) -> None:
+    """The operator restarted the bootstrap node (same identity, same run) with another --inner-lr and --inner-steps:
+    the peers already running kept the old config, joiners took the new one, and the two kinds averaged together
+    silently (8 exchanges in 40 s), while `murmur status` showed only the new config. Now each peer averages only
+    with peers of its own config, says once that others exist, and status marks the ones not on the run's config."""
+    from rich.console import Console
+
+    from murmur.dht.records import RunRecord, RunRecords
+    from murmur.peer.ops.status import read_status, render_status
+
+    run = f"reconfig-{uuid.uuid4().hex[:8]}"
+    with Swarm(run, CUSTOM) as swarm:
+        records = RunRecords(swarm.dht, run)
+        with Peer(tiny_mlp.build_model, tiny_mlp.build_batches, run=run, initial_peers=swarm.initial_peers,
+                  device="cpu") as old:  # fmt: skip
+            newer = CUSTOM.with_overrides(inner_lr=0.01, inner_steps=3)
+            assert records.publish_config(RunRecord(run_id=run, config=newer.to_record(),
+                                                    created_by=swarm.dht.peer_id.to_base58()))  # fmt: skip
+            with Peer(tiny_mlp.build_model, tiny_mlp.build_batches, run=run, initial_peers=swarm.initial_peers,
+                      device="cpu") as new:  # fmt: skip
+                assert (old.trainer.config.inner_lr, new.trainer.config.inner_lr) == (CUSTOM.inner_lr, 0.01)
+                peers = [old._running, new._running]
+                deadline = time.monotonic() + 15
+                while not all(len(p.watch.peers) == 2 for p in peers):
+                    assert time.monotonic() < deadline, "the peers did not see each other"
+                    time.sleep(0.2)
+                for peer in peers:
+                    assert [seen.peer for seen in peer.roster()] == [peer.peer_id]
+                peers[0].roster()  # said once
+                status = read_status(records)
+                ids = old.peer_id, new.peer_id
+    warned = [r.getMessage() for r in caplog.records if "another config of the run" in r.getMessage()]
+    assert len(warned) == 2 and all(line.startswith(f"run '{run}': 1 live peer on another config") for line in warned)
+    assert {p.peer_id: p.other_config for p in status.peers} == {ids[0]: True, ids[1]: False}
+    console = Console(width=200, record=True, file=io.StringIO())
+    console.print(render_status(status))
+    rows = {line.split()[0]: line for line in console.export_text().splitlines() if "training" in line}
+    assert "(other config)" in rows[ids[0][-8:]] and "(other config)" not in rows[ids[1][-8:]]

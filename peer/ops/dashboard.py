@@ -140,7 +140,7 @@ def _peer_row(p: PeerStatus) -> dict[str, Any]:
         "peer_id": p.peer_id, "state": p.state, "client_mode": p.client_mode, "outer_step": p.outer_step,
         "inner_steps": p.inner_steps, "loss": p.loss, "samples_per_second": p.samples_per_second,
         "exchanges_ok": p.exchanges_ok, "exchanges_failed": p.exchanges_failed, "bytes_sent": p.bytes_sent,
-        "bytes_received": p.bytes_received, "last_seen": p.last_seen,
+        "bytes_received": p.bytes_received, "last_seen": p.last_seen, "other_config": p.other_config,
     }  # fmt: skip
 
 

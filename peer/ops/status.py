@@ -18,7 +18,7 @@ from rich.console import Group, RenderableType
 from rich.table import Table
 from rich.text import Text
 
-from murmur.dht.records import RunRecords
+from murmur.dht.records import RunRecords, config_digest
 from murmur.peer.sketch import consensus_estimate
 
 
@@ -44,6 +44,10 @@ class PeerStatus:
     version: int  # protocol version the peer speaks
     client_mode: bool
     last_seen: float  # seconds since the announcement was stored
+    config: str | None = None  # the digest of the config it trains on (dht.records.config_digest)
+    # it trains on another config than the run's record now holds (its creator published a new one since the peer
+    # started): it averages only with peers of its own config
+    other_config: bool = False
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -55,6 +59,7 @@ class RunStatus:
     # peer.sketch.consensus_estimate over the live peers' published sketches: max_i ‖φ_i − φ̄‖/‖φ̄‖, estimated
     # (None with fewer than two sketches)
     consensus_estimate: float | None = None
+    config_digest: str | None = None  # of `config`: what the peers that train on it announce
 
     def to_json(self) -> str:
         return json.dumps(dataclasses.asdict(self), allow_nan=False)
@@ -74,6 +79,7 @@ def read_status(records: RunRecords, creator: str | None = None) -> RunStatus:
         raise RunNotFound(f"run '{records.run_id}' not found: {config} and no live peers")
     metrics = records.metrics() if announced else {}
     now = get_dht_time()
+    digest = config_digest(dict(record.config)) if record else None
     peers = []
     for peer_id, (a, expiration) in sorted(announced.items()):
         m = metrics.get(peer_id)
@@ -84,7 +90,8 @@ def read_status(records: RunRecords, creator: str | None = None) -> RunStatus:
                 exchanges_ok=m.exchanges_ok if m else None, exchanges_failed=m.exchanges_failed if m else None,
                 bytes_sent=m.bytes_sent if m else None, bytes_received=m.bytes_received if m else None,
                 samples_per_second=a.samples_per_second, version=a.version, client_mode=a.client_mode,
-                last_seen=max(0.0, now - (expiration - records.announce_ttl)),
+                last_seen=max(0.0, now - (expiration - records.announce_ttl)), config=a.config,
+                other_config=digest is not None and a.config != digest,
             )
         )  # fmt: skip
     sketches = [m.sketch for peer_id, m in metrics.items() if peer_id in announced and m.sketch]
@@ -94,6 +101,7 @@ def read_status(records: RunRecords, creator: str | None = None) -> RunStatus:
         created_by=record.created_by if record else None,
         peers=peers,
         consensus_estimate=consensus_estimate(sketches) if len(sketches) >= 2 else None,
+        config_digest=digest,
     )
 
 
@@ -113,6 +121,9 @@ def render_status(status: RunStatus, creator: str | None = None) -> RenderableTy
     title = f"{len(status.peers)} live peer{'s' * (len(status.peers) != 1)}"
     caption = ("outer step: rounds that took an outer step, inner step: AdamW steps, seen: since last announced, "
                "client: never dialled")  # fmt: skip
+    if any(p.other_config for p in status.peers):
+        caption += ", other config: trains on another config than the run's now, and averages only with its like"
+
     table = Table(
         title=title, caption=caption, title_justify="left", caption_justify="left", box=box.SIMPLE_HEAD,
         show_edge=False, collapse_padding=True,
@@ -122,7 +133,7 @@ def render_status(status: RunStatus, creator: str | None = None) -> RenderableTy
     for column in ("outer step", "inner step", "samples", "loss", "samples/s", "ver", "seen"):
         table.add_column(column, justify="right")
     for p in status.peers:
-        state = p.state + (" (client)" if p.client_mode else "")
+        state = p.state + (" (client)" if p.client_mode else "") + (" (other config)" if p.other_config else "")
         table.add_row(
             p.peer_id[-8:], state, str(p.outer_step), _or_dash(p.inner_steps), _or_dash(p.samples),
             "—" if p.loss is None else f"{p.loss:.3f}", f"{p.samples_per_second:.1f}", str(p.version),
