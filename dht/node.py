@@ -39,7 +39,7 @@ from .identity import IdentityError, ensure_identity, peer_id_of
 from .records import validate_run_id
 from .signing import RunValidator, load_signing_key
 
-__all__ = ["NodeConfig", "NodeError", "start_node", "stop_node", "visible_addresses"]
+__all__ = ["NodeConfig", "NodeError", "shared_address", "start_node", "stop_node", "visible_addresses"]
 
 _SOCKET_FLAG = "-listen=/unix"  # p2pd's control socket; hivemind names the client socket after it
 _ORPHAN_POLL = 0.25  # seconds between a DHT worker's looks at its parent
@@ -340,6 +340,12 @@ def visible_addresses(dht: hivemind.DHT) -> list[str]:
     """The node's multiaddrs, each ending in /p2p/<id>; loopback ones first, otherwise in p2pd's order."""
     addresses = list(dict.fromkeys(str(maddr) for maddr in dht.get_visible_maddrs()))
     return sorted(addresses, key=lambda address: not _is_loopback(address))
+
+
+def shared_address(addresses: list[str]) -> str:
+    """The one of a node's addresses (a non-empty list) to hand to others: the first that another machine can dial,
+    or the first of all for a node that listens on loopback only."""
+    return next((address for address in addresses if not _is_loopback(address)), addresses[0])
 
 
 def stop_node(dht: hivemind.DHT, timeout: float = 10.0) -> None:

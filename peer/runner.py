@@ -40,7 +40,7 @@ from murmur.averaging.wire import PROTOCOL_VERSION
 from murmur.dht.addresses import host_of
 from murmur.dht.heartbeat import Heartbeat, RosterWatch
 from murmur.dht.loop import LoopThread
-from murmur.dht.node import NodeConfig, start_node, stop_node, visible_addresses
+from murmur.dht.node import NodeConfig, shared_address, start_node, stop_node, visible_addresses
 from murmur.dht.records import Announcement, PeerState, RunRecord, RunRecords, config_digest
 from murmur.peer.checkpoint import CheckpointWriter, check_tensors, latest_checkpoint, remembered_peers
 from murmur.peer.config import TrainConfig
@@ -373,8 +373,9 @@ class VolunteerPeer:
         return [a.addresses[0] for a in live[:most]]
 
     def join_line(self, others: int = 3) -> str:
-        """A ready-to-paste command that joins this run through this peer or a few other live ones."""
-        addresses = self.addresses[:1]
+        """A ready-to-paste command that joins this run through this peer or a few other live ones, each named by an
+        address another machine can dial where it has one (a peer on --host 0.0.0.0 lists 127.0.0.1 first)."""
+        addresses = [shared_address(self.addresses)]
         try:
             peers = self.records.peers()
         except Exception as e:  # the line is a convenience: never fail a start over it
@@ -382,7 +383,7 @@ class VolunteerPeer:
             peers = {}
         live = [a for pid, a in peers.items() if pid != self.peer_id and a.addresses and not a.client_mode]
         live.sort(key=lambda a: -a.step)  # the peers furthest along have been up longest
-        addresses += [a.addresses[0] for a in live[:others]]
+        addresses += [shared_address(a.addresses) for a in live[:others]]
         line = f"murmur join --initial-peers {' '.join(addresses)} --run {self.options.run_id}"
         return line + (f" --creator {self.creator}" if self.creator else "")
 

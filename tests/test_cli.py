@@ -246,6 +246,32 @@ def test_a_join_line_names_the_data_of_a_run_on_the_operators_data(tmp_path):
     assert join_flags(None, None, None) == ""
 
 
+def test_a_peer_s_join_line_names_addresses_another_machine_can_dial():
+    """A peer listening on 0.0.0.0 (as one that others must reach does) printed a join line naming only its
+    127.0.0.1 address (p2pd lists loopback first), and of each live peer its first, loopback too: copied to another
+    machine, the line reached nobody. Each address in it now is one another machine can dial, where there is one."""
+    from types import SimpleNamespace
+
+    from murmur.dht.records import Announcement
+    from murmur.peer.runner import VolunteerPeer
+
+    me = "QmS9FNTKBeLrCH4CTZyKHgmJ7tM3qRjmiywK8jhWBMXHhq"
+    lan = "QmPo8M5vZm9dz4hC9vxeahAXvShSWXEdpKdRbh4ynsqLEw"  # on 0.0.0.0 too
+    local = "Qme7uobheRYRGttrc5Ys3KsmRCUhBThaw7xnBqfeUVru8d"  # on 127.0.0.1 only
+    listening = [(lan, 2, [f"/ip6/fd00::7/tcp/2/p2p/{lan}"], 5), (local, 3, [], 4)]
+    peers = {pid: Announcement(peer_id=pid, addresses=[f"/ip4/127.0.0.1/tcp/{port}/p2p/{pid}", *public], step=step,
+                               samples_per_second=1.0, state="training")
+             for pid, port, public, step in listening}  # fmt: skip
+    peer = SimpleNamespace(addresses=[f"/ip4/127.0.0.1/tcp/1/p2p/{me}", f"/ip4/192.0.2.2/tcp/1/p2p/{me}"],
+                           records=SimpleNamespace(peers=lambda: peers), peer_id=me,
+                           options=SimpleNamespace(run_id="r"), creator=local)  # fmt: skip
+    assert VolunteerPeer.join_line(peer).split()[3:6] == [
+        f"/ip4/192.0.2.2/tcp/1/p2p/{me}",
+        f"/ip6/fd00::7/tcp/2/p2p/{lan}",
+        f"/ip4/127.0.0.1/tcp/3/p2p/{local}",
+    ]  # a peer on loopback only keeps its loopback address
+
+
 def test_the_help_shows_the_defaults_the_peer_uses():
     options = PeerOptions(run_id="r", node=NodeConfig())
     assert JOIN_DEFAULTS == {
