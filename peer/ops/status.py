@@ -129,7 +129,7 @@ def render_status(status: RunStatus, creator: str | None = None) -> RenderableTy
         show_edge=False, collapse_padding=True,
     )  # fmt: skip
     table.add_column("peer", no_wrap=True, min_width=8)
-    table.add_column("state", no_wrap=True)
+    table.add_column("state")  # wraps before a number is cut: "training (other config)" is long
     for column in ("outer step", "inner step", "samples", "loss", "samples/s", "ver", "seen"):
         table.add_column(column, justify="right")
     for p in status.peers:
