@@ -39,7 +39,7 @@ from .identity import IdentityError, ensure_identity, peer_id_of
 from .records import validate_run_id
 from .signing import RunValidator, load_signing_key
 
-__all__ = ["NodeConfig", "NodeError", "shared_address", "start_node", "stop_node", "visible_addresses"]
+__all__ = ["NodeConfig", "NodeError", "known_nodes", "shared_address", "start_node", "stop_node", "visible_addresses"]
 
 _SOCKET_FLAG = "-listen=/unix"  # p2pd's control socket; hivemind names the client socket after it
 _ORPHAN_POLL = 0.25  # seconds between a DHT worker's looks at its parent
@@ -340,6 +340,16 @@ def visible_addresses(dht: hivemind.DHT) -> list[str]:
     """The node's multiaddrs, each ending in /p2p/<id>; loopback ones first, otherwise in p2pd's order."""
     addresses = list(dict.fromkeys(str(maddr) for maddr in dht.get_visible_maddrs()))
     return sorted(addresses, key=lambda address: not _is_loopback(address))
+
+
+def known_nodes(dht: hivemind.DHT) -> int:
+    """How many other DHT nodes this node knows now (its routing table): 0 once every one it knew stopped
+    answering, when its reads find nothing because nobody is asked."""
+    return dht.run_coroutine(_known_nodes)
+
+
+async def _known_nodes(_dht, node) -> int:
+    return len(node.protocol.routing_table.uid_to_peer_id)
 
 
 def shared_address(addresses: list[str]) -> str:

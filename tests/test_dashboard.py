@@ -171,6 +171,31 @@ def test_a_slow_dht_keeps_the_last_reading_and_malformed_records_are_skipped() -
         stop_node(node)
 
 
+@pytest.mark.slow
+def test_a_dashboard_whose_initial_peers_went_down_says_so_and_keeps_the_last_reading() -> None:
+    """The bootstrap node stopped (an operator's restart): the dashboard's node knew nobody else, and its readings
+    found nothing, so the page showed a run with no config and no live peers, 'updated 0 s ago'."""
+    run = f"alone-{uuid.uuid4().hex[:8]}"
+    boot = start_node(NodeConfig(run_id=run, creator="self"))
+    reader = None
+    try:
+        record = RunRecord(run_id=run, config=TrainConfig().to_record(), created_by=boot.peer_id.to_base58())
+        assert RunRecords(boot, run).publish_config(record)
+        reader = start_node(NodeConfig(initial_peers=tuple(visible_addresses(boot)), client_mode=True, run_id=run))
+        board, records = Board(run, period=1.0), RunRecords(reader, run, request_timeout=5.0)
+        Poller(records, board, 1.0).poll()
+        assert board.snapshot()["error"] is None and board.snapshot()["config"] == record.config
+        stop_node(boot)
+        Poller(records, board, 1.0).poll()
+        snap = board.snapshot()
+        assert snap["error"] == "this dashboard's DHT node reaches no other node: are its initial peers down?"
+        assert snap["config"] == record.config and len(snap["series"]["t"]) == 1  # the last good reading stays
+    finally:
+        for node in (reader, boot):
+            if node is not None:
+                stop_node(node)
+
+
 # ---------------------------------------------------------------- the command
 
 

@@ -164,6 +164,9 @@ class Poller:
         try:
             status = read_status(self.records)
         except RunNotFound:
+            if self._alone():
+                self.board.failed("this dashboard's DHT node reaches no other node: are its initial peers down?")
+                return
             status = RunStatus(run=self.records.run_id, config=None, created_by=None, peers=[])
         except TimeoutError:
             self.board.failed(f"the DHT did not answer within {self.records.request_timeout:g} s")
@@ -173,6 +176,16 @@ class Poller:
             self.board.failed(" ".join(str(e).split()) or type(e).__name__)
             return
         self.board.record(status, time.time())
+
+    def _alone(self) -> bool:
+        """Whether the node knows no other: a reading that found nothing then says nothing of the run (its initial
+        peers went down, and the page showed a run with no config and no peers, freshly updated)."""
+        from murmur.dht.node import known_nodes
+
+        try:
+            return known_nodes(self.records.dht) == 0
+        except Exception:  # the DHT worker's own trouble: the reading stands
+            return False
 
     def _run(self) -> None:
         while not self._stop.is_set():
