@@ -316,7 +316,7 @@ def _dashboard(args: argparse.Namespace) -> int:
                 poller = Poller(records, board, args.period).start()
                 try:
                     server.start()
-                    stop.serve(f"dashboard of run '{args.run}' at {server.url}")
+                    stop.serve(f"dashboard of run '{args.run}' at {server.where}")
                 finally:
                     poller.stop()
             finally:

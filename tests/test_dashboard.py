@@ -222,6 +222,25 @@ def test_a_port_in_use_is_one_line_before_any_node_starts(capsys) -> None:
     assert time.monotonic() - started < 2  # no DHT node was started
 
 
+@pytest.mark.parametrize(("host", "url"), [("0.0.0.0", "http://127.0.0.1:"), ("::", "http://[::1]:"),
+                                            ("127.0.0.1", "http://127.0.0.1:")])  # fmt: skip
+def test_the_page_s_address_is_one_a_browser_opens(host: str, url: str) -> None:
+    """--host 0.0.0.0 (to watch the swarm from another machine) printed 'dashboard of run 'r' at
+    http://0.0.0.0:PORT/': no address to open (Windows refuses to connect to it), and nothing to type elsewhere."""
+    import urllib.request
+
+    from murmur.peer.ops.dashboard import Server, make_app
+
+    server = Server(make_app(Board("r", period=1.0)), host, 0).start()
+    try:
+        assert server.url == f"{url}{server.port}/"
+        assert server.where.endswith(f"addresses, port {server.port})") == (host != "127.0.0.1")
+        with urllib.request.urlopen(f"{server.url}api/state", timeout=5) as response:
+            assert response.status == 200
+    finally:
+        server.stop()
+
+
 # ---------------------------------------------------------------- in a real browser
 
 

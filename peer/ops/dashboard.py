@@ -15,6 +15,7 @@ reason.
 
 from __future__ import annotations
 
+import ipaddress
 import logging
 import socket
 import threading
@@ -241,8 +242,19 @@ class Server:
 
     @property
     def url(self) -> str:
-        host = f"[{self.host}]" if ":" in self.host else self.host
+        """Where a browser on this machine opens the page: served on every address (0.0.0.0 or ::), the loopback
+        one, as http://0.0.0.0:PORT/ is no address to open (Windows refuses it, and it means nothing elsewhere)."""
+        host = self.host
+        if ipaddress.ip_address(host).is_unspecified:
+            host = "::1" if ":" in host else "127.0.0.1"
+        host = f"[{host}]" if ":" in host else host
         return f"http://{host}:{self.port}/"
+
+    @property
+    def where(self) -> str:
+        """`url`, and for a page served on every address, that it is."""
+        everywhere = ipaddress.ip_address(self.host).is_unspecified
+        return self.url + (f" (and on this machine's other addresses, port {self.port})" if everywhere else "")
 
     def start(self, timeout: float = 10.0) -> Server:
         self._thread.start()
