@@ -14,7 +14,15 @@ from collections.abc import Iterable
 
 from multiaddr import Multiaddr
 
-__all__ = ["AddressError", "host_of", "parse_host", "parse_peer_multiaddr", "parse_peer_multiaddrs", "port_problem"]
+__all__ = [
+    "AddressError",
+    "host_of",
+    "host_problem",
+    "parse_host",
+    "parse_peer_multiaddr",
+    "parse_peer_multiaddrs",
+    "port_problem",
+]
 
 _HOST_PROTOCOLS = frozenset({"ip4", "ip6", "dns", "dns4", "dns6"})
 _QUIC_PROTOCOLS = frozenset({"quic", "quic-v1"})
@@ -106,6 +114,17 @@ def parse_host(host: str) -> str:
         return str(ipaddress.ip_address(host.strip()))
     except ValueError:
         raise AddressError("host", host, "it must be a literal IPv4 or IPv6 address") from None
+
+
+def host_problem(host: str) -> str | None:
+    """Why nothing can listen on `host` (not an address of this machine), or None."""
+    family = socket.AF_INET6 if ipaddress.ip_address(host).version == 6 else socket.AF_INET
+    with socket.socket(family, socket.SOCK_STREAM) as s:
+        try:
+            s.bind((host, 0))
+        except OSError as e:
+            return f"{host} cannot be listened on: {e.strerror}"
+    return None
 
 
 def port_problem(host: str, port: int) -> str | None:

@@ -34,7 +34,7 @@ import hivemind
 import psutil
 
 from . import contact, sybil
-from .addresses import parse_host, parse_peer_id, parse_peer_multiaddrs, port_problem
+from .addresses import host_problem, parse_host, parse_peer_id, parse_peer_multiaddrs, port_problem
 from .identity import IdentityError, ensure_identity, peer_id_of
 from .records import validate_run_id
 from .signing import RunValidator, load_signing_key
@@ -119,6 +119,8 @@ def start_node(config: NodeConfig) -> hivemind.DHT:
     everyone's (``dht.signing.RunValidator``); every node of a run must be started that way. A node
     without an identity file then gets a fresh key, used for this start only.
     """
+    if problem := host_problem(config.host):  # p2pd's own words are a log line of the daemon's
+        raise NodeError(f"{problem}: pass --host an address of this machine (0.0.0.0: all of them)")
     if problem := port_problem(config.host, config.port):  # p2pd would share the port silently (SO_REUSEPORT)
         raise NodeError(f"{problem}: pass another --port, or stop the program that holds it")
     if config.identity_path is None:

@@ -691,6 +691,24 @@ def test_two_running_nodes_cannot_share_one_identity_file(tmp_path: Path) -> Non
     stop_node(second)
 
 
+@pytest.mark.parametrize("port", [0, 31337])
+def test_a_host_that_is_not_this_machine_s_is_one_line_that_says_so(port: int) -> None:
+    """--host with an address this machine lacks: with --port 0 the error was p2pd's log line ('Daemon failed to
+    start: 2026/12/05 09:56:38 failed to listen on any addresses: [listen tcp4 ...]'), with a port 'pass another
+    --port, or stop the program that holds it'. Neither names the host; now both do, before any p2pd starts."""
+    host = "203.0.113.77"  # TEST-NET-3
+    with socket.socket() as probe:
+        with contextlib.suppress(OSError):
+            probe.bind((host, 0))
+            pytest.skip(f"this machine can listen on {host}")
+    before = descendants()
+    with pytest.raises(NodeError) as caught:
+        start_node(NodeConfig(host=host, port=port))
+    assert str(caught.value) == (f"{host} cannot be listened on: Cannot assign requested address: pass --host an "
+                                 "address of this machine (0.0.0.0: all of them)")  # fmt: skip
+    assert descendants() <= before
+
+
 @pytest.mark.slow
 def test_unreachable_initial_peer_is_a_node_error(tmp_path: Path) -> None:
     before = descendants()

@@ -20,7 +20,7 @@ from enum import StrEnum
 import psutil
 import torch
 
-from murmur.dht.addresses import port_problem
+from murmur.dht.addresses import host_problem, port_problem
 from murmur.dht.node import NodeConfig, start_node, stop_node, visible_addresses
 from murmur.peer.device import Capabilities, capabilities
 
@@ -66,15 +66,11 @@ def check_p2pd(start: Callable[[], object] = lambda: start_node(NodeConfig()), s
 def check_port(host: str, port: int) -> Verdict:
     """Whether `port` on `host` can be listened on (0: any free port the OS picks), as every command checks it,
     and whether `host` is an address of this machine (with port 0 too: a node could not listen there)."""
-    family = socket.AF_INET6 if ipaddress.ip_address(host).version == 6 else socket.AF_INET
-    with socket.socket(family, socket.SOCK_STREAM) as probe:
-        try:
-            probe.bind((host, 0))
-        except OSError as e:
-            return Verdict(
-                check="port", level=Level.FAIL, detail=f"{host} cannot be listened on: {e.strerror}",
-                fix="pass --host an address of this machine (0.0.0.0: all of them) to murmur join",
-            )  # fmt: skip
+    if problem := host_problem(host):
+        return Verdict(
+            check="port", level=Level.FAIL, detail=problem,
+            fix="pass --host an address of this machine (0.0.0.0: all of them) to murmur join",
+        )  # fmt: skip
     if problem := port_problem(host, port):
         return Verdict(
             check="port", level=Level.FAIL, detail=problem,
