@@ -185,15 +185,22 @@ class _Request(Generic[T]):
             return self.finish(future.result(timeout=self.timeout))
         except TimeoutError:
             future.cancel()
-            raise
+            raise self._timed_out() from None
 
     async def wait_async(self) -> T:
         future = self._send()
         try:
             return self.finish(await asyncio.wait_for(_awaitable(future), self.timeout))
-        except (TimeoutError, asyncio.CancelledError):
+        except TimeoutError:
+            future.cancel()
+            raise self._timed_out() from None
+        except asyncio.CancelledError:
             future.cancel()
             raise
+
+    def _timed_out(self) -> TimeoutError:
+        """A TimeoutError that says what timed out: a bare one printed as 'murmur status: error: TimeoutError'."""
+        return TimeoutError(f"the DHT did not answer within {self.timeout:g} s")
 
 
 async def _awaitable(future: MPFuture) -> Any:

@@ -386,6 +386,22 @@ def test_async_twins_and_the_blocking_guard() -> None:
     asyncio.run(main())
 
 
+class SilentDHT(FakeDHT):
+    """A DHT that never answers a read."""
+
+    def get(self, key: str, latest: bool = False, **_: Any) -> MPFuture:
+        return MPFuture()
+
+
+def test_a_dht_that_does_not_answer_is_a_timeout_that_says_so() -> None:
+    """A read past its timeout raised a bare TimeoutError: `murmur status` said 'error: TimeoutError'."""
+    records = RunRecords(SilentDHT(), "r", request_timeout=0.05)  # type: ignore[arg-type]
+    with pytest.raises(TimeoutError, match=r"^the DHT did not answer within 0.05 s$"):
+        records.fetch_config()
+    with pytest.raises(TimeoutError, match=r"^the DHT did not answer within 0.05 s$"):
+        asyncio.run(records.a_peers())
+
+
 def test_heartbeat_beats_and_withdraws() -> None:
     dht = FakeDHT()
     records = RunRecords(dht, "r", announce_ttl=0.3)  # type: ignore[arg-type]
