@@ -307,7 +307,7 @@ def _dashboard(args: argparse.Namespace) -> int:
         from murmur.dht.records import RunRecords
         from murmur.peer.ops.dashboard import Board, Poller, Server, make_app
 
-        board = Board(args.run, args.period)
+        board = Board(args.run, args.period, creator=args.creator)
         server = Server(make_app(board), host, args.port)  # a port in use fails here, before the node starts
         try:
             dht = start_node(reader_node(args))

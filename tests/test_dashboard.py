@@ -115,6 +115,20 @@ def test_the_board_adds_each_new_metrics_record_once_and_counts_exchanges_per_mi
     assert [p["peer_id"] for p in snap["peers"]] == ["b"] and "a" in snap["series"]["peers"]
 
 
+def test_a_run_without_the_creator_s_config_says_whose_config_is_missing() -> None:
+    """A dashboard given a mistyped --creator reads no config (only that creator's is accepted): over the training
+    peers the page said 'no config record on the DHT', as if the run had none; murmur status names the creator."""
+    creator = "QmPo8M5vZm9dz4hC9vxeahAXvShSWXEdpKdRbh4ynsqLEw"
+    board = Board("r", period=1.0, creator=creator)
+    board.record(RunStatus(run="r", config=None, created_by=None, peers=[peer("a", 3, 0)]), now=1.0)
+    snap = board.snapshot(now=2.0)
+    assert snap["config"] is None
+    assert snap["missing"] == f"no config record signed by its creator {creator} (--creator) on the DHT"
+    assert Board("r", period=1.0).snapshot()["missing"] == "no config record on the DHT"
+    script = dashboard.page("dashboard.js")
+    assert script.count("state.missing") == 2 and "no config record" not in script  # the page says what it is told
+
+
 def test_the_board_is_bounded(monkeypatch) -> None:
     monkeypatch.setattr(dashboard, "MAX_PEERS", 3)
     board = Board("r", period=1.0)

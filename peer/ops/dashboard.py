@@ -25,7 +25,7 @@ from dataclasses import dataclass, field
 from importlib import resources
 from typing import Any
 
-from murmur.peer.ops.status import PeerStatus, RunNotFound, RunStatus, read_status
+from murmur.peer.ops.status import PeerStatus, RunNotFound, RunStatus, missing_config, read_status
 
 logger = logging.getLogger("murmur.dashboard")
 
@@ -48,8 +48,9 @@ class _PeerSeries:
 class Board:
     """What the page shows: the latest reading of the run and a bounded history. Thread-safe."""
 
-    def __init__(self, run: str, period: float) -> None:
+    def __init__(self, run: str, period: float, creator: str | None = None) -> None:
         self.run, self.period = run, period
+        self.creator = creator  # the --creator whose config alone the dashboard's node reads
         self._lock = threading.Lock()
         self.status: RunStatus | None = None
         self.read_at: float | None = None  # unix time of the latest good reading
@@ -123,6 +124,9 @@ class Board:
                 "read_at": self.read_at,
                 "error": self.error,
                 "config": status.config if status else None,
+                # what the page says while there is no config: with a --creator, a config signed by it is missing (a
+                # mistyped creator left the page saying only 'no config record on the DHT' over training peers)
+                "missing": missing_config(self.creator),
                 "created_by": status.created_by if status else None,
                 "consensus_estimate": status.consensus_estimate if status else None,
                 "peers": [_peer_row(p) for p in status.peers] if status else [],

@@ -105,11 +105,16 @@ def read_status(records: RunRecords, creator: str | None = None) -> RunStatus:
     )
 
 
+def missing_config(creator: str | None = None) -> str:
+    """What a reader says of a run config it did not find; `creator`: the --creator it trusts (only its config is
+    read, so a mistyped one finds none)."""
+    return f"no config record{f' signed by its creator {creator} (--creator)' if creator else ''} on the DHT"
+
+
 def config_summary(status: RunStatus, creator: str | None = None) -> str:
     """One line on the run's config; `creator`: the --creator the reader trusts (only its config is read)."""
     if status.config is None:
-        signed = f" signed by its creator {creator} (--creator)" if creator else ""
-        return f"run '{status.run}': no config record{signed} on the DHT"
+        return f"run '{status.run}': {missing_config(creator)}"
     c = status.config
     return f"run '{status.run}': model {c.get('model')}, H={c.get('inner_steps')}, rank {c.get('rank')}"
 

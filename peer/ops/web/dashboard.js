@@ -174,7 +174,7 @@ function renderConfig(state) {
   const body = $("config").querySelector("tbody");
   body.replaceChildren();
   if (!state.config) {
-    body.appendChild(document.createElement("tr")).appendChild(cell("no config record on the DHT", "empty"));
+    body.appendChild(document.createElement("tr")).appendChild(cell(state.missing, "empty"));
     return;
   }
   const rows = Object.entries(state.config).sort(([a], [b]) => a.localeCompare(b));
@@ -204,7 +204,7 @@ function renderCharts(state, colors) {
 function renderHeader(state) {
   $("run").textContent = state.run;
   const c = state.config;
-  $("summary").textContent = c ? `model ${c.model}, H=${c.inner_steps}, rank ${c.rank}` : "no config record on the DHT";
+  $("summary").textContent = c ? `model ${c.model}, H=${c.inner_steps}, rank ${c.rank}` : state.missing;
   $("alive").textContent = String(state.peers.length);
   $("consensus-value").textContent = fmtNumber(state.consensus_estimate, 3);
   const age = state.read_at === null ? null : Math.max(0, state.now - state.read_at);
