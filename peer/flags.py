@@ -220,7 +220,8 @@ def _join_parser(sub) -> None:
     join.add_argument("--initial-peers", nargs="+", required=True, metavar="MADDR", help="bootstrap multiaddrs")
     join.add_argument("--run", required=True, help="run id")
     creator_flag(join)
-    join.add_argument("--duration", type=number(), metavar="SECONDS", help="seconds to train (default: until Ctrl-C)")
+    join.add_argument("--duration", type=number(), metavar="SECONDS",
+                      help="seconds to train, then the round under way ends (default: until Ctrl-C)")  # fmt: skip
     join.add_argument("--until", type=future_time, metavar="UNIX_TIME",
                       help="wall-clock end, in seconds since the epoch: no round starts that would end later, so "
                            "peers given the same --until end on the same round")  # fmt: skip
