@@ -285,7 +285,7 @@ def build_parser() -> argparse.ArgumentParser:
                      help="seconds each peer trains (default: %(default)s)")  # fmt: skip
     sim.add_argument("--report", type=Path, default=Path("report.json"), metavar="PATH",
                      help="the swarm's report, as JSON (default: %(default)s)")  # fmt: skip
-    sim.add_argument("--run", default="sim", help="run id")
+    sim.add_argument("--run", default="sim", help="run id (default: %(default)s)")
     sim.add_argument(
         "--port",
         type=PORT,
