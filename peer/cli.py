@@ -328,9 +328,13 @@ def _dashboard(args: argparse.Namespace) -> int:
 
 def _export(args: argparse.Namespace) -> int:
     from murmur.peer.ops.export import from_swarm, load, write  # its ExportError is a ValueError
-    from murmur.peer.rundir import check_writable
+    from murmur.peer.rundir import check_writable, earlier_run
 
     check_writable(args.out_dir)  # before a download from the swarm, not after it
+    if found := earlier_run(args.out_dir, args.out_dir / "checkpoints"):  # an export is read before a peer's files
+        later = f"sample and export of {args.out_dir} would read the export, not the peer's later models"
+        raise ValueError(f"{args.out_dir} holds a peer's run ({', '.join(found)}): export to a folder of its own "
+                         f"({later})")  # fmt: skip
     if args.initial_peers is not None:
         if args.run is None:
             raise ValueError("--initial-peers needs --run: the run whose model to download")

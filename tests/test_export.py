@@ -89,6 +89,20 @@ def test_export_from_a_checkpoint_and_from_an_export_give_the_same_model(trained
     assert evaluate(GPT.from_pretrained(outs[2]), trained.eval_set) == anchor_loss(trained)
 
 
+def test_an_export_into_the_peers_own_folder_is_refused(trained, tmp_path, capsys) -> None:
+    """`murmur export runs/me --from runs/me` wrote model.safetensors beside the peer's files, and sample and export
+    of runs/me read an export first: after the peer resumed and trained on, they read this stale model."""
+    peer_dir = tmp_path / "peer"
+    save_anchor(peer_dir / ANCHOR, trained.model, trained.outer.anchor, run_id="r", config=CONFIG, step=1,
+                outer_step=1)  # fmt: skip
+    assert main(["export", str(peer_dir), "--from", str(peer_dir)]) == 1
+    assert capsys.readouterr().err == (
+        f"murmur export: error: {peer_dir} holds a peer's run (anchor.safetensors): export to a folder of its own "
+        f"(sample and export of {peer_dir} would read the export, not the peer's later models)\n"
+    )
+    assert sorted(p.name for p in peer_dir.iterdir()) == [ANCHOR]
+
+
 def test_sample_prints_the_prompt_and_its_continuation(trained, tmp_path, capsys) -> None:
     out = tmp_path / "peer"
     out.mkdir()
