@@ -103,6 +103,18 @@ def test_an_export_into_the_peers_own_folder_is_refused(trained, tmp_path, capsy
     assert sorted(p.name for p in peer_dir.iterdir()) == [ANCHOR]
 
 
+def test_an_exports_model_file_is_read_as_its_export(trained, tmp_path, capsys) -> None:
+    """`murmur sample OUT/model.safetensors` was "... is not a murmur checkpoint (no murmur metadata)"."""
+    peer_dir = tmp_path / "peer"
+    save_anchor(peer_dir / ANCHOR, trained.model, trained.outer.anchor, run_id="r", config=CONFIG, step=1,
+                outer_step=1)  # fmt: skip
+    assert main(["export", str(tmp_path / "out"), "--from", str(peer_dir)]) == 0
+    capsys.readouterr()
+    assert main(["sample", str(tmp_path / "out" / "model.safetensors"), "--tokens", "10"]) == 0
+    assert main(["export", str(tmp_path / "again"), "--from", str(tmp_path / "out" / "model.safetensors")]) == 0
+    assert f"from {tmp_path / 'out'} to " in capsys.readouterr().out
+
+
 def test_sample_prints_the_prompt_and_its_continuation(trained, tmp_path, capsys) -> None:
     out = tmp_path / "peer"
     out.mkdir()

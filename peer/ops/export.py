@@ -95,9 +95,9 @@ def build(name: str, seed: int = 0, *, custom: bool | str | None = True) -> nn.M
 
 
 def load(path: Path, *, custom: bool | str | None = True) -> Found:
-    """The model in `path`: an export folder, a peer's out dir, a checkpoints folder, an anchor or a checkpoint.
-    A researcher's model is built as `build` says for `custom`: its builder imported if True or if `custom` names
-    it, an ExportError otherwise."""
+    """The model in `path`: an export folder (or its model file), a peer's out dir, a checkpoints folder, an anchor
+    or a checkpoint. A researcher's model is built as `build` says for `custom`: its builder imported if True or if
+    `custom` names it, an ExportError otherwise."""
     path = Path(path)
     if path.is_dir():
         if (path / MODEL_FILE).exists():
@@ -115,6 +115,8 @@ def load(path: Path, *, custom: bool | str | None = True) -> Found:
         raise ExportError(f"no model in {path}: expected {MODEL_FILE}, {ANCHOR} or checkpoints/ckpt-*.safetensors")
     if not path.is_file():
         raise ExportError(f"{path}: no such file or folder")
+    if path.name == MODEL_FILE and (path.parent / CONFIG_FILE).exists():  # an export's model file: its folder
+        return _from_export(path.parent, custom)
     try:
         kind = tensorfile.read_metadata(path).get("murmur.kind")
     except TensorFileError as e:
