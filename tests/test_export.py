@@ -115,6 +115,19 @@ def test_an_exports_model_file_is_read_as_its_export(trained, tmp_path, capsys) 
     assert f"from {tmp_path / 'out'} to " in capsys.readouterr().out
 
 
+def test_a_simulations_folder_names_its_peers_folders(trained, tmp_path, capsys) -> None:
+    """`murmur sample runs/sim` (the folder `murmur report` takes) said only "no model in runs/sim: expected ..."."""
+    for i in range(2):
+        save_anchor(tmp_path / "sim" / f"peer-{i}" / ANCHOR, trained.model, trained.outer.anchor, run_id="r",
+                    config=CONFIG, step=1, outer_step=1)  # fmt: skip
+    assert main(["sample", str(tmp_path / "sim")]) == 1
+    assert capsys.readouterr().err == (
+        f"murmur sample: error: {tmp_path / 'sim'} is a simulation's folder: name one of its peers' folders, "
+        f"as {tmp_path / 'sim' / 'peer-0'}\n"
+    )
+    assert main(["sample", str(tmp_path / "sim" / "peer-0"), "--tokens", "5"]) == 0
+
+
 def test_sample_prints_the_prompt_and_its_continuation(trained, tmp_path, capsys) -> None:
     out = tmp_path / "peer"
     out.mkdir()
