@@ -345,7 +345,9 @@ class VolunteerPeer:
         config: a peer of another config of the run (its creator published a new one while this peer trained) is
         never averaged with, and said once."""
         peers = {pid: a for pid, a in self.watch.peers.items() if a.version == PROTOCOL_VERSION}
-        if others := {a.config for a in peers.values() if a.config != self.config_digest} - self._other_configs:
+        # (a peer that announces no config runs an older murmur, whose nodes refuse this one's announcements)
+        others = {a.config for a in peers.values() if a.config not in (None, self.config_digest)} - self._other_configs
+        if others:
             self._other_configs |= others
             count = sum(a.config in others for a in peers.values())
             self._log(logging.WARNING, f"run '{self.options.run_id}': {count} live peer{'s' * (count > 1)} on another "
