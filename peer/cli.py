@@ -22,6 +22,7 @@ from __future__ import annotations
 import argparse
 import logging
 import os
+import shlex
 import signal
 import sys
 import threading
@@ -150,7 +151,7 @@ def join_flags(model: str | None, data: str | None, secret_file: Path | None) ->
     """What a join line adds for a custom model (its --model and --data), a built-in model on the operator's data
     (its --data), and for a private run."""
     flags = (f" --model {model}" if model else "") + (f" --data {data}" if data else "")
-    return flags + (f" --run-secret-file {secret_file}" if secret_file else "")
+    return flags + (f" --run-secret-file {shlex.quote(str(secret_file))}" if secret_file else "")  # a line to paste
 
 
 def reader_node(args: argparse.Namespace):

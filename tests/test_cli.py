@@ -246,6 +246,16 @@ def test_a_join_line_names_the_data_of_a_run_on_the_operators_data(tmp_path):
     assert join_flags(None, None, None) == ""
 
 
+def test_a_join_line_with_a_secret_file_whose_path_has_spaces_pastes_as_it_is():
+    """`bootstrap --run-secret-file 'my run/secret key'` printed '--run-secret-file my run/secret key' in the join
+    line: pasted into a shell, it named the file 'my' and passed 'run/secret' and 'key' as stray arguments."""
+    import shlex
+
+    line = "murmur join --run r" + join_flags(None, None, Path("my run/secret key"))
+    assert shlex.split(line)[-2:] == ["--run-secret-file", "my run/secret key"]
+    assert join_flags(None, None, Path("s.key")) == " --run-secret-file s.key"  # a plain path stays plain
+
+
 def test_a_peer_s_join_line_names_addresses_another_machine_can_dial():
     """A peer listening on 0.0.0.0 (as one that others must reach does) printed a join line naming only its
     127.0.0.1 address (p2pd lists loopback first), and of each live peer its first, loopback too: copied to another
