@@ -221,7 +221,8 @@ def _join_parser(sub) -> None:
     join.add_argument("--run", required=True, help="run id")
     creator_flag(join)
     join.add_argument("--duration", type=number(), metavar="SECONDS",
-                      help="seconds to train, then the round under way ends (default: until Ctrl-C)")  # fmt: skip
+                      help="seconds to train; the round under way then runs on to its end (default: until "
+                           "Ctrl-C)")  # fmt: skip
     join.add_argument("--until", type=future_time, metavar="UNIX_TIME",
                       help="wall-clock end, in seconds since the epoch: no round starts that would end later, so "
                            "peers given the same --until end on the same round")  # fmt: skip

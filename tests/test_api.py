@@ -380,11 +380,11 @@ def test_ctrl_c_raises_only_once_the_peer_has_stopped(custom_run, tmp_path) -> N
     try:
         with pytest.raises(KeyboardInterrupt):
             peer.train()
-        assert not [t.name for t in threading.enumerate() if t.name.startswith("murmur-peer-")]
-        state, _ = latest_checkpoint(tmp_path / "checkpoints", run_id=run, model=MODEL)  # before close()
-        assert state["trainer"]["steps"] == json.loads((tmp_path / "report.json").read_text())["steps"] > 0
+        assert not [t.name for t in threading.enumerate() if t.name.startswith("murmur-peer-")]  # it had stopped
     finally:
-        peer.close()
+        peer.close()  # the checkpoint writer's last write ends here
+    state, _ = latest_checkpoint(tmp_path / "checkpoints", run_id=run, model=MODEL)
+    assert state["trainer"]["steps"] == json.loads((tmp_path / "report.json").read_text())["steps"] > 0
 
 
 def test_an_optimizer_in_place_of_its_factory_is_one_line() -> None:
