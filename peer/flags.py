@@ -210,7 +210,8 @@ def workload_flags(parser: argparse.ArgumentParser, *, joining: bool) -> None:
     if joining:
         group.add_argument("--model", metavar="PKG.MODULE:FUNCTION",
                            help="builds the run's model: build_model() -> Module")  # fmt: skip
-    what = "batches" if joining else "with a custom --model: the batch builder joiners pass (for the join line):"
+    what = "batches" if joining else ("the batch builder joiners pass (for the join line), a custom --model's or a "
+                                      "registry model's on your own data:")  # fmt: skip
     group.add_argument("--data", metavar="PKG.MODULE:FUNCTION",
                        help=f"{what} build_batches(split, *, seed, batch_size) -> iterator of tuples")  # fmt: skip
 
