@@ -453,9 +453,11 @@ class VolunteerPeer:
                 if self.checkpoint():
                     saved, saved_at, saved_steps = rounds, time.monotonic(), trainer.steps
         failed = self.verdict.failure is not None
+        if not failed and trainer.outer.moved():  # steps the anchor does not hold (a round a stop cut short, a last
+            trainer.outer.flush()  # round without a group): one outer step alone, so the final model keeps them
         finished = self.finish(stop) if not stop.is_set() and not failed else 0
         if trainer.steps > saved_steps or finished:  # a clean stop keeps every step since the last checkpoint,
-            # a round that a stop cut short included (the model holds its inner steps; the next round goes on)
+            # a round that a stop cut short included
             self.checkpoint(final=True)
         report = self.journal.report(self, started, rounds, initial_loss, finished)
         if failed:  # the work so far is saved; the error is one line
