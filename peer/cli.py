@@ -453,7 +453,10 @@ def _supervised_join(args: argparse.Namespace) -> int:
         return _run(_join, args)  # an unexpected exception escapes: the supervisor restarts the peer
 
     def newest_checkpoint() -> str | None:  # a peer that wrote none since its start got nowhere
-        found = checkpoint_files(options.checkpoints)
+        try:
+            found = checkpoint_files(options.checkpoints)
+        except OSError:  # the folder removed or unreadable meanwhile: nothing to tell progress by
+            return None
         return found[0].name if found else None
 
     return supervise(child, resume=args.resume, progress=newest_checkpoint)
