@@ -378,6 +378,18 @@ def stop_node(dht: hivemind.DHT, timeout: float = 10.0) -> None:
         _unlock(_node_locks.pop(id(dht), None))
 
 
+def node_lost(dht: hivemind.DHT) -> str | None:
+    """What of a started node has died since it started (its DHT worker, or the worker's p2pd: the OOM killer
+    picks one, or a `kill` by hand), in words; None while both run. Without them a peer hears nobody and
+    nobody hears it, while its training and its own stores (kept locally) go on as if nothing happened."""
+    processes = _processes_of(dht)
+    if not processes or not _running(processes[0]):
+        return "its DHT worker process exited"
+    if not any(_running(p) for p in processes[1:]):
+        return "its p2pd exited"
+    return None
+
+
 def _running(process: psutil.Process) -> bool:
     try:
         return process.status() != psutil.STATUS_ZOMBIE

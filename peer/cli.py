@@ -43,7 +43,7 @@ if __name__ == "__main__" or os.path.basename(sys.argv[0]) == "murmur":  # the p
         signal.signal(_signum, _interrupted_while_importing)
 
 from murmur.peer.flags import build_parser  # noqa: E402  (after the handler: pydantic takes a while to import)
-from murmur.peer.supervise import FORWARDED, follow_launcher  # noqa: E402
+from murmur.peer.supervise import CRASH_EXIT, FORWARDED, follow_launcher  # noqa: E402
 
 # the errors a user can cause, each one line: ValueError and OSError (AddressError, ConfigError, IdentityError,
 # AccessError, WorkloadError, ... are ValueErrors) and these, looked up only in modules already imported
@@ -424,11 +424,17 @@ def _run(command, args: argparse.Namespace) -> int:
         if not expected(e):
             raise
         print(f"murmur {args.command}: error: {_one_line(e)}", file=sys.stderr)
-        return 1
+        return CRASH_EXIT if _restartable(e) else 1
     except KeyboardInterrupt:
         if _Stop.current is None or _Stop.current.say_interrupted():
             print(f"murmur {args.command}: interrupted", file=sys.stderr, flush=True)
         return 130
+
+
+def _restartable(error: BaseException) -> bool:
+    """An expected error that a new start cures (the peer's network died under it): `--restart` restarts it."""
+    runner = sys.modules.get("murmur.peer.runner")
+    return runner is not None and isinstance(error, runner.NetworkLost)
 
 
 def _one_line(error: BaseException) -> str:

@@ -40,7 +40,7 @@ from murmur.averaging.wire import PROTOCOL_VERSION
 from murmur.dht.addresses import host_of
 from murmur.dht.heartbeat import Heartbeat, RosterWatch
 from murmur.dht.loop import LoopThread
-from murmur.dht.node import NodeConfig, shared_address, start_node, stop_node, visible_addresses
+from murmur.dht.node import NodeConfig, node_lost, shared_address, start_node, stop_node, visible_addresses
 from murmur.dht.records import Announcement, PeerState, RunRecord, RunRecords, config_digest
 from murmur.peer.checkpoint import CheckpointWriter, check_tensors, latest_checkpoint, remembered_peers
 from murmur.peer.config import TrainConfig
@@ -60,6 +60,10 @@ logger = logging.getLogger("murmur.peer")
 
 class PeerError(RuntimeError):
     """A peer could not start or join; str(e) is one line."""
+
+
+class NetworkLost(PeerError):
+    """The peer's DHT worker or p2pd died under it: a new start cures it (`murmur join --restart` restarts it)."""
 
 
 def _number(value: object) -> bool:
@@ -443,6 +447,8 @@ class VolunteerPeer:
             if options.eval_every and rounds % options.eval_every == 0:
                 eval_loss = self._evaluate()
             self.journal.round(self, rounds, loss, eval_loss, result, blocked, overlapped)
+            if (lost := node_lost(self.dht)) is not None:
+                self.verdict.network_lost(lost)
             # the round's payloads, this peer's codes and its partners' (which `result` holds: up to 0.6 of a model
             # copy), are not held through the next round's training and exchange
             del offer, result
@@ -461,7 +467,7 @@ class VolunteerPeer:
             self.checkpoint(final=True)
         report = self.journal.report(self, started, rounds, initial_loss, finished)
         if failed:  # the work so far is saved; the error is one line
-            raise PeerError(self.verdict.failure)
+            raise (NetworkLost if self.verdict.restartable else PeerError)(self.verdict.failure)
         return report
 
     def _evaluate(self) -> float:

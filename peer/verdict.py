@@ -1,12 +1,14 @@
 """When a peer must stop with an error instead of training on in silence.
 
-Two runs a volunteer would otherwise watch do nothing useful: training whose loss keeps coming out
-NaN or infinite (bad data, a learning rate that diverges; each such round is discarded), and a model
+Three runs a volunteer would otherwise watch do nothing useful: training whose loss keeps coming out
+NaN or infinite (bad data, a learning rate that diverges; each such round is discarded), a model
 no peer of the run can average with, because its layout (tensor names and shapes) differs from
-theirs. `RunVerdict` is told about each round and, once either has gone on for a bounded number of
+theirs, and a peer whose DHT worker or p2pd died under it (it trained alone, unheard, in silence).
+`RunVerdict` is told about each round and, once one of them has gone on for a bounded number of
 rounds, holds the one line (`failure`) the peer stops with: its work is checkpointed, its report
-written, and the command exits non-zero. `all_finite` guards what a peer writes: never a model
-that is not finite.
+written, and the command exits non-zero. Only the lost network is `restartable`: a new start cures
+it, so `murmur join --restart` restarts such a peer, and nothing else here. `all_finite` guards what a
+peer writes: never a model that is not finite.
 """
 
 from __future__ import annotations
@@ -29,6 +31,7 @@ class RunVerdict:
         self.max_non_finite = max_non_finite  # discarded rounds in a row before the peer stops
         self.layout_rounds = layout_rounds  # rounds before "no peer has this layout" stops the peer
         self.failure: str | None = None
+        self.restartable = False  # whether a new start of the peer cures the failure
         self._non_finite = 0
 
     def non_finite(self, reason: str) -> None:
@@ -47,3 +50,9 @@ class RunVerdict:
         if rounds >= self.layout_rounds and averager.incompatible and not averager.compatible:
             first = next(iter(averager.incompatible.values()))
             self.failure = f"{first}; no peer of the run shares this model's layout"
+
+    def network_lost(self, why: str) -> None:
+        """The peer's own DHT node is gone (`dht.node.node_lost`): `why` says which part."""
+        self.failure = (f"this peer lost its network: {why} (the OOM killer, or a kill), so it could reach no peer "
+                        "and no peer could reach it")  # fmt: skip
+        self.restartable = True

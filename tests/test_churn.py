@@ -1,5 +1,6 @@
 """Churn on real nodes: the bootstrap node dies while peers train, and a peer stopped mid-exchange."""
 
+import argparse
 import asyncio
 import contextlib
 import json
@@ -18,11 +19,13 @@ import pytest
 from murmur.averaging.group import GroupConfig
 from murmur.dht.node import NodeConfig, start_node, stop_node, visible_addresses
 from murmur.dht.records import RunRecord, RunRecords
+from murmur.peer import cli
 from murmur.peer.anchorfile import ANCHOR, read_anchor
 from murmur.peer.checkpoint import remembered_peers
 from murmur.peer.config import TrainConfig
 from murmur.peer.metrics import read_metrics
-from murmur.peer.runner import PeerOptions, VolunteerPeer
+from murmur.peer.runner import NetworkLost, PeerOptions, VolunteerPeer
+from murmur.peer.supervise import CRASH_EXIT
 from tests.test_rounds import story
 from tests.test_swarm import tagged_processes
 
@@ -148,6 +151,53 @@ def test_a_peer_resumed_after_its_bootstrap_node_died_joins_through_the_peers_it
             peer.close()
         if other is not None:
             other.close()
+        stop_node(boot)
+
+
+def test_a_peer_whose_p2pd_dies_stops_in_one_line_with_its_work_saved_and_a_code_restart_restarts(tmp_path):
+    """The OOM killer takes a long-running peer's p2pd (or its DHT worker): the peer trained on alone, unheard, in
+    silence, forever (its own stores are kept locally, so even its heartbeat never failed), and `--restart` never
+    restarted it. Now it stops at the end of that round: checkpoint, report and final model written, one line,
+    and the exit code of a crash, which the supervisor restarts."""
+    run = f"p2pd-death-{uuid.uuid4().hex[:8]}"
+    boot = start_node(NodeConfig(run_id=run))
+    peer = None
+    try:
+        RunRecords(boot, run).publish_config(
+            RunRecord(run_id=run, config=CONFIG.to_record(), created_by=boot.peer_id.to_base58())
+        )
+        out = tmp_path / "me"
+        node = NodeConfig(initial_peers=tuple(visible_addresses(boot)), run_id=run)
+        peer = VolunteerPeer.create(PeerOptions(run_id=run, node=node, exchange=EXCHANGE, eval_every=1000,
+                                                out_dir=out, trace_rounds=True))  # fmt: skip
+        failed: list[Exception] = []
+
+        def train() -> None:
+            try:
+                peer.run(threading.Event())
+            except Exception as e:
+                failed.append(e)
+
+        thread = threading.Thread(target=train, daemon=True)
+        thread.start()
+        wait_for(lambda: peer.engine.rounds >= 1, 60, "a first round")
+        daemons = [p for p in psutil.Process(peer.dht.pid).children(recursive=True) if p.name() == "p2pd"]
+        assert len(daemons) == 1
+        daemons[0].kill()
+        thread.join(30)
+        assert not thread.is_alive(), "the peer trained on without its p2pd: " + story(peer)
+        assert len(failed) == 1 and isinstance(failed[0], NetworkLost), failed
+        assert str(failed[0]).startswith("this peer lost its network: its p2pd exited")
+        assert (out / "report.json").is_file() and read_anchor(out / ANCHOR)  # its work is saved
+        assert peer.writer.flush() is not None and any((out / "checkpoints").glob("ckpt-*.safetensors"))
+
+        def join(args):
+            raise failed[0]
+
+        assert cli._run(join, argparse.Namespace(command="join")) == CRASH_EXIT  # --restart restarts that code
+    finally:
+        if peer is not None:
+            peer.close()
         stop_node(boot)
 
 
