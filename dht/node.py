@@ -443,6 +443,30 @@ def _terminate(processes: list[psutil.Process], grace: float, timeout: float) ->
         _, alive = psutil.wait_procs(alive, timeout=timeout)
 
 
+def kill_group(pgid: int) -> None:
+    """SIGKILL what is left of a dead peer's process group (its DHT worker and p2pd, which a kill of the peer alone
+    orphaned), and remove its p2pd's unix sockets, which a killed p2pd leaves in the temp folder: one more file for
+    every death of a peer that `murmur join --restart` restarts."""
+    group = []
+    for process in psutil.process_iter():
+        try:
+            if os.getpgid(process.pid) == pgid:
+                group.append(process)
+        except (OSError, psutil.Error):  # gone meanwhile
+            continue
+    sockets = [path for process in group for path in _socket_paths(process)]
+    for process in group:
+        try:
+            process.kill()
+        except psutil.Error:
+            pass
+    deadline = time.monotonic() + 5.0
+    while any(_running(process) for process in group) and time.monotonic() < deadline:  # a zombie is dead enough
+        time.sleep(0.02)
+    for path in sockets:
+        path.unlink(missing_ok=True)
+
+
 def _socket_paths(process: psutil.Process) -> list[Path]:
     """The unix sockets a p2pd process and its hivemind client use (hivemind leaves some behind)."""
     try:

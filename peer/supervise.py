@@ -12,7 +12,8 @@ the newest checkpoint, in about a second.
   of the group is a kill of the peer alone, and the supervisor outlives it. If the supervisor itself
   dies, the kernel sends the peer SIGTERM (`PR_SET_PDEATHSIG`): no orphan keeps training. When the
   peer dies, whatever is left of its group (a DHT worker, a `p2pd` that a `kill -9` of the peer alone
-  orphaned) gets SIGKILL before the next start, so the new peer never shares the run with a ghost.
+  orphaned) gets SIGKILL before the next start, so the new peer never shares the run with a ghost, and the
+  unix sockets of that killed p2pd are removed (each death left a file in the temp folder, before).
 - Ctrl-C or SIGTERM to the supervisor is forwarded to the peer, which stops cleanly (withdraws,
   checkpoints, exits); then the supervisor exits with the peer's code. It is forwarded as `FORWARDED`
   (SIGUSR1), not as SIGTERM: a stop of the whole process tree (`kill` of every group, systemd's stop)
@@ -182,8 +183,9 @@ def supervise(
                 forward(signal.SIGTERM, None)
             _, status = os.waitpid(child, 0)  # retried after a signal handler runs (PEP 475)
             lived = time.monotonic() - started
-            with contextlib.suppress(ProcessLookupError, PermissionError):
-                os.killpg(child, signal.SIGKILL)  # the dead peer's group: its orphaned DHT worker and p2pd
+            from murmur.dht.node import kill_group  # here: `murmur --help` imports this module, not hivemind
+
+            kill_group(child)  # the dead peer's group: its orphaned DHT worker and p2pd, and p2pd's sockets
             child = 0
             if stopping.is_set() or not restartable(status):
                 return exit_code(status)

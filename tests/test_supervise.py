@@ -38,6 +38,13 @@ SCRIPT = textwrap.dedent(
         with starts.open("a") as f:
             f.write(json.dumps({"pid": os.getpid(), "resume": resume, "pgid": os.getpgid(0)}) + "\\n")
         action = plan[min(n, len(plan) - 1)]
+        if action == "node-and-die":  # a peer with its DHT node, killed alone (the OOM killer): its p2pd is orphaned
+            import psutil
+            from murmur.dht.node import NodeConfig, _socket_paths, start_node
+            node = start_node(NodeConfig())
+            daemons = psutil.Process(node.pid).children(recursive=True)
+            starts.with_name("sockets").write_text(json.dumps([str(p) for d in daemons for p in _socket_paths(d)]))
+            action = "sigkill"
         if action == "save-and-die":
             with saved.open("a") as f:
                 f.write("checkpoint\\n")
@@ -118,6 +125,17 @@ def test_a_peer_that_keeps_dying_is_given_up_on(tmp_path):
     code, err = finish(proc)
     assert code == 3 and len(records(starts)) == 3  # the first start and max_restarts=2 restarts
     assert "gave up: the peer died 3 times in 600 s (last: killed by SIGKILL); giving up" in err
+
+
+def test_a_killed_peer_leaves_no_socket_of_its_p2pd_behind(tmp_path):
+    """The supervisor kills what is left of a dead peer's group (its DHT worker and p2pd) before the next start;
+    a killed p2pd leaves its unix socket in the temp folder, one more file for every restart."""
+    proc, starts = start(tmp_path, ["node-and-die", "0"])
+    code, err = finish(proc)
+    assert code == 0 and len(records(starts)) == 2, err
+    sockets = [Path(p) for p in json.loads(starts.with_name("sockets").read_text())]
+    assert sockets and all(p.name.startswith("hivemind-p2pd-") for p in sockets[:1])
+    assert not [p for p in sockets if p.exists()]
 
 
 # deaths at least 0.4 s apart: never more than 2 in a 0.5 s period, and each after healthy_after
