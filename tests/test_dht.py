@@ -870,7 +870,10 @@ def test_a_restarted_bootstrap_node_finds_its_swarm_again(tmp_path: Path) -> Non
         stop_node(boot)
         boot = start_node(NodeConfig(identity_path=str(key), port=port))  # the join line's address again
         assert visible_addresses(boot) == [address]
-        time.sleep(3.0)  # a few pings
+        deadline = time.monotonic() + 20  # a ping a second: the restarted node learns the swarm within a few
+        while boot.get("k", latest=True) is None:
+            assert time.monotonic() < deadline, "the restarted bootstrap node never learnt of its swarm"
+            time.sleep(0.5)
         reader = start_node(NodeConfig(initial_peers=(address,), client_mode=True))
         nodes.append(reader)
         found = reader.get("k", latest=True)
