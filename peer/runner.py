@@ -459,8 +459,9 @@ class VolunteerPeer:
                 if self.checkpoint():
                     saved, saved_at, saved_steps = rounds, time.monotonic(), trainer.steps
         failed = self.verdict.failure is not None
-        if not failed and trainer.outer.moved():  # steps the anchor does not hold (a round a stop cut short, a last
-            trainer.outer.flush()  # round without a group): one outer step alone, so the final model keeps them
+        if stop.is_set() and not failed and trainer.outer.moved():  # a round that a stop cut short: its steps,
+            trainer.outer.flush()  # which the anchor does not hold, become one outer step alone, kept in the final
+        # model (at an end by --duration or --until no round is cut short: peers given one --until keep one model)
         finished = self.finish(stop) if not stop.is_set() and not failed else 0
         if trainer.steps > saved_steps or finished:  # a clean stop keeps every step since the last checkpoint,
             # a round that a stop cut short included

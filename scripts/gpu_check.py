@@ -53,7 +53,7 @@ from murmur.peer.api import Peer, Swarm, train_together
 from murmur.peer.config import TrainConfig
 from murmur.peer.data import DataConfig, load_corpus
 from murmur.peer.device import DeviceConfig, Runtime
-from murmur.peer.flags import integer, number, out_folder
+from murmur.peer.flags import integer, number, out_file
 from murmur.peer.model import MODELS, build_model, count_parameters
 from murmur.peer.trainer import Trainer
 
@@ -282,7 +282,7 @@ def main(argv: list[str] | None = None) -> int:
         help="models for bench_model_scale's figures on the card, comma-separated ('' for none)",
     )
     parser.add_argument("--device", choices=("cuda", "cpu"), default="cuda", help="cpu: a smoke run of the script")
-    parser.add_argument("--out", type=out_folder, default=RESULTS)
+    parser.add_argument("--out", type=out_file, default=RESULTS)
     args = parser.parse_args(argv)
     models, modes = [m for m in args.models.split(",") if m], args.modes.split(",")
     scale_models = [m for m in args.scale_models.split(",") if m]

@@ -39,4 +39,4 @@ def test_the_smallest_model_s_row_is_measured_and_its_targets_judged(tmp_path: P
     assert "gpt-tiny" in done.stdout and "target added_fp32_copies_at_most_3" in done.stdout
     bad = subprocess.run([sys.executable, "scripts/bench_model_scale.py", "--repeats", "0"], capture_output=True,
                          text=True, timeout=60)  # fmt: skip
-    assert bad.returncode == 2 and "--repeats must be at least 1" in bad.stderr
+    assert bad.returncode == 2 and "argument --repeats: must be at least 1, got 0" in bad.stderr

@@ -178,7 +178,8 @@ def numeric_flags():
     commands = next(a for a in parser._actions if isinstance(a, argparse._SubParsersAction)).choices
     for name, sub in commands.items():
         for action in sub._actions:
-            if action.type is not None and action.option_strings and action.type not in (str, Path):
+            if action.type is not None and action.option_strings and action.type not in (str, Path) \
+                    and action.dest != "creator":  # fmt: skip
                 yield name, action.option_strings[-1], action.type
 
 
