@@ -43,7 +43,7 @@ if __name__ == "__main__" or os.path.basename(sys.argv[0]) == "murmur":  # the p
         signal.signal(_signum, _interrupted_while_importing)
 
 from murmur.peer.flags import build_parser  # noqa: E402  (after the handler: pydantic takes a while to import)
-from murmur.peer.supervise import CRASH_EXIT, FORWARDED, follow_launcher  # noqa: E402
+from murmur.peer.supervise import CRASH_EXIT, FORWARDED, PARENT_GONE, follow_launcher  # noqa: E402
 
 # the errors a user can cause, each one line: ValueError and OSError (AddressError, ConfigError, IdentityError,
 # AccessError, WorkloadError, ... are ValueErrors) and these, looked up only in modules already imported
@@ -65,8 +65,9 @@ class _Stop:
     unwinds through its `finally` blocks: no join line, no round); after, the first one asks for a clean stop,
     a second aborts. A stop that `murmur join --restart`'s supervisor forwards (`FORWARDED`) counts apart: a
     stop of the whole process tree reaches a supervised peer twice at once, directly and forwarded, and is one
-    stop, whose final checkpoint and report are kept; a second Ctrl-C to the supervisor still aborts. A context
-    manager: on exit the previous handlers are back.
+    stop, whose final checkpoint and report are kept; a second Ctrl-C to the supervisor still aborts. The death of
+    the peer's supervisor or launcher (`PARENT_GONE`) is a clean stop however often it comes. A context manager:
+    on exit the previous handlers are back.
 
     Python runs a signal handler only between bytecodes, and a startup spends seconds inside C code (torch
     and hivemind loading their libraries), so a watcher thread hears the signal at once through the wakeup
@@ -85,7 +86,7 @@ class _Stop:
         self._started = self._done = False
         self._asked: set[bool] = set()  # who has asked for a clean stop: the supervisor (True) or anyone (False)
         self._said = threading.Lock()  # whoever takes it says "interrupted": the main thread or the watcher
-        stops = (signal.SIGINT, signal.SIGTERM, FORWARDED)
+        stops = (signal.SIGINT, signal.SIGTERM, FORWARDED, PARENT_GONE)
         self._previous = {signum: signal.signal(signum, self._handle) for signum in stops}
         read, self._write = os.pipe()
         os.set_blocking(self._write, False)
@@ -120,6 +121,9 @@ class _Stop:
         sender = signum == FORWARDED
         if not self._started and _importing(frame):  # the watcher exits in one line: an exception raised in an
             return  # import can cross a C++ extension's init (torch's pybind11 code), which then aborts the process
+        if signum == PARENT_GONE and self._started:  # the launcher or supervisor died: a clean stop, however
+            self.event.set()  # many times it comes (once for each thread of this process)
+            return
         if not self._started or sender in self._asked:
             raise KeyboardInterrupt
         self._asked.add(sender)

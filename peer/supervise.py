@@ -10,7 +10,7 @@ the newest checkpoint, in about a second.
 
 - The peer runs in its own session and process group (its DHT worker and `p2pd` with it), so a kill
   of the group is a kill of the peer alone, and the supervisor outlives it. If the supervisor itself
-  dies, the kernel sends the peer SIGTERM (`PR_SET_PDEATHSIG`): no orphan keeps training. When the
+  dies, the kernel sends the peer `PARENT_GONE` (`PR_SET_PDEATHSIG`), a clean stop: no orphan keeps training. When the
   peer dies, whatever is left of its group (a DHT worker, a `p2pd` that a `kill -9` of the peer alone
   orphaned) gets SIGKILL before the next start, so the new peer never shares the run with a ghost, and the
   unix sockets of that killed p2pd are removed (each death left a file in the temp folder, before).
@@ -48,6 +48,10 @@ RESTARTED = "restarting with --resume"  # in the line the supervisor logs for ea
 CRASH_EXIT = 70  # EX_SOFTWARE: what the peer exits with on an unexpected exception (restarted)
 _PR_SET_PDEATHSIG = 1
 FORWARDED = signal.SIGUSR1  # a stop the supervisor passes on to its peer
+# what a peer gets when its supervisor or launcher dies (PR_SET_PDEATHSIG): the kernel sends it once for each of
+# the peer's threads made after the prctl, so it is a signal of its own, a clean stop however often it comes (as
+# SIGTERM, its second coming was taken for a second Ctrl-C: an abort, with no final checkpoint or report)
+PARENT_GONE = signal.SIGUSR2
 # set by a program that starts peers as child processes (`murmur simulate`) to its pid: see `follow_launcher`
 LAUNCHER = "MURMUR_LAUNCHER_PID"
 
@@ -92,11 +96,11 @@ def exit_code(status: int) -> int:
 
 def _die_with_parent() -> None:
     with contextlib.suppress(OSError, AttributeError):
-        ctypes.CDLL(None, use_errno=True).prctl(_PR_SET_PDEATHSIG, signal.SIGTERM)
+        ctypes.CDLL(None, use_errno=True).prctl(_PR_SET_PDEATHSIG, PARENT_GONE)
 
 
 def follow_launcher() -> bool:
-    """A peer that a program of ours started (`LAUNCHER` in its environment names it) gets SIGTERM, a clean stop,
+    """A peer that a program of ours started (`LAUNCHER` in its environment names it) gets `PARENT_GONE`, a clean stop,
     when that program dies, `kill -9` included, rather than training on, orphaned, until its --until. The variable
     is taken out of the environment: the peer `--restart` forks is the supervisor's to follow. False if the
     launcher has gone already. (A wrapper that forks, between the two, is followed instead.)"""

@@ -13,6 +13,7 @@ import signal
 import threading
 import time
 import uuid
+from collections.abc import Callable
 
 import psutil
 import pytest
@@ -336,12 +337,8 @@ def test_ctrl_c_during_training_stops_every_peer_cleanly(custom_run, tmp_path, c
     peers = [Peer(tiny_mlp.build_model, tiny_mlp.build_batches, run=run, initial_peers=initial_peers, device="cpu",
                   duration=120, data_seed=i, out_dir=folder).start() for i, folder in enumerate(folders)]  # fmt: skip
 
-    def interrupt() -> None:  # Ctrl-C once both have trained a round
-        while not all((f / "metrics.jsonl").exists() and (f / "metrics.jsonl").stat().st_size for f in folders):
-            time.sleep(0.05)
-        os.kill(os.getpid(), signal.SIGINT)
-
-    threading.Thread(target=interrupt, daemon=True).start()
+    logs = [f / "metrics.jsonl" for f in folders]
+    ctrl_c_once(lambda: all(log.exists() and log.stat().st_size > 0 for log in logs))  # once both trained a round
     try:
         with pytest.raises(KeyboardInterrupt):
             train_together(peers) if count > 1 else peers[0].train()
@@ -352,6 +349,18 @@ def test_ctrl_c_during_training_stops_every_peer_cleanly(custom_run, tmp_path, c
         steps = json.loads((folder / "report.json").read_text())["steps"]
         state, _ = latest_checkpoint(folder / "checkpoints", run_id=run, model=MODEL)
         assert steps > 0 and state["trainer"]["steps"] == steps and (folder / "anchor.safetensors").exists()
+
+
+def ctrl_c_once(ready: Callable[[], bool], then: float = 0.0) -> None:
+    """A Ctrl-C to this process (SIGINT), from a thread of its own, `then` seconds after `ready()` holds."""
+
+    def interrupt() -> None:
+        while not ready():
+            time.sleep(0.05)
+        time.sleep(then)
+        os.kill(os.getpid(), signal.SIGINT)
+
+    threading.Thread(target=interrupt, daemon=True).start()
 
 
 def slow_batches(split: str, *, seed: int, batch_size: int):
@@ -372,12 +381,7 @@ def test_a_round_cut_short_is_in_the_final_model(custom_run, tmp_path) -> None:
                 duration=120, out_dir=tmp_path).start()  # fmt: skip
     initial = {n: p.detach().clone() for n, p in peer.model.named_parameters()}
 
-    def interrupt() -> None:  # Ctrl-C in its first round (10 steps of 0.3 s), once it has taken a few
-        while peer.trainer.steps < 3:
-            time.sleep(0.05)
-        os.kill(os.getpid(), signal.SIGINT)
-
-    threading.Thread(target=interrupt, daemon=True).start()
+    ctrl_c_once(lambda: peer.trainer.steps >= 3)  # in its first round (10 steps of 0.3 s), once it has taken a few
     try:
         with pytest.raises(KeyboardInterrupt):
             peer.train()
@@ -400,13 +404,8 @@ def test_ctrl_c_raises_only_once_the_peer_has_stopped(custom_run, tmp_path) -> N
     peer = Peer(tiny_mlp.build_model, slow_batches, run=run, initial_peers=initial_peers, device="cpu",
                 duration=120, out_dir=tmp_path).start()  # fmt: skip
 
-    def interrupt() -> None:  # Ctrl-C once it has trained a round, in the middle of a step
-        while not ((tmp_path / "metrics.jsonl").exists() and (tmp_path / "metrics.jsonl").stat().st_size):
-            time.sleep(0.05)
-        time.sleep(0.15)
-        os.kill(os.getpid(), signal.SIGINT)
-
-    threading.Thread(target=interrupt, daemon=True).start()
+    log = tmp_path / "metrics.jsonl"
+    ctrl_c_once(lambda: log.exists() and log.stat().st_size > 0, then=0.15)  # once it has trained a round, mid-step
     try:
         with pytest.raises(KeyboardInterrupt):
             peer.train()

@@ -183,6 +183,22 @@ def test_export_flags_are_checked(tmp_path, capsys) -> None:
     assert e.value.code == 2 and "one of the arguments --from --initial-peers is required" in capsys.readouterr().err
 
 
+def trained_alone(boot, run: str, **options) -> VolunteerPeer:
+    """A peer of `run` (joined through `boot`) that trained 4 s alone, its rounds alone taking outer steps; it still
+    serves its state until closed."""
+    peer = VolunteerPeer.create(PeerOptions(run_id=run, node=NodeConfig(initial_peers=tuple(visible_addresses(boot)),
+                                run_id=run), duration=4.0, eval_every=1000, **options))  # fmt: skip
+    try:
+        thread = threading.Thread(target=peer.run, args=(threading.Event(),))
+        thread.start()
+        thread.join(60)
+        assert peer.trainer.outer.step >= 1
+    except BaseException:
+        peer.close()
+        raise
+    return peer
+
+
 @pytest.mark.slow
 def test_export_from_a_live_swarm_takes_a_donors_anchor(tmp_path, capsys) -> None:
     run = f"export-{uuid.uuid4().hex[:8]}"
@@ -193,13 +209,7 @@ def test_export_from_a_live_swarm_takes_a_donors_anchor(tmp_path, capsys) -> Non
         RunRecords(boot, run).publish_config(
             RunRecord(run_id=run, config=config.to_record(), created_by=boot.peer_id.to_base58())
         )
-        options = PeerOptions(run_id=run, node=NodeConfig(initial_peers=tuple(visible_addresses(boot)), run_id=run),
-                              duration=4.0, eval_every=1000)  # fmt: skip
-        peer = VolunteerPeer.create(options)
-        thread = threading.Thread(target=peer.run, args=(threading.Event(),))
-        thread.start()
-        thread.join(60)  # its rounds alone took outer steps; it still serves its state until closed
-        assert peer.trainer.outer.step >= 1
+        peer = trained_alone(boot, run)
         argv = ["export", str(tmp_path / "out"), "--initial-peers", *visible_addresses(boot), "--run", run]
         assert main(argv) == 0
         assert f"from run {run}, from peer {peer.peer_id}" in capsys.readouterr().out
@@ -229,13 +239,7 @@ def test_export_from_a_private_swarm_takes_the_run_secret_file(tmp_path, capsys)
             run_id=run, config=CONFIG.with_overrides(solo_after=1).to_record(), created_by=boot.peer_id.to_base58(),
             secret_check=policy.run_check(run),
         ))  # fmt: skip
-        options = PeerOptions(run_id=run, node=NodeConfig(initial_peers=tuple(visible_addresses(boot)), run_id=run),
-                              exchange=GroupConfig(access=policy), duration=4.0, eval_every=1000)  # fmt: skip
-        peer = VolunteerPeer.create(options)
-        thread = threading.Thread(target=peer.run, args=(threading.Event(),))
-        thread.start()
-        thread.join(60)  # its rounds alone took outer steps; it still serves its state until closed
-        assert peer.trainer.outer.step >= 1
+        peer = trained_alone(boot, run, exchange=GroupConfig(access=policy))
         argv = ["export", str(tmp_path / "out"), "--initial-peers", *visible_addresses(boot), "--run", run]
         assert main(argv) == 1
         assert capsys.readouterr().err == (

@@ -180,7 +180,7 @@ def test_the_peer_dies_with_its_supervisor(tmp_path):
         time.sleep(0.05)
     os.kill(proc.pid, signal.SIGKILL)  # the supervisor alone, not the peer's group
     proc.wait(timeout=10)
-    assert not tagged_processes(tag)  # PR_SET_PDEATHSIG: the peer got SIGTERM and stopped
+    assert not tagged_processes(tag)  # PR_SET_PDEATHSIG: the peer got PARENT_GONE and stopped
 
 
 def test_wait_statuses_in_words():
@@ -228,11 +228,11 @@ def test_a_restarted_peer_trains_what_is_left_of_its_duration(tmp_path):
 
 FOLLOW = """if True:
     import ctypes, os, signal, sys
-    from murmur.peer.supervise import LAUNCHER, follow_launcher
+    from murmur.peer.supervise import LAUNCHER, PARENT_GONE, follow_launcher
     followed = follow_launcher()
     death = ctypes.c_int()
     ctypes.CDLL(None).prctl(2, ctypes.byref(death))  # PR_GET_PDEATHSIG
-    print(followed, death.value == signal.SIGTERM, LAUNCHER in os.environ)
+    print(followed, death.value == PARENT_GONE, LAUNCHER in os.environ)
     """
 
 
