@@ -317,16 +317,6 @@ class OuterOptimizer:
             self.step += 1
             return True
 
-    @torch.no_grad()
-    def moved(self) -> bool:
-        """Whether the model has moved off the anchor: inner steps since the last outer step (a round cut short,
-        a round whose exchange failed), which the anchor, and so the final model, does not hold yet."""
-        for _, name, rows in self.pieces:
-            param = _rows(self.params[name].detach(), rows)
-            if not torch.equal(param, self._fetch(self.anchor, name, rows).to(param.dtype)):
-                return True
-        return False
-
     def flush(self) -> bool:
         """Take the work not yet applied (a lonely round's steps, the error-feedback residual) as an outer
         step alone, and reset the model to the new anchor; False if there was nothing to take."""

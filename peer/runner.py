@@ -459,12 +459,9 @@ class VolunteerPeer:
                 if self.checkpoint():
                     saved, saved_at, saved_steps = rounds, time.monotonic(), trainer.steps
         failed = self.verdict.failure is not None
-        if stop.is_set() and not failed and trainer.outer.moved():  # a round that a stop cut short: its steps,
-            trainer.outer.flush()  # which the anchor does not hold, become one outer step alone, kept in the final
-        # model (at an end by --duration or --until no round is cut short: peers given one --until keep one model)
         finished = self.finish(stop) if not stop.is_set() and not failed else 0
         if trainer.steps > saved_steps or finished:  # a clean stop keeps every step since the last checkpoint,
-            # a round that a stop cut short included
+            # a round that a stop cut short included (the model holds its inner steps; the next round goes on)
             self.checkpoint(final=True)
         report = self.journal.report(self, started, rounds, initial_loss, finished)
         if failed:  # the work so far is saved; the error is one line
