@@ -199,6 +199,14 @@ def trained_alone(boot, run: str, **options) -> VolunteerPeer:
     return peer
 
 
+def assert_exported_anchor(out: Path, printed: str, run: str, peer) -> None:
+    """The export in `out` said it came from `peer` of `run` and holds exactly that peer's anchor."""
+    assert f"from run {run}, from peer {peer.peer_id}" in printed
+    exported = GPT.from_pretrained(out)
+    for name, p in exported.named_parameters():
+        assert torch.equal(p.detach(), peer.trainer.outer.anchor[name]), name
+
+
 @pytest.mark.slow
 def test_export_from_a_live_swarm_takes_a_donors_anchor(tmp_path, capsys) -> None:
     run = f"export-{uuid.uuid4().hex[:8]}"
@@ -212,10 +220,7 @@ def test_export_from_a_live_swarm_takes_a_donors_anchor(tmp_path, capsys) -> Non
         peer = trained_alone(boot, run)
         argv = ["export", str(tmp_path / "out"), "--initial-peers", *visible_addresses(boot), "--run", run]
         assert main(argv) == 0
-        assert f"from run {run}, from peer {peer.peer_id}" in capsys.readouterr().out
-        exported = GPT.from_pretrained(tmp_path / "out")
-        for name, p in exported.named_parameters():
-            assert torch.equal(p.detach(), peer.trainer.outer.anchor[name]), name
+        assert_exported_anchor(tmp_path / "out", capsys.readouterr().out, run, peer)
     finally:
         if peer is not None:
             peer.close()
@@ -246,10 +251,7 @@ def test_export_from_a_private_swarm_takes_the_run_secret_file(tmp_path, capsys)
             f"murmur export: error: run '{run}' is private: pass --run-secret-file FILE with the run's secret\n"
         )
         assert main([*argv, "--run-secret-file", str(secret)]) == 0
-        assert f"from run {run}, from peer {peer.peer_id}" in capsys.readouterr().out
-        exported = GPT.from_pretrained(tmp_path / "out")
-        for name, p in exported.named_parameters():
-            assert torch.equal(p.detach(), peer.trainer.outer.anchor[name]), name
+        assert_exported_anchor(tmp_path / "out", capsys.readouterr().out, run, peer)
     finally:
         if peer is not None:
             peer.close()
