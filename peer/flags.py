@@ -63,8 +63,9 @@ def integer(minimum: int, maximum: int | None = None) -> Callable[[str], int]:
     return parse
 
 
-def number(*, zero: bool = False, maximum: float = math.inf) -> Callable[[str], float]:
-    """An argparse type: a finite number above 0 (or at least 0, with `zero`), and at most `maximum`."""
+def number(*, zero: bool = False, minimum: float = 0.0, maximum: float = math.inf) -> Callable[[str], float]:
+    """An argparse type: a finite number above 0 (or at least 0, with `zero`), at least `minimum` and at most
+    `maximum`."""
 
     def parse(text: str) -> float:
         try:
@@ -73,6 +74,8 @@ def number(*, zero: bool = False, maximum: float = math.inf) -> Callable[[str], 
             raise argparse.ArgumentTypeError(f"must be a number, got {text!r}") from None
         if not math.isfinite(value) or value < 0 or (value == 0 and not zero):
             raise argparse.ArgumentTypeError(f"must be a {'non-negative' if zero else 'positive'} number, got {text}")
+        if value < minimum:
+            raise argparse.ArgumentTypeError(f"must be at least {minimum:g}, got {text}")
         if value > maximum:
             raise argparse.ArgumentTypeError(f"must be at most {maximum:g}, got {text}")
         return value
@@ -315,8 +318,9 @@ def build_parser() -> argparse.ArgumentParser:
                       help="address the page is served on (default: %(default)s, this machine only)")  # fmt: skip
     dash.add_argument("--port", type=PORT, default=8080,
                       help="the page's TCP port, 0 picks a free one (default: %(default)s)")  # fmt: skip
-    dash.add_argument("--period", type=number(maximum=3600), default=2.0, metavar="SECONDS",
-                      help="seconds between readings of the DHT (default: %(default)s)")  # fmt: skip
+    # at least a second: a reading is a DHT lookup of every record of the run, which peers renew every few seconds
+    dash.add_argument("--period", type=number(minimum=1, maximum=3600), default=2.0, metavar="SECONDS",
+                      help="seconds between readings of the DHT, 1 to 3600 (default: %(default)s)")  # fmt: skip
 
     export = sub.add_parser("export", help="write a run's model as model.safetensors and config.json")
     export.add_argument("out_dir", type=Path, metavar="OUT_DIR", help="folder to write (made if missing)")

@@ -86,6 +86,11 @@ def test_help_screens(command, capsys):
         (["bootstrap", "--run", "r", "--seed", "9" * 23], f"argument --seed: must be at most {2**63 - 1} (2^63 - 1)"),
         (["simulate", "--inner-steps", str(2**63)], "argument --inner-steps: must be at most"),
         (["dashboard", "--initial-peers", "x", "--run", "r", "--period", "1e9"], "--period: must be at most 3600"),
+        # a reading of the whole run 100 times a second, each one waiting up to 5 s for the DHT
+        (
+            ["dashboard", "--initial-peers", "x", "--run", "r", "--period", "0.01"],
+            "--period: must be at least 1, got 0.01",
+        ),
         ([*JOIN, "--data-seed", str(2**64)], "argument --data-seed: must be at most"),
         (["sample", "out", "--seed", str(2**64)], "argument --seed: must be at most"),
         (["join", "--initial-peers", PEER, "--run", "r", "--use-auto-relay=yes"], "ignored explicit argument"),
