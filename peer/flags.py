@@ -87,23 +87,22 @@ PORT = integer(0, 65535)
 
 
 def out_folder(text: str) -> Path:
-    """An argparse type: a folder that results are written into, made now and checked writable, so that a bad one
-    fails in one line before a run of minutes rather than at its end."""
+    """An argparse type: a folder that results are written into, checked now (it, or the nearest folder above it
+    that exists, is a folder this user can write into), so that a bad one fails in one line before a run of minutes
+    rather than at its end. Nothing is made here: a command that then fails on another flag leaves no empty folder
+    behind; the command makes it when it writes."""
     from murmur.peer.rundir import check_writable
 
     path = Path(text)
     try:
-        path.mkdir(parents=True, exist_ok=True)
         check_writable(path)
-    except OSError as e:
-        raise argparse.ArgumentTypeError(f"cannot make the folder {text}: {e.strerror}") from None
     except ValueError as e:
         raise argparse.ArgumentTypeError(str(e)) from None
     return path
 
 
 def out_file(text: str) -> Path:
-    """An argparse type: a file that results are written to, its folder made now and checked (`out_folder`)."""
+    """An argparse type: a file that results are written to, its folder checked now (`out_folder`)."""
     path = Path(text)
     if path.is_dir():
         raise argparse.ArgumentTypeError(f"{text} is a folder, not a file")

@@ -18,11 +18,10 @@ SCRIPTS = Path(__file__).resolve().parent.parent / "scripts"
         ("bench_convergence.py", ["--rounds", "0"], "argument --rounds: must be at least 1, got 0"),
         ("bench_convergence.py", ["--outer-momentum", "1"], "outer_momentum must be below 1"),
         ("bench_convergence.py", ["--codec", "zip"], "argument --codec: invalid choice: 'zip'"),
-        (
-            "bench_convergence.py",
-            ["--out", "notes/x"],
-            "argument --out: cannot make the folder notes/x: Not a directory",
-        ),
+        ("bench_convergence.py", ["--out", "notes/x"], "argument --out: notes/x: notes is a file, not a folder"),
+        # a good --out, then a bad flag: the folder was made as --out was read, and left behind empty
+        ("bench_convergence.py", ["--out", "results/new", "--rounds", "0"], "argument --rounds: must be at least 1"),
+        ("gpu_check.py", ["--out", "results/new/gpu.json", "--batch-size", "0"], "argument --batch-size: must be at"),
         ("bench_model_scale.py", ["--models", "gpt-tiny,gpt-huge"], "--models: unknown gpt-huge (the registry has "),
         ("bench_model_scale.py", ["--out", "."], "argument --out: . is a folder, not a file"),
         ("bench_attack.py", ["--attacker", "8"], "argument --attacker: must be between 0 and 7, got 8"),

@@ -54,10 +54,8 @@ def test_a_quick_run_keeps_the_committed_results(tmp_path, monkeypatch):
         (["--peers", "1"], "argument --peers: must be at least 2, got 1"),  # a traceback
         (["--threads", "0"], "argument --threads: must be at least 1, got 0"),  # a traceback
         (["--inner-lr", "nan"], "argument --inner-lr: must be a positive number, got nan"),  # a traceback
-        (
-            ["--out", "notes/x"],
-            "argument --out: cannot make the folder notes/x: Not a directory",
-        ),  # a traceback, after the whole run
+        (["--out", "notes/x"], "argument --out: notes/x: notes is a file, not a folder"),  # a traceback, at the end
+        (["--out", "results/new", "--rounds", "0"], "argument --rounds: must be at least 1, got 0"),  # results/ made
     ],
 )
 def test_a_bad_flag_is_one_line_before_anything_runs(flags, error, tmp_path, monkeypatch, capsys):
@@ -68,7 +66,7 @@ def test_a_bad_flag_is_one_line_before_anything_runs(flags, error, tmp_path, mon
         load_script().main()
     assert exit_info.value.code == 2
     assert capsys.readouterr().err.splitlines()[-1] == f"simulate_scale.py: error: {error}"
-    assert not (tmp_path / "runs").exists()
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["notes"]  # no runs/, no --out folder: nothing made
 
 
 def test_quick_mode_reports_every_metric_for_every_peer_count(quick):
