@@ -13,8 +13,9 @@
 Every expected failure (a bad flag, address or config, an unreachable run) is one line on stderr
 and a non-zero exit code, never a traceback. The flags are parsed by `peer.flags`, which imports
 neither torch nor hivemind; each command imports what it uses, so help and bad flags answer at once.
-Ctrl-C (or SIGTERM) while a peer, a bootstrap node or a simulation is still starting stops it at once; once it runs,
-the first asks for a clean stop and a second aborts.
+Ctrl-C (or SIGTERM) while a peer, a bootstrap node, a dashboard or a simulation is still starting stops it at once
+(`murmur join: interrupted`, exit code 130); once it runs, the first asks for a clean stop and a second aborts.
+`murmur status` and an export from a live swarm stop at once, the same way.
 """
 
 from __future__ import annotations
@@ -282,18 +283,21 @@ def _simulate(args: argparse.Namespace) -> int:
 
 
 def _status(args: argparse.Namespace) -> int:
-    from rich.console import Console
-
-    from murmur.dht.node import start_node, stop_node
-    from murmur.dht.records import RunRecords, validate_run_id
-    from murmur.peer.ops.status import read_status, render_status
+    from murmur.dht.records import validate_run_id
 
     validate_run_id(args.run)  # before starting a node
-    dht = start_node(reader_node(args))
-    try:
-        status = read_status(RunRecords(dht, args.run), creator=args.creator)
-    finally:
-        stop_node(dht)
+    with _Stop(args.command):  # a reading is never started: Ctrl-C or SIGTERM ends it at once, in one line
+        from rich.console import Console
+
+        from murmur.dht.node import start_node, stop_node
+        from murmur.dht.records import RunRecords
+        from murmur.peer.ops.status import read_status, render_status
+
+        dht = start_node(reader_node(args))
+        try:
+            status = read_status(RunRecords(dht, args.run), creator=args.creator)
+        finally:
+            stop_node(dht)
     if args.json:
         print(status.to_json())
     else:
@@ -348,7 +352,8 @@ def _export(args: argparse.Namespace) -> int:
 
         validate_run_id(args.run)
         access = load_policy(args.run_secret_file, args.allow_peers)  # a bad secret file: before a node starts
-        found = from_swarm(reader_node(args), model=args.model, data=args.data, access=access)
+        with _Stop(args.command):  # as `status`: Ctrl-C or SIGTERM ends the download at once, in one line
+            found = from_swarm(reader_node(args), model=args.model, data=args.data, access=access)
     else:
         if args.run is not None:
             raise ValueError("--run goes with --initial-peers; with --from the model's file names its run")

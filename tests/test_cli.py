@@ -391,3 +391,27 @@ def test_a_bad_config_value_is_one_line_naming_the_field() -> None:
     assert TrainConfig.from_record({**TrainConfig().to_record(), "inner_lr": 1}).inner_lr == 1.0  # int for float
     with pytest.raises(ConfigError, match="must be a dict"):
         TrainConfig.from_record(["not", "a", "dict"])
+
+
+def test_a_status_stopped_by_sigterm_says_so_in_one_line():
+    """`murmur status` stopped by SIGTERM (a script's `timeout`, a service manager) while it reads the run died of
+    the signal in silence (143 in a shell, and nothing on stderr): now it stops as Ctrl-C stops it and as a join
+    that has not started yet, in one line, with exit code 130."""
+    import signal
+    import socket
+
+    with socket.create_server(("127.0.0.1", 0)) as silent:  # an initial peer that takes connections, says nothing
+        peer = f"/ip4/127.0.0.1/tcp/{silent.getsockname()[1]}/p2p/{PEER.rsplit('/', 1)[1]}"
+        proc = subprocess.Popen([sys.executable, "-m", "murmur.peer.cli", "status", "--initial-peers", peer, "--run",
+                                 "r"], stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)  # fmt: skip
+        try:
+            silent.settimeout(120)
+            connection, _ = silent.accept()  # its node dials the run: status is past its imports, reading
+            proc.send_signal(signal.SIGTERM)
+            out, err = proc.communicate(timeout=30)
+            connection.close()
+        finally:
+            if proc.poll() is None:
+                proc.kill()
+                proc.wait()
+    assert (proc.returncode, out, err) == (130, "", "murmur status: interrupted\n")
