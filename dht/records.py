@@ -7,7 +7,8 @@ Keys (every one prefixed with the run id; a subkey per peer where peers write th
 * ``{run_id}:metrics`` subkey peer id -> ``Metrics``
 
 Every record expires. Values travel as plain msgpack (``model_dump(mode="json")``) and are
-validated again when read: readers skip malformed or expired entries and never raise on them.
+validated again when read: readers skip malformed or expired entries and never raise on them, and
+ignore the fields of an announcement or metrics record that a newer murmur added (``_Record.decode``).
 """
 
 from __future__ import annotations
@@ -21,7 +22,7 @@ import threading
 from collections.abc import Callable
 from dataclasses import dataclass, replace
 from enum import StrEnum
-from typing import Annotated, Any, Generic, TypeVar
+from typing import Annotated, Any, ClassVar, Generic, TypeVar
 
 import hivemind
 from hivemind.utils import MPFuture
@@ -49,7 +50,7 @@ _MAX_ADDRESSES = 32
 _MAX_CONFIG_ITEMS = 256
 
 T = TypeVar("T")
-Model = TypeVar("Model", bound=BaseModel)
+Model = TypeVar("Model", bound="_Record")
 PeerId = Annotated[str, Field(min_length=1, max_length=128)]
 Count = Annotated[int, Field(ge=0)]
 
@@ -72,6 +73,19 @@ def config_digest(config: dict[str, Any]) -> str:
 
 class _Record(BaseModel):
     model_config = ConfigDict(extra="forbid", frozen=True, strict=True, allow_inf_nan=False)
+    # Whether a stored value's fields that this murmur does not know are ignored when it is read (`decode`): a newer
+    # peer may add one (the announcement's `config` was added so), and older peers should still see that peer. Only
+    # for records signed whole (`dht.signing`: the signature covers every byte of the value, at most 64 KiB), so an
+    # unknown field is its signer's own; the run config's signature covers only its known fields, so it stays
+    # closed. Built here, in murmur's own code, a record refuses an unknown field either way (a typo).
+    newer_fields_ignored: ClassVar[bool] = False
+
+    @classmethod
+    def decode(cls, value: Any):
+        """The record a stored value holds (pydantic's ValidationError if it holds none)."""
+        if cls.newer_fields_ignored and isinstance(value, dict):
+            value = {name: field for name, field in value.items() if name in cls.model_fields}
+        return cls.model_validate(value)
 
 
 class PeerState(StrEnum):
@@ -84,6 +98,7 @@ class PeerState(StrEnum):
 class Announcement(_Record):
     """A live peer: where to reach it and how far along it is."""
 
+    newer_fields_ignored: ClassVar[bool] = True
     peer_id: PeerId
     addresses: list[str] = Field(max_length=_MAX_ADDRESSES)  # multiaddrs ending in /p2p/<peer_id>
     step: Count
@@ -117,6 +132,7 @@ class Announcement(_Record):
 class Metrics(_Record):
     """A peer's running totals, published for dashboards and benchmarks."""
 
+    newer_fields_ignored: ClassVar[bool] = True
     peer_id: PeerId
     step: Count
     samples: Count
@@ -372,9 +388,9 @@ class RunRecords:
 
 
 def _decode(model: type[Model], value: Any, where: str) -> Model | None:
-    """Validate a stored value against ``model``; None (and one debug line) if it does not fit."""
+    """Validate a stored value against ``model`` (`_Record.decode`); None (and one debug line) if it does not fit."""
     try:
-        return model.model_validate(value)
+        return model.decode(value)
     except ValidationError as e:
         problems = "; ".join(f"{'.'.join(map(str, err['loc'])) or 'value'}: {err['msg']}" for err in e.errors())
         logger.debug("skipping malformed %s: %s", where, " ".join(problems.split()))

@@ -42,7 +42,7 @@ from hivemind.dht.validation import DHTRecord, RecordValidatorBase
 from hivemind.p2p import PeerID
 from hivemind.proto import crypto_pb2
 from hivemind.utils import get_dht_time
-from pydantic import BaseModel, ValidationError
+from pydantic import ValidationError
 
 from .records import Announcement, Metrics, RunRecord, validate_run_id
 
@@ -198,7 +198,7 @@ class RunValidator(RecordValidatorBase):
         if subkey != signer:
             raise _Invalid(f"subkey {subkey!r} is not the signer {signer}")
         if body is not None:  # None: the peer withdrew its own entry
-            model: type[BaseModel] = Announcement if kind == "peers" else Metrics
+            model: type[Announcement | Metrics] = Announcement if kind == "peers" else Metrics
             if _validated(model, body).peer_id != signer:
                 raise _Invalid(f"the {kind} record names another peer than its signer {signer}")
         self._verified[digest] = None
@@ -236,8 +236,8 @@ class RunValidator(RecordValidatorBase):
             raise _Invalid(f"the run's config was created by {self._creator}, not {signer}")
 
 
-def _validated(model: type[BaseModel], body: object):
+def _validated(model: type[Announcement | Metrics | RunRecord], body: object):
     try:
-        return model.model_validate(body)
+        return model.decode(body)
     except ValidationError as e:
         raise _Invalid(f"not a valid {model.__name__}: {e.error_count()} errors") from None

@@ -284,6 +284,18 @@ def test_metrics_reject(changes: dict[str, Any]) -> None:
         metrics(**changes)
 
 
+def test_a_newer_peers_announcement_and_metrics_are_read_without_the_fields_they_added() -> None:
+    # a peer of a later murmur announces a field this one does not know (as `config` was added): its older peers
+    # refused its records whole, as malformed, so it was no peer of theirs; now only the field is left out
+    newer = announcement().model_dump(mode="json") | {"colour": "blue", "bandwidth": [1, 2]}
+    assert Announcement.decode(newer) == announcement()
+    assert Metrics.decode(metrics().model_dump(mode="json") | {"gpu": "h100"}) == metrics()
+    with pytest.raises(ValidationError):  # a known field still holds its type
+        Announcement.decode(newer | {"step": "three"})
+    with pytest.raises(ValidationError):  # the run config's signature covers its known fields alone
+        RunRecord.decode(dict(run_id="r1", config={}, created_by=PEER, extra=True))
+
+
 def test_metrics_allow_unknown_loss() -> None:
     assert metrics(loss=None).loss is None
 

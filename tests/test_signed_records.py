@@ -86,6 +86,21 @@ def test_an_announcement_that_would_outlive_its_signer_for_an_hour_is_refused(si
 
 
 @pytest.mark.slow
+def test_a_newer_peers_records_with_a_field_of_their_own_reach_an_older_reader(signed_swarm) -> None:
+    # every node of the run validates what it stores: a field this murmur does not know made each node refuse a
+    # newer peer's announcement and metrics, so the newer peer's own store failed and nobody saw it
+    peer, reader = signed_swarm["peer"], RunRecords(signed_swarm["boot"], RUN)
+    own, records = live_announcement(peer, step=41), RunRecords(peer, RUN)
+    assert peer.store(records.peers_key, own.model_dump(mode="json") | {"colour": "blue"},
+                      get_dht_time() + records.announce_ttl, subkey=own.peer_id)  # fmt: skip
+    newer_metrics = metrics(own.peer_id).model_dump(mode="json") | {"gpu": "h100"}
+    assert peer.store(records.metrics_key, newer_metrics, get_dht_time() + records.metrics_ttl, subkey=own.peer_id)
+    assert wait_for(reader.peers, lambda peers: own.peer_id in peers)[own.peer_id] == own
+    assert reader.metrics()[own.peer_id] == metrics(own.peer_id)
+    records.withdraw(own.peer_id)
+
+
+@pytest.mark.slow
 def test_only_the_creator_writes_the_run_config(signed_swarm) -> None:
     boot, peer, mallory = signed_swarm["boot"], signed_swarm["peer"], signed_swarm["mallory"]
     creator = boot.peer_id.to_base58()
