@@ -111,6 +111,12 @@ class Journal:
                     step=trainer.steps, outer_step=trainer.outer.step)  # fmt: skip
         return path
 
+    def leave_folder(self) -> None:
+        """Write nothing more into the out-dir: no metrics line, no report, no final model."""
+        if self.metrics_log is not None:
+            self.metrics_log.close()
+        self.out_dir = self.metrics_log = None
+
     def close(self) -> None:
         if self.progress is not None:
             self.progress.close()

@@ -102,35 +102,72 @@ def fresh_folder(folder: Path) -> Path:
 class FolderLock:
     """The folders of one running peer, each made if missing and locked (`fcntl.lockf` on `LOCK`: the kernel
     releases it when the process dies, however it dies, and a forked child does not inherit it). `take`
-    raises ValueError (one line) if another process holds one of them."""
+    raises ValueError (one line) if another process holds one of them. A lock lives in its folder: a folder
+    deleted while the peer runs takes the lock with it, until `renew` takes it again."""
 
-    def __init__(self, fds: list[int]) -> None:
-        self._fds = fds
+    def __init__(self, held: list[tuple[Path, int]]) -> None:
+        self._held = held  # (folder, descriptor of its lock file)
 
     @classmethod
     def take(cls, *folders: Path | None) -> FolderLock:
-        fds: list[int] = []
+        held: list[tuple[Path, int]] = []
         try:
             for folder in dict.fromkeys(f for f in folders if f is not None):
-                folder.mkdir(parents=True, exist_ok=True)
-                fd = os.open(folder / LOCK, os.O_RDWR | os.O_CREAT, 0o644)
-                fds.append(fd)
-                try:
-                    fcntl.lockf(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
-                except OSError as e:
-                    if e.errno not in (errno.EACCES, errno.EAGAIN):  # a file system without locks: none to hold
-                        continue
-                    holder = os.pread(fd, 32, 0).decode(errors="replace").strip() or "unknown"
-                    raise ValueError(f"{folder} is in use by another murmur peer (process {holder}): stop it, or "
-                                     "choose another folder") from None  # fmt: skip
-                os.ftruncate(fd, 0)
-                os.pwrite(fd, f"{os.getpid()}\n".encode(), 0)
+                held.append((folder, _lock(folder)))
         except BaseException:
-            cls(fds).release()
+            cls(held).release()
             raise
-        return cls(fds)
+        return cls(held)
+
+    def renew(self) -> list[Path]:
+        """Lock each folder again whose lock file is no longer the one held (the folder, or the file, was deleted
+        while the peer ran; it is made again); returns those folders. ValueError (one line) if another process
+        holds one of them now: it started there meanwhile, and this peer must not write there."""
+        renewed = []
+        for i, (folder, fd) in enumerate(self._held):
+            try:
+                if os.path.samestat(os.fstat(fd), os.stat(folder / LOCK)):
+                    continue
+            except FileNotFoundError:
+                pass
+            try:
+                self._held[i] = (folder, _lock(folder))
+            except FolderInUse as e:
+                raise ValueError(f"{folder} was deleted while this peer ran, and another murmur peer (process "
+                                 f"{e.holder}) holds it now") from None  # fmt: skip
+            os.close(fd)
+            renewed.append(folder)
+        return renewed
 
     def release(self) -> None:
-        for fd in self._fds:
+        for _, fd in self._held:
             os.close(fd)  # the lock goes with the descriptor
-        self._fds = []
+        self._held = []
+
+
+class FolderInUse(ValueError):
+    def __init__(self, folder: Path, holder: str) -> None:
+        super().__init__(f"{folder} is in use by another murmur peer (process {holder}): stop it, or choose another "
+                         "folder")  # fmt: skip
+        self.holder = holder
+
+
+def _lock(folder: Path) -> int:
+    """`folder` made if missing and its `LOCK` file locked by this process: the file's descriptor (on a file system
+    without locks, unlocked: there is none to hold); ValueError (one line) if another process holds it."""
+    folder.mkdir(parents=True, exist_ok=True)
+    fd = os.open(folder / LOCK, os.O_RDWR | os.O_CREAT, 0o644)
+    try:
+        fcntl.lockf(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+    except OSError as e:
+        if e.errno not in (errno.EACCES, errno.EAGAIN):  # a file system without locks: none to hold
+            return fd
+        holder = os.pread(fd, 32, 0).decode(errors="replace").strip() or "unknown"
+        os.close(fd)
+        raise FolderInUse(folder, holder) from None
+    except BaseException:
+        os.close(fd)
+        raise
+    os.ftruncate(fd, 0)
+    os.pwrite(fd, f"{os.getpid()}\n".encode(), 0)
+    return fd

@@ -311,6 +311,27 @@ class VolunteerPeer:
         if self.options.verbose:
             print(line, flush=True)
 
+    def _keep_folders(self) -> None:
+        """Once a round: a folder of this peer's that was deleted while it ran is locked again (its lock went with
+        it, and a second peer could have started there, resumed from this one's checkpoints and written over its
+        files). If another peer holds it already, this peer writes nothing more there and stops."""
+        if self.lock is None:
+            return
+        try:
+            renewed = self.lock.renew()
+        except ValueError as e:
+            self.writer = None  # (a write under way ends; the thread is a daemon)
+            self.journal.leave_folder()
+            self.verdict.failure = f"{e}: this peer stopped, and wrote nothing more there"
+            return
+        except OSError as e:  # the folder cannot be made again now (a full disk): the next round tries again
+            logger.warning("a folder of this peer was deleted while it ran, and cannot be made again: %s", e)
+            return
+        if renewed:
+            self._log(logging.WARNING, f"{' and '.join(map(str, renewed))} deleted while this peer ran: made again and "
+                                       "held; what was written there before is gone, the next checkpoint and the "
+                                       "final model are written there")  # fmt: skip
+
     def checkpoint(self, *, final: bool = False) -> bool:
         """Snapshot the state for the checkpoint writer, if there is a checkpoint folder; whether one was taken
         (a round's is not while the last one is still being written; a `final` one waits for it). Never stops
@@ -446,6 +467,7 @@ class VolunteerPeer:
             rounds += 1
             if options.eval_every and rounds % options.eval_every == 0:
                 eval_loss = self._evaluate()
+            self._keep_folders()
             self.journal.round(self, rounds, loss, eval_loss, result, blocked, overlapped)
             if (lost := node_lost(self.dht)) is not None:
                 self.verdict.network_lost(lost)

@@ -10,6 +10,7 @@ import os
 import pickle
 import random
 import re
+import shutil
 import subprocess
 import sys
 import threading
@@ -26,7 +27,7 @@ from murmur.averaging.mixing import group_mean, local_round
 from murmur.dht.node import NodeConfig, start_node, stop_node, visible_addresses
 from murmur.dht.records import RunRecord, RunRecords
 from murmur.peer import checkpoint, tensorfile
-from murmur.peer.anchorfile import save_anchor
+from murmur.peer.anchorfile import ANCHOR, save_anchor
 from murmur.peer.checkpoint import (
     CheckpointError,
     CheckpointWriter,
@@ -39,7 +40,7 @@ from murmur.peer.cli import main
 from murmur.peer.config import TrainConfig
 from murmur.peer.data import DataConfig, load_corpus
 from murmur.peer.model import build_model
-from murmur.peer.rundir import FolderLock, check_fresh, earlier_run
+from murmur.peer.rundir import LOCK, FolderLock, check_fresh, earlier_run
 from murmur.peer.runner import PeerError, PeerOptions, checkpoint_state, restore_state, run_peer
 from murmur.peer.trainer import Trainer
 from murmur.peer.workload import custom
@@ -490,16 +491,20 @@ def test_a_checkpoint_folder_that_cannot_be_one_is_refused_before_anything_start
     assert file.read_text() == "kept"
 
 
+# a process that holds the folders it is given, as a running peer does
+HOLD = (
+    "import sys, time; from pathlib import Path; from murmur.peer.rundir import FolderLock; "
+    "FolderLock.take(*map(Path, sys.argv[1:])); print('held', flush=True); time.sleep(120)"
+)
+
+
 def test_a_folder_a_live_peer_holds_is_refused_and_freed_when_it_dies(tmp_path, capsys):
     """Two `murmur join --resume --out-dir DIR` at once both trained: one metrics log for two peers, one final
     model over the other's, the second resumed from the first's checkpoints and pruned them; now the second is
     one line, and a killed holder (SIGKILL) frees the folder."""
     folder = tmp_path / "run"
-    holder = subprocess.Popen(
-        [sys.executable, "-c", "import sys, time; from pathlib import Path; from murmur.peer.rundir import FolderLock; "
-         "FolderLock.take(Path(sys.argv[1]), Path(sys.argv[1]) / 'checkpoints'); print('held', flush=True); "
-         "time.sleep(120)", str(folder)], stdout=subprocess.PIPE, text=True,
-    )  # fmt: skip
+    holder = subprocess.Popen([sys.executable, "-c", HOLD, str(folder), str(folder / "checkpoints")],
+                              stdout=subprocess.PIPE, text=True)  # fmt: skip
     try:
         assert holder.stdout.readline() == "held\n"
         join = ["join", "--initial-peers", BOOTSTRAP, "--run", RUN, "--resume", "--quiet"]
@@ -511,6 +516,69 @@ def test_a_folder_a_live_peer_holds_is_refused_and_freed_when_it_dies(tmp_path, 
         holder.kill()
         holder.wait()
     FolderLock.take(folder, folder / "checkpoints").release()  # the kernel released the dead holder's lock
+
+
+def test_a_folder_deleted_under_its_peer_is_held_again(tmp_path):
+    """An out-dir deleted while its peer ran took the peer's lock files with it: the peer made the folder again at
+    its next metrics line and checkpoint, unheld, and a second peer started there (`--resume`) trained beside it,
+    resumed from its checkpoints, pruned them and wrote its final model over the first's. The peer now locks the
+    folder again at once (`renew`, each round), or learns that another peer took it meanwhile."""
+    folder = tmp_path / "run"
+    lock, holder = FolderLock.take(folder, folder / "checkpoints"), None
+    try:
+        assert lock.renew() == []  # nothing deleted: nothing to do
+        shutil.rmtree(folder)
+        assert lock.renew() == [folder, folder / "checkpoints"]
+        second = subprocess.run([sys.executable, "-c", HOLD, str(folder)], capture_output=True, text=True)
+        assert f"{folder} is in use by another murmur peer (process {os.getpid()})" in second.stderr
+        assert second.returncode == 1 and "held" not in second.stdout
+
+        shutil.rmtree(folder)  # and this time a second peer starts there before the first's next round ends
+        holder = subprocess.Popen([sys.executable, "-c", HOLD, str(folder)], stdout=subprocess.PIPE, text=True)
+        assert holder.stdout.readline() == "held\n"
+        line = f"{folder} was deleted while this peer ran, and another murmur peer (process {holder.pid}) holds it now"
+        with pytest.raises(ValueError, match=f"^{re.escape(line)}$"):
+            lock.renew()
+    finally:
+        lock.release()
+        if holder is not None:
+            holder.kill()
+            holder.wait()
+
+
+@pytest.mark.slow
+def test_a_peer_whose_folder_is_deleted_holds_it_again_and_ends_there(tmp_path):
+    config = TrainConfig(inner_steps=2, batch_size=4, eval_batches=1)
+    folder, tries, stop = tmp_path / "run", [], threading.Event()
+    take = ("import sys; from pathlib import Path; from murmur.peer.rundir import FolderLock; "
+            "FolderLock.take(Path(sys.argv[1])).release(); print('taken')")  # fmt: skip
+
+    def delete_then_start_another(peer) -> None:
+        def watch() -> None:
+            while not any((folder / "checkpoints").glob("ckpt-*")) and not stop.wait(0.05):
+                pass
+            held = os.stat(folder / LOCK)
+            shutil.rmtree(folder, ignore_errors=True)  # `rm -rf` of a running peer's out-dir
+            deadline = time.monotonic() + 30
+            while time.monotonic() < deadline and not stop.wait(0.05):
+                with contextlib.suppress(FileNotFoundError):
+                    if not os.path.samestat(held, os.stat(folder / LOCK)):
+                        break
+            tries.append(subprocess.run([sys.executable, "-c", take, str(folder)], capture_output=True, text=True))
+            stop.set()
+
+        threading.Thread(target=watch, daemon=True).start()
+
+    with published(config) as node:
+        options = PeerOptions(run_id=RUN, node=node, out_dir=folder, checkpoint_interval=0)
+        try:
+            report = run_peer(options, stop, on_start=delete_then_start_another)
+        finally:
+            stop.set()
+    assert "taken" not in tries[0].stdout
+    assert f"{folder} is in use by another murmur peer (process {os.getpid()})" in tries[0].stderr
+    assert (folder / ANCHOR).is_file() and (folder / "report.json").is_file()  # its end, in its folder
+    assert f"ckpt-{report.steps:08d}.safetensors" in {p.name for p in (folder / "checkpoints").iterdir()}
 
 
 def test_no_checkpoints_means_none(tmp_path):
