@@ -338,6 +338,11 @@ def checkpoint_files(directory: Path) -> list[Path]:
     return [p for *_, p in sorted(found, reverse=True)]
 
 
+def named_step(path: Path) -> int | None:
+    """The step a checkpoint's file name gives (`ckpt-00000120.safetensors`: 120), or None for another name."""
+    return int(m.group(1)) if (m := _NAME.fullmatch(path.name)) else None
+
+
 def _first_line(error: Exception) -> str:
     lines = str(error).strip().splitlines()
     return (lines[0] if lines else type(error).__name__)[:200]

@@ -89,6 +89,25 @@ def test_export_from_a_checkpoint_and_from_an_export_give_the_same_model(trained
     assert evaluate(GPT.from_pretrained(outs[2]), trained.eval_set) == anchor_loss(trained)
 
 
+def test_export_from_a_resumed_peers_folder_takes_its_later_checkpoint(trained, tmp_path, capsys) -> None:
+    """A peer resumed after a stop (`--resume`, or restarted by `--restart` after a network loss) trains on beside
+    the final model of its last start, until its own end: `export --from` (and `sample`) of its folder mid-run took
+    that older model, at its older step, over the checkpoints the peer had written since."""
+    peer_dir = tmp_path / "peer"
+    earlier = {name: torch.zeros_like(tensor) for name, tensor in trained.outer.anchor.items()}
+    save_anchor(peer_dir / ANCHOR, trained.model, earlier, run_id="r", config=CONFIG, step=1, outer_step=0)
+    save_checkpoint(peer_dir / "checkpoints", checkpoint_state("r", trained, _compressor(trained)))
+    assert main(["export", str(tmp_path / "out"), "--from", str(peer_dir)]) == 0
+    assert capsys.readouterr().out.startswith(f"exported gpt-tiny at step {trained.steps} (outer step 2) from "
+                                              f"{peer_dir / 'checkpoints'}")  # fmt: skip
+    assert evaluate(GPT.from_pretrained(tmp_path / "out"), trained.eval_set) == anchor_loss(trained)
+    # the peer's end: its final model, of the step of its last checkpoint, is the one exported
+    save_anchor(peer_dir / ANCHOR, trained.model, trained.outer.anchor, run_id="r", config=CONFIG,
+                step=trained.steps, outer_step=trained.outer.step)  # fmt: skip
+    assert main(["export", str(tmp_path / "end"), "--from", str(peer_dir)]) == 0
+    assert f"from {peer_dir / ANCHOR} to " in capsys.readouterr().out
+
+
 def test_an_export_into_the_peers_own_folder_is_refused(trained, tmp_path, capsys) -> None:
     """`murmur export runs/me --from runs/me` wrote model.safetensors beside the peer's files, and sample and export
     of runs/me read an export first: after the peer resumed and trained on, they read this stale model."""

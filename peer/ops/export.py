@@ -9,10 +9,11 @@
   the builder's `pkg.module:function`. Both carry "murmur": the run, the registry name, the steps
   and the run's training config.
 
-The model comes from a peer's `--out-dir` (its final `anchor.safetensors`, else its newest checkpoint), a
-checkpoint file, a folder that `export` wrote, or a live swarm: a client-mode node downloads a donor's
-state as a late joiner does (`peer.state`), and exports its anchor. What is exported is always the
-outer anchor φ, the swarm's model, never a peer's half-finished inner steps. Loading it back:
+The model comes from a peer's `--out-dir` (its final `anchor.safetensors`, else, or while a resumed peer trains
+on past it, its newest checkpoint), a checkpoint file, a folder that `export` wrote, or a live swarm: a
+client-mode node downloads a donor's state as a late joiner does (`peer.state`), and exports its anchor.
+What is exported is always the outer anchor φ, the swarm's model, never a peer's half-finished inner
+steps. Loading it back:
 
     from murmur.peer.model import GPT
     model = GPT.from_pretrained("OUT_DIR")
@@ -32,7 +33,7 @@ from torch import nn
 
 from murmur.peer import tensorfile
 from murmur.peer.anchorfile import ANCHOR, model_state
-from murmur.peer.checkpoint import CheckpointError, checkpoint_files, decimal, load_checkpoint
+from murmur.peer.checkpoint import CheckpointError, checkpoint_files, decimal, load_checkpoint, named_step
 from murmur.peer.config import is_spec
 from murmur.peer.model import CONFIG_FILE, GPT, MODEL_FILE, MODELS, build_model
 from murmur.peer.tensorfile import TensorFileError
@@ -103,6 +104,11 @@ def load(path: Path, *, custom: bool | str | None = True) -> Found:
         if (path / MODEL_FILE).exists():
             return _from_export(path, custom)
         if (path / ANCHOR).exists():
+            for file in _trained_since(path):  # a resumed peer trains on beside the final model of its last start
+                try:
+                    return _from_checkpoint(file, custom)
+                except ExportError:  # a bad one: the next, or the final model
+                    continue
             return _from_anchor(path / ANCHOR, custom)
         for folder in (path / "checkpoints", path):
             for file in checkpoint_files(folder):  # newest first; a bad one is skipped for the next
@@ -125,6 +131,18 @@ def load(path: Path, *, custom: bool | str | None = True) -> Found:
     except TensorFileError as e:
         raise ExportError(f"{path} {e}") from None
     return _from_anchor(path, custom) if kind == "model" else _from_checkpoint(path, custom)
+
+
+def _trained_since(out_dir: Path) -> list[Path]:
+    """The checkpoints in a peer's out dir of a later step than its final model, newest first: a peer that resumed
+    (`--resume`, `--restart`) trains on with the last start's `anchor.safetensors` beside it until its own end."""
+    try:
+        step = decimal(tensorfile.read_metadata(out_dir / ANCHOR).get("murmur.step"))
+    except TensorFileError:
+        return []
+    if step is None:
+        return []
+    return [file for file in checkpoint_files(out_dir / "checkpoints") if (named_step(file) or 0) > step]
 
 
 def _loaded(model: nn.Module, state: dict[str, torch.Tensor], where: str) -> nn.Module:
