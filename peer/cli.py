@@ -15,7 +15,7 @@ and a non-zero exit code, never a traceback. The flags are parsed by `peer.flags
 neither torch nor hivemind; each command imports what it uses, so help and bad flags answer at once.
 Ctrl-C (or SIGTERM) while a peer, a bootstrap node, a dashboard or a simulation is still starting stops it at once
 (`murmur join: interrupted`, exit code 130); once it runs, the first asks for a clean stop and a second aborts.
-`murmur status` and an export from a live swarm stop at once, the same way.
+The other commands (status, export, sample, report, doctor) stop at once, the same way, from their first import on.
 """
 
 from __future__ import annotations
@@ -175,15 +175,15 @@ def _train_config(args: argparse.Namespace):
 
 
 def _bootstrap(args: argparse.Namespace) -> int:
-    from murmur.averaging.access import load_policy
-    from murmur.peer.config import is_spec
-
-    config = _train_config(args)
-    if is_spec(config.model) and args.data is None:
-        raise ValueError(f"--model {config.model} is a custom model: also give --data PKG.MODULE:FUNCTION, the "
-                         "batch builder joiners pass (the join line names both)")  # fmt: skip
-    policy = load_policy(args.run_secret_file, args.allow_peers)  # a bad secret file fails before the node starts
     with _Stop(args.command) as stop:
+        from murmur.averaging.access import load_policy
+        from murmur.peer.config import is_spec
+
+        config = _train_config(args)
+        if is_spec(config.model) and args.data is None:
+            raise ValueError(f"--model {config.model} is a custom model: also give --data PKG.MODULE:FUNCTION, the "
+                             "batch builder joiners pass (the join line names both)")  # fmt: skip
+        policy = load_policy(args.run_secret_file, args.allow_peers)  # a bad secret file fails before the node
         return _serve_bootstrap(args, config, policy, stop)
 
 
@@ -257,18 +257,18 @@ def _join(args: argparse.Namespace) -> int:
 
 
 def _simulate(args: argparse.Namespace) -> int:
-    from murmur.averaging.access import load_policy
-    from murmur.peer.device import device_config
-    from murmur.peer.sim.simulate import SimulationConfig, simulate
-
-    config = SimulationConfig(
-        peers=args.peers, duration=args.duration, run_id=args.run, port=args.port, report=args.report,
-        out_dir=args.out_dir or Path("runs") / args.run, train=_train_config(args), device=device_config(args),
-        run_secret_file=args.run_secret_file, allow_peers=tuple(args.allow_peers or ()) or None,
-    )  # fmt: skip
-    load_policy(config.run_secret_file, config.allow_peers)  # a bad secret file fails before anything starts
-    replaced = " (it replaced the earlier one)" if args.report.exists() else ""
     with _Stop(args.command) as stop:  # once the peers start, a first Ctrl-C stops them early and still reports
+        from murmur.averaging.access import load_policy
+        from murmur.peer.device import device_config
+        from murmur.peer.sim.simulate import SimulationConfig, simulate
+
+        config = SimulationConfig(
+            peers=args.peers, duration=args.duration, run_id=args.run, port=args.port, report=args.report,
+            out_dir=args.out_dir or Path("runs") / args.run, train=_train_config(args), device=device_config(args),
+            run_secret_file=args.run_secret_file, allow_peers=tuple(args.allow_peers or ()) or None,
+        )  # fmt: skip
+        load_policy(config.run_secret_file, config.allow_peers)  # a bad secret file fails before anything starts
+        replaced = " (it replaced the earlier one)" if args.report.exists() else ""
         report = simulate(config, stop=stop.event, on_start=stop.started)
     losses = [(p.initial_eval_loss, p.final_eval_loss) for p in report.peers]
     print(f"report written to {args.report}{replaced}: {len(report.peers)}/{args.peers} peers reported")
@@ -283,21 +283,18 @@ def _simulate(args: argparse.Namespace) -> int:
 
 
 def _status(args: argparse.Namespace) -> int:
-    from murmur.dht.records import validate_run_id
+    from rich.console import Console
+
+    from murmur.dht.node import start_node, stop_node
+    from murmur.dht.records import RunRecords, validate_run_id
+    from murmur.peer.ops.status import read_status, render_status
 
     validate_run_id(args.run)  # before starting a node
-    with _Stop(args.command):  # a reading is never started: Ctrl-C or SIGTERM ends it at once, in one line
-        from rich.console import Console
-
-        from murmur.dht.node import start_node, stop_node
-        from murmur.dht.records import RunRecords
-        from murmur.peer.ops.status import read_status, render_status
-
-        dht = start_node(reader_node(args))
-        try:
-            status = read_status(RunRecords(dht, args.run), creator=args.creator)
-        finally:
-            stop_node(dht)
+    dht = start_node(reader_node(args))
+    try:
+        status = read_status(RunRecords(dht, args.run), creator=args.creator)
+    finally:
+        stop_node(dht)
     if args.json:
         print(status.to_json())
     else:
@@ -306,12 +303,12 @@ def _status(args: argparse.Namespace) -> int:
 
 
 def _dashboard(args: argparse.Namespace) -> int:
-    from murmur.dht.addresses import parse_host
-    from murmur.dht.records import validate_run_id
-
-    validate_run_id(args.run)
-    host = parse_host(args.host)  # both before a node starts
     with _Stop(args.command) as stop:
+        from murmur.dht.addresses import parse_host
+        from murmur.dht.records import validate_run_id
+
+        validate_run_id(args.run)
+        host = parse_host(args.host)  # both before a node starts
         from murmur.dht.node import start_node, stop_node
         from murmur.dht.records import RunRecords
         from murmur.peer.ops.dashboard import Board, Poller, Server, make_app
@@ -352,8 +349,7 @@ def _export(args: argparse.Namespace) -> int:
 
         validate_run_id(args.run)
         access = load_policy(args.run_secret_file, args.allow_peers)  # a bad secret file: before a node starts
-        with _Stop(args.command):  # as `status`: Ctrl-C or SIGTERM ends the download at once, in one line
-            found = from_swarm(reader_node(args), model=args.model, data=args.data, access=access)
+        found = from_swarm(reader_node(args), model=args.model, data=args.data, access=access)
     else:
         if args.run is not None:
             raise ValueError("--run goes with --initial-peers; with --from the model's file names its run")
@@ -411,12 +407,12 @@ def main(argv: list[str] | None = None) -> int:
         "bootstrap": _bootstrap,
         "join": _join,
         "simulate": _simulate,
-        "status": _status,
+        "status": _at_once(_status),
         "dashboard": _dashboard,
-        "export": _export,
-        "sample": _sample,
-        "report": _report,
-        "doctor": _doctor,
+        "export": _at_once(_export),
+        "sample": _at_once(_sample),
+        "report": _at_once(_report),
+        "doctor": _at_once(_doctor),
     }
     if args.command == "join" and not follow_launcher():
         print("murmur join: error: the program that started this peer has exited", file=sys.stderr)
@@ -424,6 +420,17 @@ def main(argv: list[str] | None = None) -> int:
     if args.command == "join" and args.restart:
         return _run(_supervised_join, args)
     return _run(commands[args.command], args)
+
+
+def _at_once(command):
+    """A command with nothing to stop cleanly (it reads a run, or writes a file atomically): Ctrl-C or SIGTERM ends
+    it at once, in one line, with exit code 130, from its first import on (inside a `_Stop` never started)."""
+
+    def run(args: argparse.Namespace) -> int:
+        with _Stop(args.command):
+            return command(args)
+
+    return run
 
 
 def _run(command, args: argparse.Namespace) -> int:

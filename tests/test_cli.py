@@ -415,3 +415,18 @@ def test_a_status_stopped_by_sigterm_says_so_in_one_line():
                 proc.kill()
                 proc.wait()
     assert (proc.returncode, out, err) == (130, "", "murmur status: interrupted\n")
+
+
+@pytest.mark.parametrize("command", [["status", "--initial-peers", PEER, "--run", "r"],
+                                     ["export", "out", "--initial-peers", PEER, "--run", "r"]])  # fmt: skip
+def test_a_sigterm_as_a_reading_command_starts_is_one_line(command, tmp_path):
+    """SIGTERM to status or export after `main` began, while it imported what it reads the run with (seconds of
+    hivemind and torch) and before its node started: SIGTERM was the default there again, a silent death (143)."""
+    code = ("import os, signal, sys; from murmur.dht import records; from murmur.peer import cli\n"
+            "check = records.validate_run_id  # what each checks first, before its node starts\n"
+            "records.validate_run_id = lambda run: (os.kill(os.getpid(), signal.SIGTERM), check(run))[1]\n"
+            "sys.exit(cli.main(sys.argv[1:]))")  # fmt: skip
+    done = subprocess.run([sys.executable, "-c", code, *command], capture_output=True, text=True, timeout=120,
+                          cwd=tmp_path)  # fmt: skip
+    assert (done.returncode, done.stdout, done.stderr) == (130, "", f"murmur {command[0]}: interrupted\n")
+    assert list(tmp_path.iterdir()) == []
