@@ -23,6 +23,7 @@ from __future__ import annotations
 import argparse
 import logging
 import os
+import select
 import shlex
 import signal
 import sys
@@ -437,6 +438,9 @@ def _run(command, args: argparse.Namespace) -> int:
     try:
         return command(args)
     except Exception as e:
+        if isinstance(e, BrokenPipeError) and _reader_left():  # `murmur status --json | head -c 100`: as `yes | head`
+            os.dup2(os.open(os.devnull, os.O_WRONLY), sys.stdout.fileno())  # nor a failed flush at exit
+            return 128 + signal.SIGPIPE
         if not expected(e):
             raise
         print(f"murmur {args.command}: error: {_one_line(e)}", file=sys.stderr)
@@ -445,6 +449,17 @@ def _run(command, args: argparse.Namespace) -> int:
         if _Stop.current is None or _Stop.current.say_interrupted():
             print(f"murmur {args.command}: interrupted", file=sys.stderr, flush=True)
         return 130
+
+
+def _reader_left() -> bool:
+    """Whether stdout is a pipe whose reader has gone: then a broken pipe is no error to report, the reader took
+    what it wanted (and where would the line go: not to the program that stopped reading)."""
+    try:
+        poller = select.poll()
+        poller.register(sys.stdout.fileno(), 0)  # POLLERR, the reader's end closed, is reported whatever is asked
+        return any(events & select.POLLERR for _, events in poller.poll(0))
+    except (OSError, ValueError):  # no stdout, or not a file
+        return False
 
 
 def _restartable(error: BaseException) -> bool:

@@ -2,6 +2,7 @@
 
 import argparse
 import logging
+import os
 import subprocess
 import sys
 from pathlib import Path
@@ -430,3 +431,19 @@ def test_a_sigterm_as_a_reading_command_starts_is_one_line(command, tmp_path):
                           cwd=tmp_path)  # fmt: skip
     assert (done.returncode, done.stdout, done.stderr) == (130, "", f"murmur {command[0]}: interrupted\n")
     assert list(tmp_path.iterdir()) == []
+
+
+def test_a_reader_that_stops_reading_is_no_error(tmp_path):
+    """`murmur status --json | head -c 100` printed 'murmur status: error: [Errno 32] Broken pipe' once head had read
+    its 100 bytes, and exited 1 (a script with pipefail stopped there): the reader took what it wanted. Now the
+    command ends quietly, as `yes | head -1` does, with SIGPIPE's code."""
+    (tmp_path / "metrics.jsonl").write_text('{"t": 1.0, "round": 1, "samples": 16, "loss": 3.0, "eval_loss": 3.1}\n')
+    read, write = os.pipe()
+    os.close(read)  # the reader is gone before the command prints
+    try:
+        done = subprocess.run([sys.executable, "-m", "murmur.peer.cli", "report", str(tmp_path)], stdout=write,
+                              stderr=subprocess.PIPE, text=True, timeout=120)  # fmt: skip
+    finally:
+        os.close(write)
+    assert (done.returncode, done.stderr) == (141, "")
+    assert (tmp_path / "report.png").is_file()  # the work was done: only its line found no reader
