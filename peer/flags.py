@@ -232,9 +232,10 @@ def _join_parser(sub) -> None:
     join.add_argument("--out-dir", type=Path,
                       help="folder for metrics.jsonl, report.json, anchor.safetensors, checkpoints/")  # fmt: skip
     join.add_argument("--data-seed", type=integer(0), default=0, help="seed of this peer's data stream")
-    join.add_argument("--exchange-timeout", type=number(), default=JOIN_DEFAULTS["exchange_timeout"],
-                      metavar="SECONDS",
-                      help="bound on one group exchange once its group is sealed (default: %(default)s)")  # fmt: skip
+    join.add_argument("--exchange-timeout", type=number(minimum=0.5, maximum=3600), metavar="SECONDS",
+                      default=JOIN_DEFAULTS["exchange_timeout"],
+                      help="bound on one group exchange once its group is sealed, 0.5 to 3600 (default: "
+                           "%(default)s)")  # fmt: skip
     join.add_argument("--quiet", action="store_true", help="no per-round progress line")
     join.add_argument("--eval-every", type=integer(0), default=JOIN_DEFAULTS["eval_every"], metavar="N",
                       help="rounds between held-out evaluations, 0: at start and stop only "

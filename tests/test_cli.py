@@ -93,6 +93,9 @@ def test_help_screens(command, capsys):
             "--period: must be at least 1, got 0.01",
         ),
         ([*JOIN, "--data-seed", str(2**64)], "argument --data-seed: must be at most"),
+        # every exchange timed out at once: the peer trained alone, with no word why
+        ([*JOIN, "--exchange-timeout", "1e-300"], "argument --exchange-timeout: must be at least 0.5, got 1e-300"),
+        ([*JOIN, "--exchange-timeout", "1e300"], "argument --exchange-timeout: must be at most 3600, got 1e300"),
         (["sample", "out", "--seed", str(2**64)], "argument --seed: must be at most"),
         (["join", "--initial-peers", PEER, "--run", "r", "--use-auto-relay=yes"], "ignored explicit argument"),
         (["join", "--initial-peers", PEER, "--run", "r", "--client-mode=1"], "ignored explicit argument"),
