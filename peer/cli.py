@@ -338,7 +338,8 @@ def _export(args: argparse.Namespace) -> int:
     from murmur.peer.rundir import check_writable, earlier_run
 
     check_writable(args.out_dir)  # before a download from the swarm, not after it
-    if found := earlier_run(args.out_dir, args.out_dir / "checkpoints"):  # an export is read before a peer's files
+    # an export is read before a peer's files: refused in a peer's out-dir, and in a checkpoint folder itself
+    if found := earlier_run(args.out_dir, args.out_dir / "checkpoints") or earlier_run(None, args.out_dir):
         later = f"sample and export of {args.out_dir} would read the export, not the peer's later models"
         raise ValueError(f"{args.out_dir} holds a peer's run ({', '.join(found)}): export to a folder of its own "
                          f"({later})")  # fmt: skip

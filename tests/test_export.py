@@ -122,6 +122,19 @@ def test_an_export_into_the_peers_own_folder_is_refused(trained, tmp_path, capsy
     assert sorted(p.name for p in peer_dir.iterdir()) == [ANCHOR]
 
 
+def test_an_export_into_the_peers_checkpoint_folder_is_refused(trained, tmp_path, capsys) -> None:
+    """`murmur export runs/me/checkpoints --from runs/me` was taken: a later export or sample of that folder read the
+    export, not the checkpoints the peer wrote after it."""
+    checkpoints = tmp_path / "peer" / "checkpoints"
+    save_checkpoint(checkpoints, checkpoint_state("r", trained, _compressor(trained)))
+    before = sorted(p.name for p in checkpoints.iterdir())
+    assert main(["export", str(checkpoints), "--from", str(checkpoints)]) == 1
+    assert capsys.readouterr().err.startswith(
+        f"murmur export: error: {checkpoints} holds a peer's run (checkpoints in {checkpoints}): export to a folder "
+    )
+    assert sorted(p.name for p in checkpoints.iterdir()) == before
+
+
 def test_an_exports_model_file_is_read_as_its_export(trained, tmp_path, capsys) -> None:
     """`murmur sample OUT/model.safetensors` was "... is not a murmur checkpoint (no murmur metadata)"."""
     peer_dir = tmp_path / "peer"
