@@ -110,6 +110,14 @@ def out_file(text: str) -> Path:
     return path
 
 
+def results_folder(out: Path | None, *, quick: bool, full: Path, name: str) -> Path:
+    """Where a benchmark writes its results: `--out` if given, else `full` (the committed results that the docs
+    quote) for a full run, and runs/NAME-quick for a `--quick` one, which must never overwrite them."""
+    if out is not None:
+        return out
+    return out_folder(f"runs/{name}-quick") if quick else full
+
+
 def future_time(text: str) -> float:
     """An argparse type: a Unix time not yet past (a past one would train nothing and exit 0: `--until 3600`, seconds
     typed for a time). A minute of grace: a program that hands its peers one end (`murmur simulate`) computes it

@@ -29,7 +29,8 @@ late-replica scenario runs the same two phases with, in place of the flood, one 
 roster key that answers every find and store 2.8 s late (inside hivemind's 3 s RPC timeout).
 
 Runs are independent and seeded, in virtual time, so `--jobs` processes run them side by side with
-the same figures. Writes bench_attack.json into --out after every run.
+the same figures. Writes bench_attack.json into --out after every run (default scripts/results; a --quick
+run writes runs/attack-quick, never the committed results).
 
     .venv/bin/python scripts/bench_attack.py --quick    # tiny budget, no flood: a few minutes
     .venv/bin/python scripts/bench_attack.py            # about an hour on 2 cores
@@ -56,13 +57,14 @@ from flood import FloodConfig, run_flood  # scripts/flood.py: the flood scenario
 from murmur.averaging import wire
 from murmur.peer.config import TrainConfig
 from murmur.peer.data import DataConfig, load_corpus
-from murmur.peer.flags import integer, out_folder
+from murmur.peer.flags import integer, out_folder, results_folder
 from murmur.peer.sim.virtual import Scenario, run_murmur
 
 ATTACKS = ("scaled", "noise", "sign_flip", "nan", "replay", "anchor", "withhold")
 SCENARIOS = ("single", "coalition")
 DEFAULT_RUNS = ("8:single,coalition", "30:coalition")
 PEERS = 8
+RESULTS = Path(__file__).resolve().parent / "results"  # the committed results, which the docs quote
 STATES = ("anchor/", "momentum/")  # the state tensors the consensus pull averages
 ANCHOR_PULL = 1.9  # the anchor attack's scale: just inside robust aggregation's clip of a state at 2x ours
 # honest mean loss / the clean run's, and the worst honest peer's (None: no target)
@@ -238,7 +240,8 @@ def parse_runs(texts: list[str]) -> list[tuple[int, tuple[str, ...]]]:
     return runs
 
 
-def main() -> None:
+def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
+    """The flags, checked: `runs` parsed, and `out` the folder to write (a quick run's never the committed one)."""
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--quick", action="store_true", help="a tiny budget on a small corpus: a few minutes")
     parser.add_argument("--runs", nargs="+", metavar="ROUNDS[:SCENARIOS]",
@@ -273,15 +276,23 @@ def main() -> None:
         help="the flood (or the late replica) with the attackers on half the CPUs and the honest side on the rest, "
         "as on machines of their own; kept as flood_pinned (late_replica_pinned) beside the shared run's",
     )
-    parser.add_argument("--out", type=out_folder, default=Path("scripts/results"))
-    args = parser.parse_args()
+    parser.add_argument("--out", type=out_folder, help="folder for bench_attack.json (default: scripts/results; "
+                        "with --quick runs/attack-quick)")  # fmt: skip
+    args = parser.parse_args(argv)
+    try:
+        args.runs = parse_runs(args.runs or (["2:single,coalition"] if args.quick else list(DEFAULT_RUNS)))
+    except argparse.ArgumentTypeError as e:
+        parser.error(str(e))
+    args.out = results_folder(args.out, quick=args.quick, full=RESULTS, name="attack")
+    return args
+
+
+def main() -> None:
+    args = parse_args()
     if args.flood_only or args.late_only:
         flood_only(args.out, args.quick, args.pin, late=args.late_only)
         return
-    try:
-        runs = parse_runs(args.runs or (["2:single,coalition"] if args.quick else list(DEFAULT_RUNS)))
-    except argparse.ArgumentTypeError as e:
-        parser.error(str(e))
+    runs = args.runs
     attackers = {"single": (args.attacker,), "coalition": tuple(args.coalition)}
     jobs = []
     for rounds, scenarios in runs:

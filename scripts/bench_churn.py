@@ -25,7 +25,7 @@ spent looking for and exchanging with a partner), the final eval loss and the co
 of the live peers, the peers that died without being killed, and each new peer's time from launch
 to its first exchange.
 
-    .venv/bin/python scripts/bench_churn.py --quick     # 3 peers, 30 s a phase: about 3 minutes
+    .venv/bin/python scripts/bench_churn.py --quick     # 3 peers, 30 s a phase: about 3 minutes (runs/churn-quick)
     .venv/bin/python scripts/bench_churn.py             # 6 peers, 180 s a phase, a kill every 20 s
     .venv/bin/python scripts/bench_churn.py --restart warm   # the no-churn and warm-restart phases only
 """
@@ -48,7 +48,7 @@ from murmur.averaging.group import GroupConfig
 from murmur.dht.node import stop_node
 from murmur.peer.anchorfile import ANCHOR, read_anchor
 from murmur.peer.config import TrainConfig
-from murmur.peer.flags import integer, number, out_folder
+from murmur.peer.flags import integer, number, out_folder, results_folder
 from murmur.peer.metrics import PeerReport, consensus_distance, lonely_rounds, read_metrics
 from murmur.peer.sim.simulate import (
     TreeMeter,
@@ -60,7 +60,7 @@ from murmur.peer.sim.simulate import (
 )
 from murmur.peer.supervise import RESTARTED
 
-RESULTS = Path(__file__).resolve().parent / "results"
+RESULTS = Path(__file__).resolve().parent / "results"  # the committed results, which the docs quote
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -318,22 +318,28 @@ def _verdict(config: BenchConfig, calm: dict, churn: dict) -> dict:
     }
 
 
-def main() -> None:
+def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
+    """The flags, checked; `out` is the folder to write (a quick run's is never the committed one)."""
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--quick", action="store_true", help="3 peers, 30 s a phase, a kill every 6 s")
     parser.add_argument("--peers", type=integer(2), help="initial peers (default 6, quick 3)")
     parser.add_argument("--duration", type=number(), help="seconds a phase is measured (default 180, quick 30)")
     parser.add_argument("--kill-every", type=number(), help="seconds between SIGKILLs (default 20, quick 6)")
-    parser.add_argument(
-        "--out", type=out_folder, default=RESULTS, help="folder for bench_churn.json (default: %(default)s)"
-    )
+    parser.add_argument("--out", type=out_folder, help="folder for bench_churn.json (default: scripts/results; "
+                        "with --quick runs/churn-quick)")  # fmt: skip
     parser.add_argument("--runs", type=Path, default=Path("runs/bench_churn"), help="folder for the peers' logs")
     parser.add_argument("--grow", action="store_true",
                         help="new peers join on top instead of in place of a victim that leaves for good")  # fmt: skip
     parser.add_argument("--restart", choices=("warm", "cold", "both"), default="both",
                         help="how a killed peer comes back: its supervisor forks it warm, or a fresh process "
                              "(default: both, a phase each; warm leads the result)")  # fmt: skip
-    args = parser.parse_args()
+    args = parser.parse_args(argv)
+    args.out = results_folder(args.out, quick=args.quick, full=RESULTS, name="churn")
+    return args
+
+
+def main() -> None:
+    args = parse_args()
     quick = {"peers": 3, "duration": 30.0, "kill_every": 6.0, "new_every": 2, "max_new": 1, "calm_tail": 8.0,
              "train": TrainConfig(inner_steps=10, batch_size=8, eval_batches=4)}  # fmt: skip
     chosen = {"peers": args.peers, "duration": args.duration, "kill_every": args.kill_every,

@@ -29,7 +29,8 @@ transport: the whole training state, chunked and hashed), and one checkpoint wri
     .venv/bin/python scripts/bench_model_scale.py              # up to gpt2-small (124M): minutes
     .venv/bin/python scripts/bench_model_scale.py --models gpt-tiny,gpt-20m,gpt2-small,gpt2-medium
 
-Writes scripts/results/bench_model_scale.json (or --out).
+Writes scripts/results/bench_model_scale.json (or --out); a --quick run writes
+runs/model-scale-quick/bench_model_scale.json, never the committed results.
 """
 
 from __future__ import annotations
@@ -44,7 +45,7 @@ import tempfile
 import time
 from pathlib import Path
 
-RESULTS = Path(__file__).resolve().parent / "results"
+RESULTS = Path(__file__).resolve().parent / "results"  # the committed results, which the docs quote
 QUICK = ("gpt-tiny", "gpt-small")
 FULL = ("gpt-tiny", "gpt-small", "gpt-20m", "gpt2-small")
 BATCH, SEQUENCE = 2, 64  # one small batch: the training step's activations stay far below the parameters
@@ -224,19 +225,30 @@ def measure(name: str, phase: str) -> dict:
     return json.loads(done.stdout.strip().splitlines()[-1])
 
 
-def main(argv: list[str] | None = None) -> int:
-    from murmur.peer.flags import integer, out_file  # here: the measured processes import only what they measure
-    from murmur.peer.model import MODELS
+def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
+    """The flags, checked: `names` the models to measure, and `out` the file to write (a quick run's is never the
+    committed one)."""
+    from murmur.peer.flags import integer, out_file, results_folder  # here: the measured processes import only
+    from murmur.peer.model import MODELS  # what they measure
 
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     parser.add_argument("--quick", action="store_true", help=f"only {', '.join(QUICK)}")
     parser.add_argument("--models", help=f"comma-separated registry names (default: {','.join(FULL)})")
     parser.add_argument("--repeats", type=integer(1), default=3, help="fresh process pairs per size (default 3)")
-    parser.add_argument("--out", type=out_file, default=RESULTS / "bench_model_scale.json")
+    parser.add_argument("--out", type=out_file, help="the JSON to write (default: scripts/results/bench_model_scale"
+                        ".json; with --quick runs/model-scale-quick/bench_model_scale.json)")  # fmt: skip
     args = parser.parse_args(argv)
-    names = args.models.split(",") if args.models else QUICK if args.quick else FULL
-    if unknown := [name for name in names if name not in MODELS]:
+    args.names = args.models.split(",") if args.models else QUICK if args.quick else FULL
+    if unknown := [name for name in args.names if name not in MODELS]:
         parser.error(f"--models: unknown {', '.join(unknown)} (the registry has {', '.join(MODELS)})")
+    if args.out is None:
+        args.out = results_folder(None, quick=args.quick, full=RESULTS, name="model-scale") / "bench_model_scale.json"
+    return args
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = parse_args(argv)
+    names = args.names
     rows = []
     # the fixed cost, for two peers: the mean of the probe's repeats (what is left of a copy at 8,432 parameters)
     probe_pairs = [(measure(PROBE, "plain"), measure(PROBE, "murmur")) for _ in range(args.repeats)]

@@ -44,6 +44,7 @@ logged progress: a hivemind peer its first step, a Murmur peer its first round):
   reported too.
 
     .venv/bin/python scripts/bench_vs_hivemind.py --quick    # 2 peers, 15 s, clean + kill: about 3 minutes
+                                                             # (into runs/vs-hivemind-quick)
     sudo .venv/bin/python scripts/bench_vs_hivemind.py        # 4 peers, 90 s, all three: about 20 minutes
     .venv/bin/python scripts/bench_vs_hivemind.py --tune      # hivemind presets on the clean scenario
 """
@@ -70,12 +71,12 @@ from netlab import HUB_HOST, NetLab, is_root
 
 from murmur.averaging.group import GroupConfig
 from murmur.peer.config import TrainConfig
-from murmur.peer.flags import integer, number, out_folder
+from murmur.peer.flags import integer, number, out_folder, results_folder
 from murmur.peer.metrics import PeerReport, read_metrics
 from murmur.peer.model import MODELS
 from murmur.peer.sim.simulate import join_command, launch, stop_processes
 
-RESULTS = Path(__file__).resolve().parent / "results"
+RESULTS = Path(__file__).resolve().parent / "results"  # the committed results, which the docs quote
 MIN_ROUNDS = 10  # issue 16: a model is compared where bytes matter only if Murmur trains this many rounds a peer
 WORKER = Path(__file__).resolve().parent / "hivemind_worker.py"
 STACKS = ("hivemind", "murmur")
@@ -420,7 +421,9 @@ def table(result: dict) -> str:
     return "\n".join(lines)
 
 
-def main() -> None:
+def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
+    """The flags, checked: `config` the bench's, and `out` the folder to write (a quick run's is never the
+    committed one)."""
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--quick", action="store_true", help="2 peers, 15 s, clean + kill (a test runs it)")
     parser.add_argument("--tune", action="store_true", help="run hivemind's presets on the clean scenario only")
@@ -435,9 +438,10 @@ def main() -> None:
     parser.add_argument("--loopback", action="store_true", help="no namespaces even as root (bytes from ss)")
     parser.add_argument("--overlap", action="store_true",
                         help="Murmur peers train through their exchanges (murmur join --overlap): an A/B")  # fmt: skip
-    parser.add_argument("--out", type=out_folder, default=RESULTS, help="folder for the JSON (default: %(default)s)")
+    parser.add_argument("--out", type=out_folder, help="folder for the JSON (default: scripts/results; with "
+                        "--quick runs/vs-hivemind-quick)")  # fmt: skip
     parser.add_argument("--runs", type=Path, default=Path("runs/bench_vs_hivemind"), help="folder for peer logs")
-    args = parser.parse_args()
+    args = parser.parse_args(argv)
     quick = {"peers": 2, "budget": 15.0, "scenarios": ("clean", "kill"),
              "train": TrainConfig(inner_steps=10, batch_size=8, eval_batches=4)}  # fmt: skip
     chosen = {"peers": args.peers, "budget": args.budget, "preset": args.preset,
@@ -449,6 +453,14 @@ def main() -> None:
             config = replace(config, train=config.train.model_copy(update={"model": args.model}))
     except ValueError as e:
         parser.error(str(e))
+    args.config = config
+    args.out = results_folder(args.out, quick=args.quick, full=RESULTS, name="vs-hivemind")
+    return args
+
+
+def main() -> None:
+    args = parse_args()
+    config = args.config
     signal.signal(signal.SIGTERM, lambda *_: sys.exit(143))  # unwinds through every `finally`: namespaces go
     args.out.mkdir(parents=True, exist_ok=True)
     try:

@@ -35,14 +35,43 @@ def test_a_bad_flag_is_one_line_before_anything_runs(script, flags, error, tmp_p
     (tmp_path / "notes").write_text("a file, not a folder")
     monkeypatch.chdir(tmp_path)
     monkeypatch.setattr(sys, "argv", [script, *flags])
-    monkeypatch.syspath_prepend(str(SCRIPTS))  # as `python scripts/X.py` has it, for the scripts it imports
-    spec = importlib.util.spec_from_file_location(script.removesuffix(".py"), SCRIPTS / script)
-    module = importlib.util.module_from_spec(spec)
-    monkeypatch.setitem(sys.modules, spec.name, module)  # its dataclasses look themselves up there
-    spec.loader.exec_module(module)  # in this process: the imports a subprocess would pay for are done already
+    module = load(script, monkeypatch)
     with pytest.raises(SystemExit) as exit_info:
         module.main()
     assert exit_info.value.code == 2
     last = capsys.readouterr().err.splitlines()[-1]
     assert last.startswith(f"{script}: error: ") and error in last, last
     assert sorted(p.name for p in tmp_path.iterdir()) == ["notes"]  # nothing made: no run started
+
+
+@pytest.mark.parametrize(
+    ("script", "quick"),
+    [
+        ("bench_attack.py", "runs/attack-quick"),
+        ("bench_churn.py", "runs/churn-quick"),
+        ("bench_model_scale.py", "runs/model-scale-quick/bench_model_scale.json"),
+        ("bench_vs_hivemind.py", "runs/vs-hivemind-quick"),
+    ],
+)
+def test_a_quick_run_never_writes_over_the_committed_results(script, quick, tmp_path, monkeypatch) -> None:
+    """`--quick` with no --out wrote into scripts/results, over the full run's JSON that the docs quote (as
+    simulate_scale.py --quick once did); it now writes under runs/, and a full run still writes scripts/results."""
+    monkeypatch.chdir(tmp_path)
+    module = load(script, monkeypatch)
+    assert module.parse_args(["--quick"]).out == Path(quick)
+    full = module.parse_args([]).out
+    assert SCRIPTS / "results" in (full, full.parent)
+    assert module.parse_args(["--quick", "--out", str(tmp_path / "mine.json" if full.suffix else tmp_path)]).out in (
+        tmp_path,
+        tmp_path / "mine.json",
+    )
+
+
+def load(script: str, monkeypatch: pytest.MonkeyPatch):
+    """A script as a module of this process (the imports a subprocess would pay for are done already)."""
+    monkeypatch.syspath_prepend(str(SCRIPTS))  # as `python scripts/X.py` has it, for the scripts it imports
+    spec = importlib.util.spec_from_file_location(script.removesuffix(".py"), SCRIPTS / script)
+    module = importlib.util.module_from_spec(spec)
+    monkeypatch.setitem(sys.modules, spec.name, module)  # its dataclasses look themselves up there
+    spec.loader.exec_module(module)
+    return module
