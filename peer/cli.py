@@ -273,6 +273,7 @@ def _simulate(args: argparse.Namespace) -> int:
         report = simulate(config, stop=stop.event, on_start=stop.started)
     losses = [(p.initial_eval_loss, p.final_eval_loss) for p in report.peers]
     print(f"report written to {args.report}{replaced}: {len(report.peers)}/{args.peers} peers reported")
+    print(f"  the peers' logs are in {report.out_dir} (murmur report {shlex.quote(report.out_dir)} plots them)")
     for p in report.peers:
         print(
             f"  peer {p.peer_id[-8:]}: eval loss {p.initial_eval_loss:.3f} -> {p.final_eval_loss:.3f}, "

@@ -54,6 +54,7 @@ class SwarmReport(BaseModel):
     peers: list[PeerReport]
     run_id: str
     config: dict
+    out_dir: str | None = None  # the folder of the peers' logs (peer-N/, peer-N.log): `murmur report` plots it
 
 
 class MetricsLog:

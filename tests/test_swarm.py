@@ -211,6 +211,22 @@ def test_a_simulation_whose_peers_never_train_says_so(tmp_path):
     assert "1 of 1 peers took no training step" in console.file.getvalue()
 
 
+def test_a_simulation_into_a_used_folder_names_the_folder_it_wrote(tmp_path):
+    """A second simulation into runs/sim went to runs/sim-2, said so only above its live table, and its report.json
+    did not name the folder: the README's next step, `murmur report runs/sim`, plotted the earlier simulation."""
+    earlier = tmp_path / "runs" / "peer-0" / "metrics.jsonl"
+    earlier.parent.mkdir(parents=True)
+    earlier.write_text('{"t": 1.0, "round": 1, "loss": 2.0}\n')
+    console = Console(file=io.StringIO(), width=400)
+    config = SimulationConfig(peers=1, duration=0.1, startup=0.0, out_dir=tmp_path / "runs",
+                              report=tmp_path / "report.json")  # fmt: skip
+    report = simulate(config, console)
+    assert report.out_dir == str(tmp_path / "runs-2")
+    assert json.loads((tmp_path / "report.json").read_text())["out_dir"] == str(tmp_path / "runs-2")
+    assert (tmp_path / "runs-2" / "peer-0.log").exists()
+    assert earlier.read_text() == '{"t": 1.0, "round": 1, "loss": 2.0}\n'  # kept as it was
+
+
 def kill_tagged(tag: str) -> None:
     """SIGKILL every process that inherited MURMUR_TEST_TAG=tag (a failed test's leftovers), by PID."""
     for proc in psutil.process_iter():

@@ -323,6 +323,7 @@ def _gather(config: SimulationConfig, wall: float) -> SwarmReport:
         peers=peers,
         run_id=config.run_id,
         config=config.train.to_record(),
+        out_dir=str(config.out_dir),
     )
     config.report.parent.mkdir(parents=True, exist_ok=True)
     config.report.write_text(report.model_dump_json(indent=2))
