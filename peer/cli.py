@@ -281,7 +281,9 @@ def _simulate(args: argparse.Namespace) -> int:
         )
     if report.consensus_distance is not None:
         print(f"  consensus distance {report.consensus_distance:.4f}")
-    return 0 if len(losses) == args.peers and all(p.steps > 0 for p in report.peers) else 1
+    if report.failed:
+        print(f"  failed: {', '.join(f'{name} (exit code {code})' for name, code in report.failed.items())}")
+    return 0 if len(losses) == args.peers and all(p.steps > 0 for p in report.peers) and not report.failed else 1
 
 
 def _status(args: argparse.Namespace) -> int:

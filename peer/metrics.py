@@ -55,6 +55,7 @@ class SwarmReport(BaseModel):
     run_id: str
     config: dict
     out_dir: str | None = None  # the folder of the peers' logs (peer-N/, peer-N.log): `murmur report` plots it
+    failed: dict[str, int] = Field(default_factory=dict)  # peer-N -> its process's exit code, for each not 0
 
 
 class MetricsLog:

@@ -227,6 +227,29 @@ def test_a_simulation_into_a_used_folder_names_the_folder_it_wrote(tmp_path):
     assert earlier.read_text() == '{"t": 1.0, "round": 1, "loss": 2.0}\n'  # kept as it was
 
 
+def test_a_peer_that_stops_on_an_error_fails_the_simulation(tmp_path):
+    """A peer whose training loss keeps coming out NaN stops with an error (exit 1) after 3 such rounds, its report
+    written; `murmur simulate` still exited 0, its report.json silent about it, though the README says the exit
+    code is 1 if a peer failed."""
+    report_path = tmp_path / "report.json"
+    cmd = [
+        sys.executable, "-m", "murmur.peer.cli", "simulate", "--peers", "1", "--duration", "30",
+        "--report", str(report_path), "--out-dir", str(tmp_path / "runs"), "--inner-steps", "2",
+        "--warmup-steps", "0", "--inner-lr", "1e30",
+    ]  # fmt: skip
+    tag = f"simulate-nan-{uuid.uuid4()}"
+    try:
+        done = subprocess.run(cmd, capture_output=True, text=True, timeout=120,
+                              env={**os.environ, "MURMUR_TEST_TAG": tag})  # fmt: skip
+    finally:
+        kill_tagged(tag)
+    assert "non-finite training loss" in (tmp_path / "runs" / "peer-0.log").read_text()
+    assert done.returncode == 1, done.stdout + done.stderr[-2000:]
+    assert "failed: peer-0 (exit code 1)" in done.stdout
+    report = json.loads(report_path.read_text())
+    assert report["failed"] == {"peer-0": 1} and report["peers"][0]["steps"] > 0
+
+
 def kill_tagged(tag: str) -> None:
     """SIGKILL every process that inherited MURMUR_TEST_TAG=tag (a failed test's leftovers), by PID."""
     for proc in psutil.process_iter():

@@ -273,7 +273,9 @@ def simulate(
     finally:
         stop_processes(procs, config.stop_grace)
         stop_node(boot)
-    report = _gather(config, time.monotonic() - started)
+    # a peer that stops on an error (a loss that stays NaN, its network lost) still writes its report: say it failed
+    failed = {f"peer-{i}": proc.returncode for i, proc in enumerate(procs) if proc.returncode not in (0, None)}
+    report = _gather(config, time.monotonic() - started, failed)
     idle = sum(p.steps == 0 for p in report.peers)
     if idle:  # the shared end came before they were up: a machine too slow to start this many peers in time
         console.print(f"[red]{idle} of {config.peers} peers took no training step: they were still starting "
@@ -307,7 +309,7 @@ def _watch(
         console.print(f"[red]peers {failed} exited with an error; see {config.out_dir}/peer-N.log[/red]")
 
 
-def _gather(config: SimulationConfig, wall: float) -> SwarmReport:
+def _gather(config: SimulationConfig, wall: float, failed: dict[str, int]) -> SwarmReport:
     peers, anchors = [], []
     for i in range(config.peers):
         folder = config.out_dir / f"peer-{i}"
@@ -324,6 +326,7 @@ def _gather(config: SimulationConfig, wall: float) -> SwarmReport:
         run_id=config.run_id,
         config=config.train.to_record(),
         out_dir=str(config.out_dir),
+        failed=failed,
     )
     config.report.parent.mkdir(parents=True, exist_ok=True)
     config.report.write_text(report.model_dump_json(indent=2))
