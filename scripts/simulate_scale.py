@@ -337,6 +337,9 @@ def main() -> None:
     if args.no_churn:
         settings = replace(settings, churn=None)
     done, dht = reuse(args.reuse, settings)
+    written = [out / "simulate_scale.json", out / "simulate_scale.png"]
+    if earlier := [path.name for path in written if path.exists()]:  # replaced after the first swarm: say so now
+        print(f"{out} holds an earlier run's {' and '.join(earlier)}: this run replaces them", flush=True)
     if dht is None and not (args.no_dht_measure or args.quick):
         dht = measure_dht(args.dht_nodes)
     started = time.monotonic()
@@ -351,6 +354,8 @@ def main() -> None:
     print_table({int(n): ScaleResult(**r) for n, r in report["results"].items()}, dht)
     for key, value in report["verdict"].items():
         print(f"{key}: {value}")
+    replaced = " (they replaced an earlier run's)" if earlier else ""
+    print(f"written to {written[0]} and {written[1]}{replaced}")
 
 
 if __name__ == "__main__":

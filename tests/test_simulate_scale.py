@@ -47,6 +47,23 @@ def test_a_quick_run_keeps_the_committed_results(tmp_path, monkeypatch):
     assert not (tmp_path / "scripts").exists()
 
 
+def test_a_rerun_into_the_same_folder_says_it_replaces_the_earlier_results(tmp_path, monkeypatch, capsys):
+    """A second `--quick` wrote over runs/scale-quick/simulate_scale.json and .png without a word (and never said
+    where it wrote at all)."""
+    monkeypatch.chdir(tmp_path)
+    earlier = tmp_path / "runs" / "scale-quick" / "simulate_scale.json"
+    earlier.parent.mkdir(parents=True)
+    earlier.write_text("{}")
+    monkeypatch.setattr(sys, "argv", ["simulate_scale.py", "--quick", "--peers", "16", "--rounds", "2"])
+    load_script().main()
+    lines = capsys.readouterr().out.splitlines()
+    out = Path("runs/scale-quick")
+    assert lines[0] == f"{out} holds an earlier run's simulate_scale.json: this run replaces them"
+    assert lines[-1] == (f"written to {out / 'simulate_scale.json'} and {out / 'simulate_scale.png'} (they replaced "
+                         "an earlier run's)")  # fmt: skip
+    assert json.loads(earlier.read_text())["results"]["16"]
+
+
 @pytest.mark.parametrize(
     ("flags", "error"),
     [
