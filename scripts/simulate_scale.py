@@ -297,11 +297,17 @@ def reuse(paths: list[Path], settings: ScaleSettings) -> tuple[dict[int, ScaleRe
             report = json.loads(path.read_text())
         except (OSError, ValueError) as e:
             raise SystemExit(f"--reuse {path}: {e}") from None
-        if report.get("settings") != json.loads(json.dumps(asdict(settings))):
+        if not isinstance(report, dict) or "settings" not in report:
+            raise SystemExit(f"--reuse {path}: not a report of this script (no settings in it)")
+        if report["settings"] != json.loads(json.dumps(asdict(settings))):
             raise SystemExit(f"--reuse {path}: it was run with other settings")
-        done |= {int(n): ScaleResult(**r) for n, r in report["results"].items()}
-        if report.get("dht"):
-            dht = {k: v for k, v in report["dht"].items() if k != "per_peer_count"}
+        try:
+            done |= {int(n): ScaleResult(**r) for n, r in report["results"].items()}
+            if report.get("dht"):
+                dht = {k: v for k, v in report["dht"].items() if k != "per_peer_count"}
+        except (AttributeError, KeyError, TypeError, ValueError) as e:  # another version's fields, an edited file
+            why = f"{type(e).__name__}: {e}"
+            raise SystemExit(f"--reuse {path}: its results do not read as this script's ({why})") from None
     return done, dht
 
 

@@ -190,3 +190,22 @@ def test_verdict_names_the_ready_list_and_reuse_refuses_other_settings(quick):
     assert set(done) == {16, 32} and reused_dht is None and done[32].samples == report["results"]["32"]["samples"]
     with pytest.raises(SystemExit, match="other settings"):
         script.reuse([out / "simulate_scale.json"], ScaleSettings(rounds=99))
+
+
+@pytest.mark.parametrize(
+    ("text", "says"),
+    [
+        ("[]", "not a report of this script (no settings in it)"),  # AttributeError: 'list' object has no 'get'
+        ('{"settings": SETTINGS}', "its results do not read as this script's (KeyError: 'results')"),
+        ('{"settings": SETTINGS, "results": {"16": {"peers": 16}}}', "its results do not read as this script's"),
+        ('{"settings": SETTINGS, "results": {"sixteen": {}}}', "its results do not read as this script's"),
+    ],
+)
+def test_reuse_of_a_file_that_is_not_a_report_is_one_line(text, says, tmp_path):
+    """`--reuse` of a JSON file that is not this script's report (or one of another version) was a traceback."""
+    script = load_script()
+    path = tmp_path / "other.json"
+    path.write_text(text.replace("SETTINGS", json.dumps(dataclasses.asdict(script.QUICK))))
+    with pytest.raises(SystemExit) as exit_info:
+        script.reuse([path], script.QUICK)
+    assert str(exit_info.value).startswith(f"--reuse {path}: {says}"), exit_info.value
