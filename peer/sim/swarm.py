@@ -119,7 +119,7 @@ class VirtualSwarm:
         self.rng = random.Random(seed)
         self.trace = trace
         self.gossip = gossip  # False: nobody exchanges (every round is lonely): the baseline for consensus
-        # True: peers train on while they gather and exchange, as a real peer does by default (`PeerOptions.overlap`):
+        # True: peers train on while they gather and exchange, as a real peer does with `--overlap` (off by default):
         # the steps that fit between the end of the inner phase and the round's end are trained then, after the
         # offer was taken and before the outer step keeps them
         self.overlap = overlap

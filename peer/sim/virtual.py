@@ -247,7 +247,8 @@ def run_murmur(
 ) -> MethodResult:
     """Gossip DiLoCo in groups, with no barrier, in virtual time: every peer runs the real round engine
     (`peer.rounds`) and the real group exchange over the in-memory network (`peer.sim.swarm`); with
-    `overlap`, each trains on while it gathers and exchanges, as a real peer does by default.
+    `overlap`, each trains on while it gathers and exchanges, as a real peer does with `murmur join --overlap`
+    (off by default).
 
     `tamper` becomes the network's `before_send(src, dst, frame)` hook (attacks, faults).
 
