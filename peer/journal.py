@@ -43,8 +43,8 @@ class Journal:
         self.peers_alive = max(1, len(peer.watch.peers))  # the last read of the run's announcements (never waits)
         if self.metrics_log is not None:
             self.metrics_log.write(
-                t=time.time(), round=rounds, step=trainer.steps, samples=trainer.samples, loss=loss,
-                eval_loss=eval_loss, eval_t=peer.evaluated[0], eval_samples=peer.evaluated[1],
+                t=time.time(), run=peer.options.run_id, round=rounds, step=trainer.steps, samples=trainer.samples,
+                loss=loss, eval_loss=eval_loss, eval_t=peer.evaluated[0], eval_samples=peer.evaluated[1],
                 exchanges_ok=stats.ok, exchanges_failed=stats.failed, partner=partner,
                 exchanges_unreachable=stats.unreachable, peer=peer.peer_id, peers=self.peers_alive,
                 bytes_sent=traffic.bytes_sent, bytes_received=traffic.bytes_received, blocked=round(blocked, 3),

@@ -145,6 +145,22 @@ def test_report_draws_evaluations_as_points_and_the_swarm_as_each_peer_saw_it(tm
     assert set(alive.series[0].ys) == {2}  # the swarm this one peer saw, itself included
 
 
+def test_report_names_the_run_and_labels_each_peer_of_logs_that_mix_runs(tmp_path: Path) -> None:
+    """A metrics line did not name its run: a folder gathering the logs of two runs (peers' logs copied from several
+    machines, one of another run) was plotted as one swarm, with nothing on the chart to tell them apart."""
+    for i, run in enumerate(["run-a", "run-a", "run-b"]):
+        write_log(tmp_path / f"peer-{i}", lines=4, start=100.0 * i, seed=i)
+        log = tmp_path / f"peer-{i}" / "metrics.jsonl"
+        log.write_text(log.read_text().replace('{"t": ', f'{{"run": "{run}", "t": '))
+    assert main(["report", str(tmp_path)]) == 0
+    chart = build_chart(load_logs(tmp_path))
+    assert chart.title == "3 peers of runs run-a, run-b"
+    assert [label for label, _, _ in chart.panels[0].legend] == ["run-a/peer-0", "run-a/peer-1", "run-b/peer-2"]
+    one = {name: records for name, records in load_logs(tmp_path).items() if name != "peer-2"}
+    assert build_chart(one).title == "2 peers of run run-a"  # one run: named once, the peers by their ids alone
+    assert [label for label, _, _ in build_chart(one).panels[0].legend] == ["peer-0", "peer-1"]
+
+
 def test_peers_alive_counts_each_peer_from_first_to_last_record() -> None:
     times, counts = alive_over_time([(0.0, 10.0), (3.0, 5.0), (5.0, 12.0)])
     assert list(zip(times, counts, strict=True)) == [(0.0, 1), (3.0, 2), (5.0, 3), (5.0, 2), (10.0, 1), (12.0, 0)]

@@ -137,6 +137,7 @@ def test_simulate_command_trains_a_swarm_and_reaps_everything(tmp_path):
     assert list(logs) == ["peer-0", "peer-1"] and all(len(records) >= 2 for records in logs.values())
     # by default a peer waits for its exchanges (`PeerOptions.overlap` off): no step overlapped one
     assert all(r["overlapped"] == 0 for records in logs.values() for r in records)
+    assert all(r["run"] == "sim" for records in logs.values() for r in records)  # each line names its run
     chart = build_chart(logs)
     assert tuple(panel.title for panel in chart.panels) == PANEL_TITLES
     by_time, by_samples, traffic, alive = chart.panels

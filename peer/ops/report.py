@@ -6,7 +6,8 @@ series per peer, labelled with its peer id: training loss (a line) and held-out 
 each evaluation: the time and samples it was measured at) against wall time, the same against
 samples, bytes sent and received against wall time, and how many peers were alive: the live peers
 each peer saw in the run's announcements, itself included (logs from before that field: between
-each folder's first and last record). Wall time counts from the first record or evaluation of any peer.
+each folder's first and last record). Wall time counts from the first record or evaluation of any peer. The
+title names the run (each line of a log names it); logs that mix runs label each peer's series with its run too.
 The figure is a `peer.ops.chart.Chart` drawn with Pillow, not matplotlib, whose import alone would
 take the command past a second.
 """
@@ -82,8 +83,14 @@ def peer_label(name: str, records: list[dict]) -> str:
     return ids[-1][-8:] if ids else name
 
 
+def runs_of(logs: dict[str, list[dict]]) -> list[str]:
+    """The run ids the logs name, in order of first appearance (a log from before that field names none)."""
+    return list(dict.fromkeys(r["run"] for records in logs.values() for r in records if isinstance(r.get("run"), str)))
+
+
 def build_chart(logs: dict[str, list[dict]], title: str = "") -> Chart:
-    """The four panels (titled as in PANEL_TITLES), one colour per peer."""
+    """The four panels (titled as in PANEL_TITLES), one colour per peer; a series of logs that mix runs is
+    labelled with its run too."""
     by_time, by_samples, traffic, alive = (
         Panel(PANEL_TITLES[0], "seconds since first record", "loss"),
         Panel(PANEL_TITLES[1], "samples", "loss"),
@@ -92,9 +99,11 @@ def build_chart(logs: dict[str, list[dict]], title: str = "") -> Chart:
     )
     starts = [p["t"] for records in logs.values() for p in [*records[:1], *evaluations(records)[:1]]]
     t0 = min(starts)  # the first record, or the first evaluation (a peer evaluates before its first round)
-    spans, counted = [], False
+    spans, counted, mixed = [], False, len(runs_of(logs)) > 1
     for i, (name, records) in enumerate(logs.items()):
         color, label = PALETTE[i % len(PALETTE)], peer_label(name, records)
+        if mixed and (runs := runs_of({name: records})):
+            label = f"{'+'.join(runs)}/{label}"
         points = evaluations(records)
         for panel, x in ((by_time, "t"), (by_samples, "samples")):
             panel.add(*_points(records, x, "loss", t0 if x == "t" else 0.0), color=color, label=label)
@@ -111,14 +120,21 @@ def build_chart(logs: dict[str, list[dict]], title: str = "") -> Chart:
         by_time.legend = [(s.label, s.color, "line") for s in by_time.series if s.label]
     by_samples.legend = [("training", GRAY, "line"), ("held-out (evaluations)", GRAY, "points")]
     traffic.legend = [("sent", GRAY, "line"), ("received", GRAY, "dashed")]
-    return Chart([by_time, by_samples, traffic, alive], title=title or f"{len(logs)} peer{'s' * (len(logs) != 1)}")
+    return Chart([by_time, by_samples, traffic, alive], title=title or describe(logs))
+
+
+def describe(logs: dict[str, list[dict]]) -> str:
+    """`4 peers of run sim`, or `4 peers of runs a, b` for logs that mix runs."""
+    runs = runs_of(logs)
+    of = f" of run{'s' * (len(runs) > 1)} {', '.join(runs)}" if runs else ""
+    return f"{len(logs)} peer{'s' * (len(logs) != 1)}{of}"
 
 
 def write_report(run_dir: Path, out: Path | None = None) -> Path:
     """Plot RUN_DIR's metrics logs to `out` (default RUN_DIR/report.png); returns the path written."""
     logs = load_logs(run_dir)
     out = out or run_dir / "report.png"
-    chart = build_chart(logs, title=f"{run_dir}: {len(logs)} peer{'s' * (len(logs) != 1)}")
+    chart = build_chart(logs, title=f"{run_dir}: {describe(logs)}")
     out.parent.mkdir(parents=True, exist_ok=True)
     chart.save(out)
     return out
