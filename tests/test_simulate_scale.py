@@ -12,7 +12,7 @@ from pathlib import Path
 import psutil
 import pytest
 
-from murmur.peer.sim.scale import Internet, Profile, ScaleSettings, group_seconds, simulate
+from murmur.peer.sim.scale import Churn, Internet, Profile, ScaleSettings, group_seconds, simulate
 
 SCRIPT = Path(__file__).resolve().parent.parent / "scripts" / "simulate_scale.py"
 TINY = ScaleSettings(rounds=3, marks=1)
@@ -134,6 +134,17 @@ def test_same_seed_same_run_and_another_seed_another():
     first = fingerprint(3)
     assert fingerprint(3) == first
     assert fingerprint(4) != first
+
+
+def test_a_swarm_that_every_peer_leaves_goes_on_and_reports():
+    """With churn, every peer of a small swarm can be gone at once: the next joiner found no live peer to download
+    from, so nobody ever joined again and the run ended in a traceback (AttributeError: no 'budget_rounds'); and
+    one whose last peer left during the finish measured nobody (StatisticsError). A joiner with no donor now starts
+    from the run's initial model, as a real one does, and a swarm empty at its end keeps its last measurement."""
+    churn = Churn(mean_session_rounds=3, mean_gap_rounds=3)  # sessions as long as the gaps: often nobody is left
+    r = simulate(2, ScaleSettings(rounds=30, marks=1, finish_rounds=2, churn=churn, seed=1))
+    assert r.live_peers == 0 and r.departures > r.joins > 2  # the swarm emptied and was joined again
+    assert r.samples >= 2 * 30 * 10 * 16 and math.isfinite(r.final_eval_loss) and r.consensus_median is None
 
 
 def test_consumer_links_follow_the_stated_distribution():

@@ -16,7 +16,7 @@ step counters). Only the clock and the network are simulated:
   downlink;
 - churn (`Churn`): every session lasts an exponential time; a leaving peer takes its state with
   it (its round in flight is lost), and a new peer takes its slot after a short gap, catching up
-  from a random live peer.
+  from a random live peer (from the run's initial model if none is left).
 
 Once the sample budget is spent the run is over, and its peers finish as real peers do at their
 deadline (`finish_rounds`, `VirtualSwarm.finish_all`): they stop training, keep the steps of the
@@ -182,7 +182,7 @@ class ScaleSettings:
 @dataclass
 class ScaleResult:
     peers: int
-    final_eval_loss: float  # mean over the live peers at the end
+    final_eval_loss: float  # mean over the live peers at the end (live_peers 0: when the budget was spent)
     worst_peer_eval_loss: float
     consensus_distance: float  # peer.metrics.consensus_distance of the live peers' anchors (the farthest one's)
     bytes_per_peer_round: float  # exchange bytes sent, per completed round
@@ -311,10 +311,15 @@ class _Scale:
             self.swarm.call_at(self.now + gap, self.join)
 
     def join(self) -> None:
-        """A new peer takes a random live peer's state (as the real state download does), then trains."""
+        """A new peer takes a random live peer's state (as the real state download does), then trains; with no live
+        peer to download from (every other one left meanwhile) it starts from the run's initial model, as a real
+        joiner does when no donor can send."""
+        if self.swarm.finishing:
+            return
         donors = sorted(self.swarm.peers)
-        if donors and not self.swarm.finishing:
-            self.add_peer(self.now, donor=self.rng.choice(donors))
+        if not donors:
+            self.joins += 1
+        self.add_peer(self.now, donor=self.rng.choice(donors) if donors else None)
 
     # -- what the swarm reports ---------------------------------------------------------------------------
     def ready(self, peer: VirtualPeer, steps: int) -> None:
@@ -380,7 +385,8 @@ class _Scale:
                         break
                     swarm.finish_all()
                 if swarm.finished():
-                    self.measure()
+                    if swarm.peers:  # a swarm whose every peer left during the finish keeps its last measurement
+                        self.measure()
                     break
                 while marks and self.samples >= marks[0]:
                     marks.pop(0)
@@ -410,8 +416,8 @@ class _Scale:
             spread_reached=len(spread), spread_tags=len(self.tags), mean_round_seconds=round_seconds,
             virtual_seconds=self.now, samples=self.samples, rounds_completed=rounds, exchanges=self.swarm.exchanges,
             lonely_rounds=self.swarm.lonely, departures=self.departures, joins=self.joins,
-            live_peers=len(self.swarm.peers), curve=self.curve, wall_seconds=wall, **self.anatomy(round_seconds),
-            **finish,
+            live_peers=len(self.swarm.peers), curve=self.curve, wall_seconds=wall,
+            **(self.anatomy(round_seconds) if self.swarm.peers else {}), **finish,
         )  # fmt: skip
 
 
