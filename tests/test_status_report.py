@@ -161,6 +161,26 @@ def test_report_names_the_run_and_labels_each_peer_of_logs_that_mix_runs(tmp_pat
     assert [label for label, _, _ in build_chart(one).panels[0].legend] == ["peer-0", "peer-1"]
 
 
+def test_report_draws_the_held_out_loss_each_peer_measured_at_its_stop(tmp_path: Path) -> None:
+    """The held-out loss a peer measures at its stop is in its report.json, not in its metrics log (which has the
+    evaluations of every --eval-every rounds): a short run's chart showed no held-out loss but the initial one."""
+    from murmur.peer.ops.report import final_evaluations
+
+    for i in range(3):
+        write_log(tmp_path / f"peer-{i}", lines=4, start=100.0, seed=i)  # eval_loss 5.1 all along
+    (tmp_path / "peer-0" / "report.json").write_text(json.dumps({"samples": 1300, "final_eval_loss": 2.5}))
+    (tmp_path / "peer-1" / "report.json").write_text(json.dumps({"samples": 640, "final_eval_loss": 9.0}))  # older
+    (tmp_path / "peer-2" / "report.json").write_text('{"samples": 13')  # torn: left out, not an error
+    logs = load_logs(tmp_path)
+    finals = final_evaluations(tmp_path, logs)
+    assert finals == {"peer-0": {"t": 106.0, "samples": 1300, "eval_loss": 2.5}}
+    by_time, by_samples, _, _ = build_chart(logs, finals=finals).panels
+    assert list(by_time.series[1].ys) == [5.1, 2.5] and list(by_samples.series[1].xs) == [320, 1300]
+    assert [len(s.ys) for s in by_time.series[2:]] == [4, 1, 4, 1]  # the others: their log's one evaluation
+    assert main(["report", str(tmp_path)]) == 0
+    assert final_evaluations(tmp_path / "peer-0", load_logs(tmp_path / "peer-0"))["peer-0"]["eval_loss"] == 2.5
+
+
 def test_peers_alive_counts_each_peer_from_first_to_last_record() -> None:
     times, counts = alive_over_time([(0.0, 10.0), (3.0, 5.0), (5.0, 12.0)])
     assert list(zip(times, counts, strict=True)) == [(0.0, 1), (3.0, 2), (5.0, 3), (5.0, 2), (10.0, 1), (12.0, 0)]

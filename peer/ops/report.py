@@ -6,7 +6,8 @@ series per peer, labelled with its peer id: training loss (a line) and held-out 
 each evaluation: the time and samples it was measured at) against wall time, the same against
 samples, bytes sent and received against wall time, and how many peers were alive: the live peers
 each peer saw in the run's announcements, itself included (logs from before that field: between
-each folder's first and last record). Wall time counts from the first record or evaluation of any peer. The
+each folder's first and last record). The held-out loss a peer measured at its stop, in its `report.json`, is its
+last point. Wall time counts from the first record or evaluation of any peer. The
 title names the run (each line of a log names it); logs that mix runs label each peer's series with its run too.
 The figure is a `peer.ops.chart.Chart` drawn with Pillow, not matplotlib, whose import alone would
 take the command past a second.
@@ -14,6 +15,7 @@ take the command past a second.
 
 from __future__ import annotations
 
+import json
 import math
 import re
 from pathlib import Path
@@ -43,6 +45,25 @@ def load_logs(run_dir: Path) -> dict[str, list[dict]]:
     if not logs:
         raise ReportError(f"no metrics in {run_dir}: expected metrics.jsonl or peer-*/metrics.jsonl")
     return logs
+
+
+def final_evaluations(run_dir: Path, logs: dict[str, list[dict]]) -> dict[str, dict]:
+    """Each peer's held-out loss at its stop, from the `report.json` beside its log (the metrics log has only the
+    evaluations of its rounds, every --eval-every): {"t", "samples", "eval_loss"}, at the time of the log's last
+    record (the report says after how many samples, not when). A report of fewer samples than the log's last
+    record is of an earlier life of the peer, and left out, as is one that does not read."""
+    folders = {next(iter(logs)): run_dir} if (run_dir / "metrics.jsonl").exists() else {n: run_dir / n for n in logs}
+    finals = {}
+    for name, folder in folders.items():
+        try:
+            report = json.loads((folder / "report.json").read_text(encoding="utf-8"))
+        except (OSError, ValueError):
+            continue
+        last = logs[name][-1]
+        if (isinstance(report, dict) and _is_number(report.get("final_eval_loss")) and _is_number(report.get("samples"))
+                and report["samples"] >= (last["samples"] if _is_number(last.get("samples")) else 0)):  # fmt: skip
+            finals[name] = {"t": last["t"], "samples": report["samples"], "eval_loss": report["final_eval_loss"]}
+    return finals
 
 
 def alive_over_time(spans: list[tuple[float, float]]) -> tuple[list[float], list[int]]:
@@ -88,9 +109,9 @@ def runs_of(logs: dict[str, list[dict]]) -> list[str]:
     return list(dict.fromkeys(r["run"] for records in logs.values() for r in records if isinstance(r.get("run"), str)))
 
 
-def build_chart(logs: dict[str, list[dict]], title: str = "") -> Chart:
+def build_chart(logs: dict[str, list[dict]], title: str = "", finals: dict[str, dict] | None = None) -> Chart:
     """The four panels (titled as in PANEL_TITLES), one colour per peer; a series of logs that mix runs is
-    labelled with its run too."""
+    labelled with its run too. `finals`: each peer's evaluation at its stop (`final_evaluations`), a point more."""
     by_time, by_samples, traffic, alive = (
         Panel(PANEL_TITLES[0], "seconds since first record", "loss"),
         Panel(PANEL_TITLES[1], "samples", "loss"),
@@ -104,7 +125,7 @@ def build_chart(logs: dict[str, list[dict]], title: str = "") -> Chart:
         color, label = PALETTE[i % len(PALETTE)], peer_label(name, records)
         if mixed and (runs := runs_of({name: records})):
             label = f"{'+'.join(runs)}/{label}"
-        points = evaluations(records)
+        points = evaluations(records) + ([finals[name]] if finals and name in finals else [])
         for panel, x in ((by_time, "t"), (by_samples, "samples")):
             panel.add(*_points(records, x, "loss", t0 if x == "t" else 0.0), color=color, label=label)
             panel.add(*_points(points, x, "eval_loss", t0 if x == "t" else 0.0), color=color, style="points")
@@ -134,7 +155,7 @@ def write_report(run_dir: Path, out: Path | None = None) -> Path:
     """Plot RUN_DIR's metrics logs to `out` (default RUN_DIR/report.png); returns the path written."""
     logs = load_logs(run_dir)
     out = out or run_dir / "report.png"
-    chart = build_chart(logs, title=f"{run_dir}: {describe(logs)}")
+    chart = build_chart(logs, title=f"{run_dir}: {describe(logs)}", finals=final_evaluations(run_dir, logs))
     out.parent.mkdir(parents=True, exist_ok=True)
     chart.save(out)
     return out
