@@ -25,7 +25,7 @@ Beside it: the offer, exchange and apply seconds per side and nanoseconds per pa
 the bytes one side sent, the state download (a `StateDonor` to a `StateDownloader` over the in-memory
 transport: the whole training state, chunked and hashed), and one checkpoint write.
 
-    .venv/bin/python scripts/bench_model_scale.py --quick      # gpt-tiny and gpt-small: seconds
+    .venv/bin/python scripts/bench_model_scale.py --quick      # gpt-tiny and gpt-small: 18 processes, about a minute
     .venv/bin/python scripts/bench_model_scale.py              # up to gpt2-small (124M): minutes
     .venv/bin/python scripts/bench_model_scale.py --models gpt-tiny,gpt-20m,gpt2-small,gpt2-medium
 
