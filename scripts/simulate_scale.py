@@ -27,6 +27,7 @@ import json
 import logging
 import math
 import statistics
+import sys
 import time
 from dataclasses import asdict, replace
 from pathlib import Path
@@ -275,8 +276,6 @@ def run(
             results[n] = r = done[n]
         else:
             results[n] = r = simulate(n, settings)
-        print(f"{n} peers: loss {r.final_eval_loss:.4f} consensus {r.consensus_distance:.4f} "
-              f"spread {r.spread_rounds} rounds ({r.wall_seconds:.0f} s)", flush=True)  # fmt: skip
         report = {
             "settings": asdict(settings),
             "results": {str(n): r.to_json() for n, r in results.items()},
@@ -285,6 +284,9 @@ def run(
         }
         if save is not None:
             save(report, results)
+        # once saved: a Ctrl-C after this line keeps this swarm
+        print(f"{n} peers: loss {r.final_eval_loss:.4f} consensus {r.consensus_distance:.4f} "
+              f"spread {r.spread_rounds} rounds ({r.wall_seconds:.0f} s)", flush=True)  # fmt: skip
     return report
 
 
@@ -346,17 +348,24 @@ def main() -> None:
     written = [out / "simulate_scale.json", out / "simulate_scale.png"]
     if earlier := [path.name for path in written if path.exists()]:  # replaced after the first swarm: say so now
         print(f"{out} holds an earlier run's {' and '.join(earlier)}: this run replaces them", flush=True)
-    if dht is None and not (args.no_dht_measure or args.quick):
-        dht = measure_dht(args.dht_nodes)
-    started = time.monotonic()
+    saved: list[int] = []  # the peer counts in the files written so far
 
     def save(report: dict, results: dict[int, ScaleResult]) -> None:
         out.mkdir(parents=True, exist_ok=True)
         report["wall_seconds"] = time.monotonic() - started
         (out / "simulate_scale.json").write_text(json.dumps(report, indent=2))
         plot(results, out / "simulate_scale.png", dht)
+        saved[:] = sorted(results)
 
-    report = run(peers, settings, dht=dht, save=save, done=done)
+    try:
+        if dht is None and not (args.no_dht_measure or args.quick):
+            dht = measure_dht(args.dht_nodes)
+        started = time.monotonic()
+        report = run(peers, settings, dht=dht, save=save, done=done)
+    except KeyboardInterrupt:  # Ctrl-C: what was finished is kept, in one line rather than a traceback
+        kept = f"{written[0]} holds the swarms of {saved} peers" if saved else "nothing was written"
+        print(f"simulate_scale.py: interrupted; {kept}", file=sys.stderr)
+        sys.exit(130)
     print_table({int(n): ScaleResult(**r) for n, r in report["results"].items()}, dht)
     for key, value in report["verdict"].items():
         print(f"{key}: {value}")
