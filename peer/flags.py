@@ -110,6 +110,14 @@ def out_file(text: str) -> Path:
     return path
 
 
+def png_file(text: str) -> Path:
+    """An argparse type: a file name ending in .png (`murmur report --out report.json` would put the chart over the
+    simulation's report)."""
+    if Path(text).suffix.lower() != ".png":
+        raise argparse.ArgumentTypeError(f"the chart is a PNG: give a file name ending in .png, got {text}")
+    return Path(text)
+
+
 def results_folder(out: Path | None, *, quick: bool, full: Path, name: str) -> Path:
     """Where a benchmark writes its results: `--out` if given, else `full` (the committed results that the docs
     quote) for a full run, and runs/NAME-quick for a `--quick` one, which must never overwrite them."""
@@ -359,7 +367,7 @@ def build_parser() -> argparse.ArgumentParser:
 
     report = sub.add_parser("report", help="plot a peer's or a simulation's metrics logs to a PNG")
     report.add_argument("run_dir", type=Path, metavar="RUN_DIR", help="a folder with metrics.jsonl or peer-*/")
-    report.add_argument("--out", type=Path, metavar="PNG", help="output file (default: RUN_DIR/report.png)")
+    report.add_argument("--out", type=png_file, metavar="PNG", help="output file (default: RUN_DIR/report.png)")
 
     doctor = sub.add_parser("doctor", help="check that this machine can join a run, with a fix for each problem")
     doctor.add_argument("--host", default="127.0.0.1", help="address join will listen on (default: %(default)s)")

@@ -125,6 +125,19 @@ def test_report_without_metrics_is_a_one_line_error(tmp_path: Path, make: Any, c
     assert not (run_dir / "report.png").exists()
 
 
+def test_report_to_a_file_that_is_not_a_png_is_refused_in_one_line(tmp_path: Path, capsys) -> None:
+    """`murmur report runs/sim --out report.json` wrote the PNG over the simulation's report, without a word."""
+    write_log(tmp_path / "peer-0", lines=4, start=100.0, seed=0)
+    (tmp_path / "report.json").write_text('{"peers": []}')
+    with pytest.raises(SystemExit) as exit_info:
+        main(["report", str(tmp_path), "--out", str(tmp_path / "report.json")])
+    assert exit_info.value.code == 2
+    assert capsys.readouterr().err == ("murmur report: error: argument --out: the chart is a PNG: give a file name "
+                                       f"ending in .png, got {tmp_path / 'report.json'}\n")  # fmt: skip
+    assert (tmp_path / "report.json").read_text() == '{"peers": []}'
+    assert main(["report", str(tmp_path), "--out", str(tmp_path / "chart.PNG")]) == 0
+
+
 def test_report_draws_evaluations_as_points_and_the_swarm_as_each_peer_saw_it(tmp_path: Path) -> None:
     folder = tmp_path / "me"
     folder.mkdir()
