@@ -28,8 +28,6 @@ from collections.abc import Callable, Iterable, Mapping
 from dataclasses import dataclass, field
 from pathlib import Path
 
-from murmur.dht.addresses import AddressError, parse_peer_id
-
 _PEER_ID = re.compile(r"[1-9A-HJ-NP-Za-km-z]{1,128}")  # base58
 MIN_SECRET_BYTES = 16
 MAX_SECRET_BYTES = 4096
@@ -122,9 +120,13 @@ def load_policy(secret_file: Path | None, allow_peers: Iterable[str] | None) -> 
             raise AccessError(f"run secret file {str(secret_file)!r} is larger than {MAX_SECRET_BYTES} bytes")
     allowed = None if allow_peers is None else frozenset(allow_peers)
     policy = AccessPolicy(secret=secret, allowed=allowed)
-    for peer in sorted(allowed or ()):  # base58, as the policy checks; and a peer id, which takes a decoding
-        try:
-            parse_peer_id(peer)
-        except AddressError as e:
-            raise AccessError(f"--allow-peers: {e}") from None
+    if allowed:  # base58, as the policy checks; and a peer id, which takes a decoding
+        # imported here: murmur.dht imports hivemind (and scipy), 55 MB a process that only exchanges never needs
+        from murmur.dht.addresses import AddressError, parse_peer_id
+
+        for peer in sorted(allowed):
+            try:
+                parse_peer_id(peer)
+            except AddressError as e:
+                raise AccessError(f"--allow-peers: {e}") from None
     return policy

@@ -20,43 +20,24 @@
 * ``loop``       ``LoopThread``: the one sync/async bridge, an event loop (uvloop) on a background thread
 """
 
-from .addresses import AddressError, parse_host, parse_peer_multiaddr, parse_peer_multiaddrs
-from .heartbeat import ConfigKeeper, Heartbeat, RosterWatch
-from .identity import IdentityError, ensure_identity, peer_id_of
-from .node import NodeConfig, NodeError, start_node, stop_node, visible_addresses
-from .records import (
-    PROTOCOL_VERSION,
-    Announcement,
-    Metrics,
-    PeerState,
-    RunRecord,
-    RunRecords,
-    config_digest,
-    validate_run_id,
-)
+import importlib
+from typing import Any
 
-__all__ = [
-    "PROTOCOL_VERSION",
-    "AddressError",
-    "Announcement",
-    "ConfigKeeper",
-    "Heartbeat",
-    "RosterWatch",
-    "IdentityError",
-    "Metrics",
-    "NodeConfig",
-    "NodeError",
-    "PeerState",
-    "RunRecord",
-    "RunRecords",
-    "config_digest",
-    "ensure_identity",
-    "parse_host",
-    "parse_peer_multiaddr",
-    "parse_peer_multiaddrs",
-    "peer_id_of",
-    "start_node",
-    "stop_node",
-    "validate_run_id",
-    "visible_addresses",
-]
+# each name from its module, imported when first asked for: a process that needs only `addresses` (a checkpoint,
+# an access policy) does not import hivemind, and scipy with it, 55 MB of memory it never uses
+_WHERE = {
+    "addresses": ["AddressError", "parse_host", "parse_peer_multiaddr", "parse_peer_multiaddrs"],
+    "heartbeat": ["ConfigKeeper", "Heartbeat", "RosterWatch"],
+    "identity": ["IdentityError", "ensure_identity", "peer_id_of"],
+    "node": ["NodeConfig", "NodeError", "start_node", "stop_node", "visible_addresses"],
+    "records": ["PROTOCOL_VERSION", "Announcement", "Metrics", "PeerState", "RunRecord", "RunRecords", "config_digest",
+                "validate_run_id"],
+}  # fmt: skip
+_MODULE_OF = {name: module for module, names in _WHERE.items() for name in names}
+__all__ = sorted(_MODULE_OF)
+
+
+def __getattr__(name: str) -> Any:
+    if name not in _MODULE_OF:
+        raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
+    return getattr(importlib.import_module(f".{_MODULE_OF[name]}", __name__), name)
