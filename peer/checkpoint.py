@@ -299,8 +299,10 @@ def check_tensors(
     *,
     partial: bool = False,
     integral: Collection[str] = (),
+    unbounded: Collection[str] = (),
 ) -> Mapping[str, torch.Tensor]:
-    """Check a saved {name: tensor} against the expected names and shapes, and that all are finite.
+    """Check a saved {name: tensor} against the expected names and shapes, and that all are finite but those
+    named in `unbounded` (a model's buffers: an attention mask of -inf).
 
     With `partial`, names may be missing (error-feedback residuals, warm starts), never unknown. Every tensor
     is a float tensor but those named in `integral`, which are not (a model's integer or bool buffers, as
@@ -317,7 +319,7 @@ def check_tensors(
             raise CheckpointError(f"{what} {name} is not {'an integer' if name in integral else 'a float'} tensor")
         if tuple(t.shape) != tuple(shapes[name]):
             raise CheckpointError(f"{what} {name} has shape {tuple(t.shape)}, expected {tuple(shapes[name])}")
-        if not bool(torch.isfinite(t).all()):
+        if name not in unbounded and not bool(torch.isfinite(t).all()):
             raise CheckpointError(f"{what} {name} is not finite")
     return tensors
 

@@ -177,6 +177,13 @@ def loss_of(output: object) -> Tensor:
     return loss
 
 
+def buffer_names(model: nn.Module) -> list[str]:
+    """The keys of `model.state_dict()` that are buffers, not parameters (BatchNorm's running statistics, an
+    attention mask): their values are the model's own, and need not be finite (a mask of -inf)."""
+    params = {id(p) for p in model.parameters()}
+    return [key for key, value in model.state_dict(keep_vars=True).items() if id(value) not in params]
+
+
 def count_parameters(model: nn.Module) -> int:
     """Number of distinct parameter elements (tied weights counted once)."""
     return sum(p.numel() for p in model.parameters())

@@ -338,7 +338,8 @@ class VolunteerPeer:
         training."""
         if self.writer is None:
             return False
-        if not all_finite(self.trainer.model.state_dict(), self.trainer.outer.anchor):
+        # the parameters, not the buffers: a model's own attention mask of -inf is no reason to lose its work
+        if not all_finite(dict(self.trainer.model.named_parameters()), self.trainer.outer.anchor):
             logger.warning("checkpoint not taken: the model is not finite")
             return False
         try:

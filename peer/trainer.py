@@ -31,7 +31,7 @@ from murmur.peer.device import (
     split_batch,
     step_memory,
 )
-from murmur.peer.model import loss_of
+from murmur.peer.model import buffer_names, loss_of
 from murmur.peer.outer import OuterOptimizer
 from murmur.peer.workload import Workload, WorkloadError, builtin, one_line, raised_by
 
@@ -300,7 +300,8 @@ class Trainer:
             raise CheckpointError(f"compute_seconds must be a finite non-negative float, got {compute_seconds!r}")
         own = self.model.state_dict()
         model = check_tensors(state.get("model"), {n: t.shape for n, t in own.items()}, "model",
-                              integral={n for n, t in own.items() if not t.is_floating_point()})  # fmt: skip
+                              integral={n for n, t in own.items() if not t.is_floating_point()},
+                              unbounded=buffer_names(self.model))  # fmt: skip
         self._check_inner(state.get("inner"))
         scaler = self._check_scaler(state.get("scaler"))
         self.outer.load_state_dict(state.get("outer"))  # checks, then applies: the last check
