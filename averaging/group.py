@@ -6,7 +6,8 @@ leaders to try, in order (the last is itself), and, should it lead, the members 
 `GroupResult` or None. Every wait is bounded; any failure leaves the caller's update untouched (it
 applies nothing and keeps its work).
 
-    member → leader  JOIN     appointment, layout signature, state digest, proof of the run secret
+    member → leader  JOIN     appointment, layout signature (the initial model's digest in it, and beside it),
+                              state digest, proof of the run secret
     leader → member  ROSTER   session, members in order, whether states are pulled, the leader's proof;
                               the group's warm-start Q factors (or DECLINE: full, sealed, not leading,
                               incompatible, not authorized)
@@ -56,7 +57,15 @@ from murmur.averaging.exchange import (
 )
 from murmur.averaging.exchange import members_of as exchange_members
 from murmur.averaging.groups import should_seal
-from murmur.averaging.layout import INCOMPATIBLE, layout_difference, layout_entries, layout_meta, layout_signature
+from murmur.averaging.layout import (
+    INCOMPATIBLE,
+    layout_difference,
+    layout_entries,
+    layout_meta,
+    layout_signature,
+    only_origin_differs,
+    origin_difference,
+)
 from murmur.averaging.lazy import Lazy
 from murmur.averaging.transport import Stream, Transport
 from murmur.averaging.wire import Kind
@@ -141,6 +150,7 @@ class GroupAverager:
         seed: int | None = None,
         client_mode: bool = False,
         phase: str = "training",  # or "finish": another layout, so that the two never group
+        origin: str | None = None,  # a digest of the run's initial model as this peer built it (`averaging.layout`)
     ) -> None:
         self.transport = transport
         self.client_mode = client_mode  # never dialled: it joins groups (never leads) and opens its pair streams
@@ -149,7 +159,8 @@ class GroupAverager:
         self.modes = dict(modes)
         self.slots = compressor.plan(shapes, self.modes)
         self.phase = phase
-        self.layout = layout_entries(run_id, self.slots, self.modes, compressor, phase)
+        self.origin = origin
+        self.layout = layout_entries(run_id, self.slots, self.modes, compressor, phase, origin)
         self.signature = layout_signature(self.layout)
         self.incompatible: dict[str, str] = {}  # peer -> how its layout differs (said once; never asked again)
         self.compatible: set[str] = set()  # peers known to share our layout (they grouped with us, or asked us)
@@ -336,6 +347,7 @@ class GroupAverager:
             raise Unreachable(f"unreachable: {e}") from None
         try:
             meta = {"key": plan.key, "sig": self.signature, "phase": self.phase, "d": digest, "c": self.client_mode,
+                    **({} if self.origin is None else {"o": self.origin}),
                     **self._credentials("group-join", leader, nonce)}  # fmt: skip
             await m.send(stream, Kind.JOIN, nonce, offer.step, {}, meta)
             wait = max(0.0, plan.deadline - loop.time()) + self.config.message_timeout
@@ -498,7 +510,9 @@ class GroupAverager:
             self._refuse(remote, why)
         elif join.meta.get("sig") != self.signature:
             reason, extra = INCOMPATIBLE, layout_meta(self.layout)
-            if join.meta.get("phase") == self.phase:  # the same phase: it is the model that differs
+            if only_origin_differs(self.layout, join.meta.get("sig"), join.meta.get("o")):
+                self._incompatible(remote, origin_difference(remote), detailed=True)
+            elif join.meta.get("phase") == self.phase:  # the same phase: it is the model that differs
                 why = f"model layout differs from the run's: peer {remote[-8:]} asked with another model layout"
                 self._incompatible(remote, why, detailed=False)
         elif not isinstance(digest, str):

@@ -27,18 +27,20 @@ paired by its difference, and no inner steps), so that the peers' final models a
 
 from __future__ import annotations
 
+import hashlib
 import itertools
 import math
 import threading
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass
-from functools import partial
+from functools import cached_property, partial
 from typing import Any, Literal
 
 import torch
 from torch import nn
 
 from murmur.averaging.compression import ErrorFeedback, Mode, Projection
+from murmur.averaging.exchange import fingerprint
 from murmur.averaging.group import GroupResult, Offer
 from murmur.averaging.lazy import Lazy
 from murmur.averaging.memory import allocate
@@ -178,6 +180,17 @@ class OuterOptimizer:
         self.lock = threading.Lock()
         self.held: dict[str, torch.Tensor] | None = None  # where an overlapped offer's M is, until its `apply`
         self._scratch: dict[str, torch.Tensor] | None = None  # M's memory with no error feedback (made once)
+
+    @cached_property
+    def origin_digest(self) -> str:
+        """A digest of the run's initial model as this peer built it. Anchors are offered relative to it, so peers
+        whose digests differ (a model builder that is not deterministic under the run's seed) could never agree
+        on a model: their averagers do not group (`averaging.layout`)."""
+        digest = hashlib.sha256()
+        for name in sorted(self.origin):
+            digest.update(name.encode())
+            digest.update(fingerprint(self.origin[name]))
+        return digest.hexdigest()[:32]
 
     def _keep(self, tensor: torch.Tensor) -> torch.Tensor:
         """`tensor` where the state lives (pinned host memory for a CUDA model's state kept off the card)."""

@@ -280,6 +280,7 @@ class VolunteerPeer:
             seed=self.options.data_seed,
             client_mode=self.options.node.client_mode,
             phase="finish" if finish else "training",
+            origin=outer.origin_digest,  # peers that built other initial weights are never averaged with
         )
         await averager.start()
         return averager

@@ -3,7 +3,8 @@
 Three runs a volunteer would otherwise watch do nothing useful: training whose loss keeps coming out
 NaN or infinite (bad data, a learning rate that diverges; each such round is discarded), a model
 no peer of the run can average with, because its layout (tensor names and shapes) differs from
-theirs, and a peer whose DHT worker or p2pd died under it (it trained alone, unheard, in silence).
+theirs or its builder built other initial weights, and a peer whose DHT worker or p2pd died under
+it (it trained alone, unheard, in silence).
 `RunVerdict` is told about each round and, once one of them has gone on for a bounded number of
 rounds, holds the one line (`failure`) the peer stops with: its work is checkpointed, its report
 written, and the command exits non-zero. Only the lost network is `restartable`: a new start cures
@@ -46,10 +47,11 @@ class RunVerdict:
         self._non_finite = 0
 
     def check_layout(self, averager, rounds: int) -> None:
-        """After `rounds` rounds: stop if every peer this one heard from trains another layout."""
+        """After `rounds` rounds: stop if every peer this one heard from trains another layout (or another initial
+        model: `averaging.layout`)."""
         if rounds >= self.layout_rounds and averager.incompatible and not averager.compatible:
             first = next(iter(averager.incompatible.values()))
-            self.failure = f"{first}; no peer of the run shares this model's layout"
+            self.failure = f"{first}; no peer of the run shares this model's layout and initial weights"
 
     def network_lost(self, why: str) -> None:
         """The peer's own DHT node is gone (`dht.node.node_lost`): `why` says which part."""

@@ -608,7 +608,7 @@ def cases() -> list[Case]:
         Case("the same --model spec, another layout", silent, layout_differs, 1,
              lambda lab: r"murmur\.averaging WARN(ING)? model layout differs from the run's: peer \w{8} .+",
              lambda lab: r"murmur join: error: model layout differs from the run's: peer \w{8} .+; no peer of the run "
-                         r"shares this model's layout"),
+                         r"shares this model's layout and initial weights"),
         Case("training batches of the wrong shape", silent, command(_custom_join("wl:wrong_shapes")), 1,
              lambda lab: r"murmur join: error: the first training batch \(shapes \(8, 5\), \(8,\)\) does not fit the "
                          r"model: .+"),

@@ -12,6 +12,7 @@ from murmur.averaging import wire
 from murmur.averaging.compression import LowRankCompressor, LowRankConfig, plan, scaled_decode, scaled_encode
 from murmur.averaging.exchange import CONTROL_BYTES, going_on
 from murmur.averaging.group import GroupAverager, GroupPlan, Offer
+from murmur.averaging.layout import layout_difference, layout_entries, layout_meta
 from murmur.averaging.transport import InMemoryNetwork
 from murmur.peer.verdict import RunVerdict
 from tests.groupkit import (
@@ -317,7 +318,62 @@ def test_a_leader_with_another_model_layout_is_named_once_and_not_asked_again(ca
     assert a.stats.failed == 0
     verdict = RunVerdict()
     verdict.check_layout(a, rounds=3)  # what the real peer checks after each round: it stops, in one line
-    assert verdict.failure == answered + "; no peer of the run shares this model's layout"
+    assert verdict.failure == answered + "; no peer of the run shares this model's layout and initial weights"
+
+
+def test_peers_that_built_other_initial_weights_do_not_average_and_both_say_why(caplog):
+    """A model builder that drew its weights from an RNG the run's seed does not set: the peers averaged every
+    round, each anchor pulled toward the others' relative to its own initial model, so that their models never
+    agreed (their difference stayed the difference of their starts) and nothing said so."""
+    line = ("initial model differs from this peer's: peer {} built other initial weights under the run's seed, so "
+            "their models could never agree: the model builder must build the same model on every peer (it is "
+            "called under torch.manual_seed(seed); Python's random, numpy's and files that differ between machines "
+            "are not seeded)")  # fmt: skip
+
+    async def main():
+        net = InMemoryNetwork()
+        a, b, c = (
+            built_from(net, name, origin) for name, origin in (("A", "1" * 32), ("B", "2" * 32), ("C", "1" * 32))
+        )
+        await started(a, b, c)
+        plan_of = led_by("B", ["A"], window=0.2)
+        mismatched = await asyncio.gather(
+            a.average(make_offer(1), plan_of["A"]), b.average(make_offer(2), plan_of["B"])
+        )
+        plan_of = led_by("C", ["A"], window=0.5)
+        matched = await asyncio.gather(a.average(make_offer(1), plan_of["A"]), c.average(make_offer(3), plan_of["C"]))
+        return a, b, mismatched, matched
+
+    caplog.set_level(logging.WARNING, logger="murmur.averaging")
+    a, b, mismatched, matched = asyncio.run(main())
+    assert mismatched == [None, None] and all(r is not None and r.size == 2 for r in matched)
+    assert a.incompatible == {"B": line.format("B")} and b.incompatible == {"A": line.format("A")}
+    verdict = RunVerdict()
+    verdict.check_layout(b, rounds=3)
+    assert verdict.failure == line.format("A") + "; no peer of the run shares this model's layout and initial weights"
+
+
+def built_from(net: InMemoryNetwork, name: str, origin: str) -> GroupAverager:
+    """An averager of a peer whose initial model has the digest `origin`."""
+    compressor = LowRankCompressor(LowRankConfig(rank=4, mean_codec="sign", diff_codec="int8"))
+    return GroupAverager(net.transport(name), compressor, shapes=SHAPES, modes=MODES, run_id="r", config=FAST,
+                         origin=origin)  # fmt: skip
+
+
+def test_a_large_model_that_built_other_initial_weights_is_told_apart_from_another_layout():
+    """A layout over the DECLINE's size limit is cut short: its first tensors alone are compared."""
+    shapes = {f"delta/layer{i:03d}.weight": (64, 64) for i in range(600)}
+    compressor = LowRankCompressor(LowRankConfig(rank=4))
+    slots = compressor.plan(shapes, dict.fromkeys(shapes, "mean"))
+    ours, theirs = (layout_entries("r", slots, dict.fromkeys(shapes, "mean"), compressor, origin=o) for o in "12")
+    assert len(";".join(theirs)) > 24_000  # more than a DECLINE carries
+    assert layout_difference(ours, layout_meta(theirs), "Qmpeer").startswith("initial model differs from this peer's")
+    other = dict(slots, **{"delta/layer000.weight": replace(slots["delta/layer000.weight"], shape=(64, 32))})
+    theirs = layout_entries("r", other, dict.fromkeys(shapes, "mean"), compressor, origin="2")
+    assert layout_difference(ours, layout_meta(theirs), "Qmpeer") == (
+        "model layout differs from the run's: peer Qmpeer has tensor 'layer000.weight' of shape (64, 32), this peer "
+        "(64, 64)"
+    )
 
 
 def test_finish_rounds_decline_training_peers_without_a_layout_complaint(caplog):

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import itertools
 import uuid
 
 import pytest
@@ -9,8 +10,9 @@ import torch
 from torch import nn
 
 from examples import tiny_mlp
-from murmur.peer.api import Peer, Swarm
+from murmur.peer.api import Peer, Swarm, train_together
 from murmur.peer.config import TrainConfig
+from murmur.peer.runner import PeerError
 
 CONFIG = TrainConfig(batch_size=8, inner_steps=5, warmup_steps=0, eval_batches=2)
 
@@ -47,3 +49,36 @@ def test_a_model_with_a_buffer_of_minus_inf_checkpoints_and_resumes(tmp_path) ->
         with peer(resume=True) as again:
             assert again.trainer.steps == steps
             assert torch.equal(again.model.mask, Masked().mask)
+
+
+BUILT = itertools.count()
+
+
+def drifting() -> nn.Module:
+    """Other weights at every call, as from an RNG the run's seed does not set (Python's `random`, numpy's)."""
+    model = tiny_mlp.Regressor()
+    with torch.no_grad():
+        model.net[0].bias.add_(next(BUILT))
+    return model
+
+
+@pytest.mark.slow
+def test_peers_whose_builder_is_not_deterministic_under_the_seed_stop_in_one_line_that_says_so() -> None:
+    """Their models could never agree (each anchor is offered relative to its own initial model), and they trained
+    on in silence: robust aggregation rejected the updates ("partner's update does not follow ours") and put each
+    peer on the other's cool-down as if it were hostile, and the two trained alone to the end."""
+    with swarm_of(drifting) as swarm:
+        peers = [Peer(drifting, tiny_mlp.build_batches, run=swarm.run, initial_peers=swarm.initial_peers,
+                      device="cpu", duration=60, data_seed=i).start() for i in range(2)]  # fmt: skip
+        try:
+            with pytest.raises(PeerError) as info:
+                train_together(peers)
+        finally:
+            for peer in peers:
+                peer.close()
+    assert str(info.value).startswith("initial model differs from this peer's: peer ")
+    assert str(info.value).endswith("built other initial weights under the run's seed, so their models could never "
+                                    "agree: the model builder must build the same model on every peer (it is called "
+                                    "under torch.manual_seed(seed); Python's random, numpy's and files that differ "
+                                    "between machines are not seeded); no peer of the run shares this model's layout "
+                                    "and initial weights")  # fmt: skip
