@@ -2,7 +2,10 @@
 
 What travels is what a joiner needs to take part in the swarm's next outer step: the outer anchor
 φ and momentum m of every parameter, the outer step, and the inner step count (so the inner
-learning-rate schedule picks up where the swarm is). The joiner's model is set to the anchor.
+learning-rate schedule picks up where the swarm is). The joiner's model is set to the anchor. The
+model's finite floating-point buffers travel too, as the donor's model holds them (BatchNorm's running
+statistics, which a model in eval() mode computes with); a buffer that is not finite (a mask of -inf)
+is the same on every peer and stays the joiner's own, and so do integer ones (`num_batches_tracked`).
 What does not travel, and starts fresh: the inner AdamW moments (the learning rate warms up
 again over `warmup_steps`, from the swarm's step count), the error-feedback residuals (a donor's
 residual is its own unsent work, not the joiner's), and the joiner's own counters (samples, data
@@ -32,7 +35,8 @@ from murmur.averaging.state_transfer import StateDonor, StateSnapshot, StateTran
 from murmur.averaging.transport import P2PTransport, Transport
 from murmur.averaging.wire import PROTOCOL_VERSION, TensorSpec
 from murmur.dht.records import RunRecords
-from murmur.peer.checkpoint import CheckpointError, check_count
+from murmur.peer.checkpoint import CheckpointError, check_count, check_tensors
+from murmur.peer.model import buffer_names
 from murmur.peer.ops.progress import download_bar
 from murmur.peer.trainer import Trainer
 
@@ -53,14 +57,27 @@ def training_state(trainer: Trainer) -> StateSnapshot:
     with outer.lock:
         tensors = {f"anchor/{n}": t.detach().to("cpu", copy=True) for n, t in outer.anchor.items()}
         tensors |= {f"momentum/{n}": t.detach().to("cpu", copy=True) for n, t in outer.momentum.items()}
+        tensors |= {f"buffer/{n}": t.to("cpu", torch.float32, copy=True) for n, t in shared_buffers(trainer).items()}
         return StateSnapshot(tensors, {"outer_step": outer.step, "steps": trainer.steps})
+
+
+def shared_buffers(trainer: Trainer) -> dict[str, torch.Tensor]:
+    """The model's buffers that travel with its state: the floating-point ones whose values are all finite."""
+    state = trainer.model.state_dict()
+    return {
+        n: state[n].detach()
+        for n in buffer_names(trainer.model)
+        if state[n].is_floating_point() and bool(torch.isfinite(state[n]).all())
+    }
 
 
 def expected_layout(trainer: Trainer) -> dict[str, TensorSpec]:
     """The names, shapes and dtypes a donor's state must have to fit this trainer's model."""
     shapes = {n: tuple(p.shape) for n, p in trainer.outer.params.items()}
     groups = ("anchor", "momentum") if trainer.outer.momentum else ("anchor",)  # momentum only with momentum > 0
-    return {f"{group}/{n}": TensorSpec(s, torch.float32) for group in groups for n, s in shapes.items()}
+    layout = {f"{group}/{n}": TensorSpec(s, torch.float32) for group in groups for n, s in shapes.items()}
+    buffers = shared_buffers(trainer)
+    return layout | {f"buffer/{n}": TensorSpec(tuple(t.shape), torch.float32) for n, t in buffers.items()}
 
 
 @torch.no_grad()
@@ -72,6 +89,9 @@ def apply_training_state(trainer: Trainer, snapshot: StateSnapshot, *, keep_resi
     """
     counters = {name: check_count(snapshot.counters.get(name), name) for name in COUNTERS}
     names = trainer.outer.params
+    own = shared_buffers(trainer)
+    buffers = check_tensors({n: snapshot.tensors.get(f"buffer/{n}") for n in own},
+                            {n: tuple(t.shape) for n, t in own.items()}, "buffer")  # fmt: skip
     trainer.outer.load_state_dict(
         {
             "step": counters["outer_step"],
@@ -83,6 +103,8 @@ def apply_training_state(trainer: Trainer, snapshot: StateSnapshot, *, keep_resi
     )
     for name, p in names.items():
         p.copy_(trainer.outer.anchor[name])
+    for name, buffer in own.items():
+        buffer.copy_(buffers[name])
     if keep_residuals:  # a resumed peer keeps its AdamW moments: no second warmup
         trainer.steps = counters["steps"]
         trainer.warm_from = min(trainer.warm_from, trainer.steps)
