@@ -443,6 +443,7 @@ class VolunteerPeer:
             round_start = time.monotonic()
             try:
                 phase = self._inner_phase(stop)
+                trainer.check_finite()  # a model the round's last step left NaN is never offered
             except NonFiniteLoss as e:
                 self.verdict.non_finite(str(e))
                 continue

@@ -33,6 +33,7 @@ from murmur.peer.device import (
 )
 from murmur.peer.model import buffer_names, loss_of
 from murmur.peer.outer import OuterOptimizer
+from murmur.peer.verdict import all_finite
 from murmur.peer.workload import Workload, WorkloadError, builtin, one_line, raised_by
 
 
@@ -253,8 +254,25 @@ class Trainer:
     @torch.no_grad()
     def discard_round(self) -> None:
         """Drop this round's local steps (`OuterOptimizer.reset_model`: the model back to its anchor, or during an
-        overlapped exchange to where the round's offer was taken)."""
+        overlapped exchange to where the round's offer was taken). An inner optimizer whose state is no longer
+        finite (a step on a gradient that was not, from a loss that was: AdamW's moments would make every later
+        step NaN) starts afresh, its learning rate warming up again from here, as a joiner's does."""
         self.outer.reset_model()
+        if not all(
+            bool(torch.isfinite(value).all())
+            for state in self.inner.state.values()
+            for value in state.values()
+            if isinstance(value, torch.Tensor) and value.is_floating_point()
+        ):
+            self.inner.state.clear()
+            self.warm_from = self.steps
+
+    def check_finite(self) -> None:
+        """NonFiniteLoss, the round discarded, if the model is not finite now: a round's last step on a gradient
+        that was not finite (its loss was, so no step said so) would otherwise go into the round's exchange."""
+        if not all_finite(dict(self.model.named_parameters())):
+            self.discard_round()
+            raise NonFiniteLoss(f"non-finite model after step {self.steps} (a gradient that was not finite)")
 
     def adopt_steps(self, steps: int) -> None:
         """Take the swarm's step count (a joiner): the schedule goes on from there, and fresh AdamW

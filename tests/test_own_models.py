@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import itertools
+import math
 import threading
 import time
 import uuid
@@ -18,6 +19,8 @@ from murmur.peer.api import Peer, Swarm, train_together
 from murmur.peer.config import TrainConfig
 from murmur.peer.ops.export import from_swarm
 from murmur.peer.runner import PeerError
+from murmur.peer.trainer import NonFiniteLoss, Trainer
+from murmur.peer.workload import custom
 
 CONFIG = TrainConfig(batch_size=8, inner_steps=5, warmup_steps=0, eval_batches=2)
 
@@ -137,3 +140,50 @@ def test_a_joiner_and_an_export_of_the_live_swarm_take_the_batchnorm_statistics_
     for model in (dict(exported.named_buffers()), joined):
         assert not torch.equal(model["norm.running_mean"], torch.zeros(tiny_mlp.FEATURES))
         assert any(all(torch.equal(model[n], donor[n]) for n in stats) for donor in donors)  # as a donor holds them
+
+
+class Guarded(tiny_mlp.Regressor):
+    """Predicts the target itself for a row that is not finite: its loss stays finite there, and its gradient does
+    not (the mask's 0 times the product's NaN), as with any `torch.where` over a value that is not finite."""
+
+    def forward(self, x, y):
+        bad = ~torch.isfinite(x).all(-1)  # (B,)
+        out = self.net(x.nan_to_num(posinf=0.0)).squeeze(-1) * (1 + 0 * x.abs().sum(-1))  # (B,): NaN on a bad row
+        return nn.functional.mse_loss(torch.where(bad, y, out), y)
+
+
+def guarded() -> nn.Module:
+    return Guarded()
+
+
+def one_bad_row(split: str, *, seed: int, batch_size: int):
+    """The example's batches, an infinite value in training batch 31 (a record the loader did not clean)."""
+    for i, (x, y) in enumerate(tiny_mlp.build_batches(split, seed=seed, batch_size=batch_size)):
+        if split == "train" and i == 30:
+            x = x.clone()
+            x[0, 0] = math.inf
+        yield x, y
+
+
+def test_a_step_on_a_gradient_that_is_not_finite_costs_its_round_and_nothing_more() -> None:
+    """AdamW's moments took the NaN gradient in, so every later step was NaN: each round was discarded, and the
+    peer stopped after 3 ("non-finite training loss"). And a NaN model at a round's end went into its exchange."""
+    trainer = Trainer(CONFIG, custom(CONFIG, guarded, one_bad_row), data_seed=0)
+    trainer.inner_phase(30)
+    anchor = {n: t.clone() for n, t in trainer.outer.anchor.items()}
+    assert math.isfinite(trainer.inner_phase(1))  # the bad row's loss is finite: nothing says so yet...
+    with pytest.raises(NonFiniteLoss, match=r"^non-finite model after step 31 \(a gradient that was not finite\)$"):
+        trainer.check_finite()  # ...until the round's end, before its offer
+    assert all(torch.equal(p, anchor[n]) for n, p in trainer.model.named_parameters())  # the round discarded
+    assert math.isfinite(trainer.inner_phase(20))
+    trainer.check_finite()  # fresh moments, warming up again from step 31
+    assert trainer.warm_from == 31
+
+
+@pytest.mark.slow
+def test_a_peer_whose_step_took_a_gradient_that_is_not_finite_trains_on() -> None:
+    with swarm_of(guarded) as swarm:
+        with Peer(guarded, one_bad_row, run=swarm.run, initial_peers=swarm.initial_peers, device="cpu",
+                  duration=3) as peer:  # fmt: skip
+            report = peer.train()
+    assert report.steps > 100 and report.final_eval_loss < report.initial_eval_loss
