@@ -76,7 +76,8 @@ class Trainer:
         workload = source if isinstance(source, Workload) else builtin(config, source)
         self._workload, self.data_seed = workload, data_seed
         self.model = workload.model.to(runtime.device)
-        self.inner = workload.optimizer(self.model.parameters())
+        with raised_by("optimizer factory"):  # a researcher's own, like the builders: one line that names it
+            self.inner = workload.optimizer(self.model.parameters())
         if not isinstance(self.inner, torch.optim.Optimizer):
             raise WorkloadError(f"the optimizer factory returned {type(self.inner).__name__}, not a "
                                 "torch.optim.Optimizer")  # fmt: skip

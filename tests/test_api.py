@@ -401,6 +401,19 @@ def test_an_optimizer_in_place_of_its_factory_is_one_line() -> None:
         Trainer(CUSTOM, custom(CUSTOM, tiny_mlp.build_model, tiny_mlp.build_batches, lambda params: None), data_seed=0)
 
 
+def no_schedule(params) -> torch.optim.Optimizer:
+    raise RuntimeError("schedule.json not found")
+
+
+def test_what_an_optimizer_factory_raises_is_one_line_naming_it() -> None:
+    """It escaped as the factory's own bare error (RuntimeError: schedule.json not found), where a builder's says
+    which of the researcher's functions raised."""
+    with pytest.raises(WorkloadError) as info:
+        Trainer(CUSTOM, custom(CUSTOM, tiny_mlp.build_model, tiny_mlp.build_batches, no_schedule), data_seed=0)
+    assert str(info.value) == "the optimizer factory raised RuntimeError: schedule.json not found"
+    assert isinstance(info.value.__cause__, RuntimeError)
+
+
 def test_a_swarm_config_that_is_not_a_train_config_is_one_line() -> None:
     """A dict was "AttributeError: 'dict' object has no attribute 'with_overrides'" (or 'to_record', at start)."""
     for model in (None, tiny_mlp.build_model):
