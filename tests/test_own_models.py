@@ -13,12 +13,14 @@ import torch
 from torch import nn
 
 from examples import tiny_mlp
+from murmur.averaging.compression import LowRankCompressor
 from murmur.dht.node import NodeConfig
 from murmur.dht.records import RunRecords
 from murmur.peer.api import Peer, Swarm, train_together
+from murmur.peer.checkpoint import save_checkpoint
 from murmur.peer.config import TrainConfig
-from murmur.peer.ops.export import from_swarm
-from murmur.peer.runner import PeerError
+from murmur.peer.ops.export import from_swarm, load
+from murmur.peer.runner import PeerError, checkpoint_state
 from murmur.peer.trainer import NonFiniteLoss, Trainer
 from murmur.peer.workload import custom
 
@@ -73,6 +75,25 @@ def test_a_model_with_a_buffer_of_minus_inf_checkpoints_and_resumes(tmp_path) ->
         with peer(resume=True) as again:
             assert again.trainer.steps == steps
             assert torch.equal(again.model.mask, Masked().mask)
+
+
+def test_an_export_from_a_checkpoint_holds_the_batchnorm_statistics_it_trained(tmp_path) -> None:
+    """The model came from the checkpoint's anchor and the buffers from a model built afresh: the running statistics
+    of a peer killed before it wrote its final model (mean 0, variance 1) were exported, not the ones it trained."""
+    config = CONFIG.with_overrides(model="tests.test_own_models:normed")
+    trainer = Trainer(config, custom(config, normed, tiny_mlp.build_batches), data_seed=0)
+    trainer.inner_phase()
+    assert trainer.finish_round(trainer.outer.offer(), None, alone=True)
+    compressor = LowRankCompressor(config.compression())
+    path = save_checkpoint(tmp_path / "checkpoints", checkpoint_state("r", trainer, compressor))
+    exported = load(tmp_path, custom=True).model
+    assert str(path).endswith(".safetensors") and not torch.equal(
+        exported.norm.running_mean, Normed().norm.running_mean
+    )
+    for name, buffer in trainer.model.named_buffers():
+        assert torch.equal(dict(exported.named_buffers())[name], buffer)
+    for name, parameter in exported.named_parameters():
+        assert torch.equal(parameter, trainer.outer.anchor[name])
 
 
 BUILT = itertools.count()

@@ -35,7 +35,7 @@ from murmur.peer import tensorfile
 from murmur.peer.anchorfile import ANCHOR, model_state
 from murmur.peer.checkpoint import CheckpointError, checkpoint_files, decimal, load_checkpoint, named_step
 from murmur.peer.config import is_spec
-from murmur.peer.model import CONFIG_FILE, GPT, MODEL_FILE, MODELS, build_model
+from murmur.peer.model import CONFIG_FILE, GPT, MODEL_FILE, MODELS, buffer_names, build_model
 from murmur.peer.tensorfile import TensorFileError
 
 if TYPE_CHECKING:
@@ -181,7 +181,9 @@ def _from_checkpoint(path: Path, custom: bool | str | None = True) -> Found:
     model = build(state["model"], seed=int((state.get("config") or {}).get("seed", 0) or 0), custom=custom)
     if not isinstance(anchor, dict) or not all(isinstance(t, torch.Tensor) for t in anchor.values()):
         raise ExportError(f"checkpoint {path} is corrupt: its anchor is not a dict of tensors")
-    model = _loaded(model, model_state(model, anchor), f"checkpoint {path}")
+    saved = state["trainer"].get("model")  # the peer's model: its buffers (BatchNorm's running statistics) as trained
+    buffers = {k: saved[k] for k in buffer_names(model) if k in saved} if isinstance(saved, dict) else {}
+    model = _loaded(model, model_state(model, anchor) | buffers, f"checkpoint {path}")
     return Found(model, state["model"], str(path), state["run_id"], state["step"], outer_step,
                  state.get("config") or {})  # fmt: skip
 
