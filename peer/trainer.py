@@ -126,6 +126,13 @@ class Trainer:
                     raise StreamError(f"the training stream failed after {self.batches_drawn} batches: "
                                       f"{type(e).__name__}: {one_line(e)}") from e  # fmt: skip
                 self.batches_drawn += 1
+                if (
+                    not isinstance(batch, tuple | list)
+                    or not all(isinstance(t, torch.Tensor) for t in batch)
+                    or not batch
+                ):
+                    raise StreamError(f"training batch {self.batches_drawn} is not a tuple of tensors: "
+                                      f"{type(batch).__name__}")  # fmt: skip
                 for group, base in zip(self.inner.param_groups, self._base_lrs, strict=True):
                     group["lr"] = warmup_lr(base, self.steps - self.warm_from, self.config.warmup_steps)
                 self.inner.zero_grad(set_to_none=True)

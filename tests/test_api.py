@@ -146,6 +146,22 @@ def misfit(split: str, *, seed: int, batch_size: int):
     yield torch.zeros(batch_size, 5), torch.zeros(batch_size)  # (B, 5), (B,)
 
 
+def dict_later(split: str, *, seed: int, batch_size: int):
+    """The example's batches, but the 26th training batch is a dict (a collate function changed mid-data)."""
+    yield from one_pass(split, seed=seed, batch_size=batch_size)
+    yield {"x": torch.zeros(batch_size, tiny_mlp.FEATURES), "y": torch.zeros(batch_size)}
+
+
+def test_a_training_batch_that_is_not_a_tuple_of_tensors_mid_run_is_said_so() -> None:
+    """It read "the model failed on training batch 26 (a dict): KeyError: 0": the model never saw it."""
+    trainer = Trainer(CUSTOM, custom(CUSTOM, tiny_mlp.build_model, dict_later), data_seed=0)
+    trainer.inner_phase(25)
+    with pytest.raises(WorkloadError) as info:
+        trainer.inner_phase(1)
+    assert str(info.value) == "training batch 26 is not a tuple of tensors: dict"
+    assert trainer.steps == 25
+
+
 @pytest.mark.slow
 @pytest.mark.parametrize(
     ("build_batches", "line"),
