@@ -55,12 +55,12 @@ from murmur.averaging.state_transfer import (
     StateTransferError,
     TransferConfig,
     layout_bytes,
-    one_line,
     recv_message,
     send_message,
 )
 from murmur.averaging.transport import Stream, Transport
 from murmur.averaging.wire import TensorSpec, WireError
+from murmur.dht.errors import one_line
 
 logger = logging.getLogger("murmur.state")
 
@@ -148,7 +148,7 @@ class StateDownloader:
             try:
                 found = await self._fetch(sessions, until)
             except StateTransferError as e:  # stalled, or past the ceiling: no round would do better
-                self.errors.append(one_line(e))
+                self.errors.append(one_line(e, 300))
                 break
             if found is not None:
                 return found
@@ -347,6 +347,6 @@ class StateDownloader:
         return f"no state within the {self.config.ceiling(self.total_bytes):.1f} s ceiling for its size"
 
     def _failed(self, donor: str, error: Exception) -> None:
-        line = "no answer in time" if isinstance(error, TimeoutError) else one_line(error)
+        line = "no answer in time" if isinstance(error, TimeoutError) else one_line(error, 300)
         self.errors.append(f"{donor[-8:]}: {line}")
         logger.info("state download from %s failed: %s", donor[-8:], line)

@@ -44,6 +44,7 @@ from murmur.averaging.access import AccessPolicy
 from murmur.averaging.cooldown import Cooldown
 from murmur.averaging.transport import FrameTooLarge, Stream, StreamClosed, Transport
 from murmur.averaging.wire import TensorSpec, WireError
+from murmur.dht.errors import one_line
 
 logger = logging.getLogger("murmur.state")
 
@@ -322,10 +323,6 @@ async def recv_message(
     return decode_message(data, kinds, config)
 
 
-def one_line(error: Exception) -> str:
-    return " ".join(str(error).split())[:300] or type(error).__name__
-
-
 # -- the donor --------------------------------------------------------------------------------------
 
 
@@ -437,6 +434,6 @@ class StateDonor:
         except StreamClosed:
             pass  # the joiner has what it wanted, or gave up
         except (StateTransferError, WireError, ConnectionError, TimeoutError) as e:
-            logger.info("state upload to %s ended: %s", remote[-8:], one_line(e))
+            logger.info("state upload to %s ended: %s", remote[-8:], one_line(e, 300))
         finally:
             self.uploads -= 1

@@ -18,6 +18,7 @@
 * ``heartbeat``  ``Heartbeat`` re-announces a peer on a thread (now, and when poked) until stopped, then withdraws
   it; ``RosterWatch`` keeps the latest read of the live announcements for a loop that must not wait
 * ``loop``       ``LoopThread``: the one sync/async bridge, an event loop (uvloop) on a background thread
+* ``errors``     ``one_line``: what an error says, on one line (every package's log lines and one-line messages)
 """
 
 import importlib

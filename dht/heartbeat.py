@@ -18,6 +18,7 @@ import time
 from collections.abc import Callable
 from types import TracebackType
 
+from .errors import one_line
 from .records import Announcement, RunRecord, RunRecords
 
 __all__ = ["ConfigKeeper", "Heartbeat", "RosterWatch"]
@@ -57,7 +58,7 @@ class _Background:
         """`what` failed with `error`, in one line: a warning, or a debug message once stopping (a failure then is the
         stop's: a DHT going down with the peer)."""
         level = logging.DEBUG if self._stopping.is_set() else logging.WARNING
-        logger.log(level, "%s: %s", what, " ".join(str(error).split()) or type(error).__name__)
+        logger.log(level, "%s: %s", what, one_line(error))
 
 
 class Heartbeat(_Background):
@@ -119,7 +120,7 @@ class Heartbeat(_Background):
                 self.records.withdraw(self._announced, timeout=max(deadline - time.monotonic(), timeout / 4))
             except Exception as e:
                 logger.warning("could not withdraw peer %s (%s): its announcement expires within %.0f s",
-                               self._announced, " ".join(str(e).split()) or type(e).__name__,
+                               self._announced, one_line(e),
                                self.records.announce_ttl)  # fmt: skip
 
     def __enter__(self) -> Heartbeat:
@@ -152,7 +153,7 @@ class Heartbeat(_Background):
             if record is not None and self.records.publish_config(record):
                 self._config_due = time.monotonic() + self.records.config_ttl / 3
         except Exception as e:
-            logger.warning("could not republish the run config: %s", " ".join(str(e).split()))
+            logger.warning("could not republish the run config: %s", one_line(e))
 
 
 class ConfigKeeper(_Background):
@@ -181,7 +182,7 @@ class ConfigKeeper(_Background):
                 if not self.records.publish_config(self.record):
                     logger.warning("the run config was not stored; retrying in %.0f s", self.records.config_ttl / 3)
             except Exception as e:
-                logger.warning("could not republish the run config: %s", " ".join(str(e).split()))
+                logger.warning("could not republish the run config: %s", one_line(e))
 
 
 class RosterWatch(_Background):

@@ -14,6 +14,8 @@ from pathlib import Path
 from hivemind.p2p import P2P, PeerID
 from hivemind.proto import crypto_pb2
 
+from .errors import one_line
+
 __all__ = ["IdentityError", "ensure_identity", "peer_id_of"]
 
 _MAX_KEY_BYTES = 64 * 1024
@@ -40,7 +42,7 @@ def _load_peer_id(path: Path) -> PeerID:
             raise ValueError(f"key type {key_type} is not RSA")
         return PeerID.from_identity(data)
     except Exception as e:  # protobuf and cryptography each raise their own types
-        reason = " ".join(str(e).split()) or type(e).__name__
+        reason = one_line(e)
         raise IdentityError(f"identity file {str(path)!r} is not a libp2p RSA private key: {reason}") from e
 
 

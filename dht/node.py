@@ -35,6 +35,7 @@ import psutil
 
 from . import contact, sybil
 from .addresses import host_problem, parse_host, parse_peer_id, parse_peer_multiaddrs, port_problem
+from .errors import one_line
 from .identity import IdentityError, ensure_identity, peer_id_of
 from .records import validate_run_id
 from .signing import RunValidator, load_signing_key
@@ -210,7 +211,7 @@ def _start(config: NodeConfig, validators: list) -> hivemind.DHT:
             raise NodeError(_unreachable(config, f" within {config.startup_timeout:g} s")) from None
         raise NodeError(f"DHT node on {config.host_maddr} was not ready in {config.startup_timeout:g} s") from e
     except Exception as e:
-        reason = " ".join(str(e).split()) or type(e).__name__
+        reason = one_line(e)
         if "failed to connect to bootstrap peers" in reason:
             raise NodeError(_unreachable(config)) from None
         raise NodeError(f"DHT node on {config.host_maddr} failed to start: {reason}") from e

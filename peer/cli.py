@@ -44,6 +44,7 @@ if __name__ == "__main__" or os.path.basename(sys.argv[0]) == "murmur":  # the p
     for _signum in (signal.SIGINT, signal.SIGTERM):
         signal.signal(_signum, _interrupted_while_importing)
 
+from murmur.dht.errors import one_line  # noqa: E402
 from murmur.peer.flags import build_parser  # noqa: E402  (after the handler: pydantic takes a while to import)
 from murmur.peer.supervise import CRASH_EXIT, FORWARDED, PARENT_GONE, follow_launcher  # noqa: E402
 
@@ -447,7 +448,7 @@ def _run(command, args: argparse.Namespace) -> int:
             return 128 + signal.SIGPIPE
         if not expected(e):
             raise
-        print(f"murmur {args.command}: error: {_one_line(e)}", file=sys.stderr)
+        print(f"murmur {args.command}: error: {one_line(e)}", file=sys.stderr)
         return CRASH_EXIT if _restartable(e) else 1
     except KeyboardInterrupt:
         if _Stop.current is None or _Stop.current.say_interrupted():
@@ -470,10 +471,6 @@ def _restartable(error: BaseException) -> bool:
     """An expected error that a new start cures (the peer's network died under it): `--restart` restarts it."""
     runner = sys.modules.get("murmur.peer.runner")
     return runner is not None and isinstance(error, runner.NetworkLost)
-
-
-def _one_line(error: BaseException) -> str:
-    return " ".join(str(error).split()) or type(error).__name__
 
 
 def _supervised_join(args: argparse.Namespace) -> int:

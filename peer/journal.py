@@ -13,6 +13,7 @@ import math
 import time
 from pathlib import Path
 
+from murmur.dht.errors import one_line
 from murmur.dht.records import Metrics
 from murmur.peer.anchorfile import ANCHOR, save_anchor
 from murmur.peer.metrics import MetricsLog, PeerReport
@@ -127,4 +128,4 @@ class Journal:
 def _log_failure(future) -> None:
     """A background DHT store's outcome: a failure is logged, never raised into the training loop."""
     if not future.cancelled() and future.exception() is not None:
-        logger.warning("could not publish metrics: %s", " ".join(str(future.exception()).split()))
+        logger.warning("could not publish metrics: %s", one_line(future.exception()))

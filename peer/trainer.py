@@ -19,6 +19,7 @@ from typing import Any
 import torch
 
 from murmur.averaging.group import GroupResult, Offer
+from murmur.dht.errors import one_line
 from murmur.peer.checkpoint import CheckpointError, check_count, check_tensors
 from murmur.peer.config import TrainConfig
 from murmur.peer.data import Corpus, evaluate
@@ -34,7 +35,7 @@ from murmur.peer.device import (
 from murmur.peer.model import buffer_names, loss_of
 from murmur.peer.outer import OuterOptimizer
 from murmur.peer.verdict import all_finite
-from murmur.peer.workload import Workload, WorkloadError, builtin, one_line, raised_by
+from murmur.peer.workload import Workload, WorkloadError, builtin, raised_by
 
 
 def to_device(t: torch.Tensor, device: torch.device) -> torch.Tensor:
@@ -124,7 +125,7 @@ class Trainer:
                     ) from None
                 except Exception as e:  # a corrupt shard, a file gone: the steps so far are consistent, and kept
                     raise StreamError(f"the training stream failed after {self.batches_drawn} batches: "
-                                      f"{type(e).__name__}: {one_line(e)}") from e  # fmt: skip
+                                      f"{type(e).__name__}: {one_line(e, 200)}") from e  # fmt: skip
                 self.batches_drawn += 1
                 if (
                     not isinstance(batch, tuple | list)
@@ -141,7 +142,7 @@ class Trainer:
                 except Exception as e:  # a batch unlike the first (another shape, not tensors): no step was taken
                     self.inner.zero_grad(set_to_none=True)
                     raise StreamError(f"the model failed on training batch {self.batches_drawn} "
-                                      f"({_shapes(batch)}): {type(e).__name__}: {one_line(e)}") from e  # fmt: skip
+                                      f"({_shapes(batch)}): {type(e).__name__}: {one_line(e, 200)}") from e  # fmt: skip
                 if not math.isfinite(loss):
                     self.discard_round()
                     raise NonFiniteLoss(f"non-finite training loss at step {self.steps}")
@@ -189,7 +190,7 @@ class Trainer:
                         output = self._loss(micro)
                         loss = output.item()
                 except Exception as e:  # whatever the model raises on a batch it cannot take
-                    reason = one_line(e)
+                    reason = one_line(e, 200)
                     raise WorkloadError(f"the {name} ({_shapes(first)}) does not fit the model: {reason}") from None
                 if not math.isfinite(loss):
                     raise WorkloadError(f"the {name} gives a non-finite loss ({loss}): check the data")

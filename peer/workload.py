@@ -32,6 +32,7 @@ from typing import Any, Protocol
 import torch
 from torch import Tensor, nn
 
+from murmur.dht.errors import one_line
 from murmur.peer.config import TrainConfig, is_spec
 from murmur.peer.data import Corpus, DataConfig, batches, eval_batches, load_corpus
 from murmur.peer.model import MODELS, build_model
@@ -152,12 +153,7 @@ def raised_by(what: str) -> Iterator[None]:
         raise
     except Exception as e:
         logger.debug("the %s raised", what, exc_info=True)
-        raise WorkloadError(f"the {what} raised {type(e).__name__}: {one_line(e)}") from e
-
-
-def one_line(error: BaseException) -> str:
-    """What a researcher's code raised, on one line and at most 200 characters (its type if it said nothing)."""
-    return " ".join(str(error).split())[:200] or type(error).__name__
+        raise WorkloadError(f"the {what} raised {type(e).__name__}: {one_line(e, 200)}") from e
 
 
 def _check_signature(function: Callable[..., Any], what: str, takes: str, *args: Any, **kwargs: Any) -> None:

@@ -25,6 +25,7 @@ from dataclasses import dataclass, field
 from importlib import resources
 from typing import Any
 
+from murmur.dht.errors import one_line
 from murmur.peer.ops.status import PeerStatus, RunNotFound, RunStatus, missing_config, read_status
 
 logger = logging.getLogger("murmur.dashboard")
@@ -177,8 +178,8 @@ class Poller:
             self.board.failed(f"the DHT did not answer within {self.records.request_timeout:g} s")
             return
         except Exception as e:  # a reading that fails is shown on the page; the next one may work
-            logger.warning("reading the run failed: %s", " ".join(str(e).split()) or type(e).__name__)
-            self.board.failed(" ".join(str(e).split()) or type(e).__name__)
+            logger.warning("reading the run failed: %s", one_line(e))
+            self.board.failed(one_line(e))
             return
         self.board.record(status, time.time())
 

@@ -31,6 +31,7 @@ from typing import TYPE_CHECKING, Any
 import torch
 from torch import nn
 
+from murmur.dht.errors import one_line
 from murmur.peer import tensorfile
 from murmur.peer.anchorfile import ANCHOR, model_state
 from murmur.peer.checkpoint import CheckpointError, checkpoint_files, decimal, load_checkpoint, named_step
@@ -149,7 +150,7 @@ def _loaded(model: nn.Module, state: dict[str, torch.Tensor], where: str) -> nn.
     try:
         model.load_state_dict(state)  # strict: every key and shape
     except RuntimeError as e:
-        first = " ".join(str(e).split())[:300]
+        first = one_line(e, 300)
         raise ExportError(f"{where} does not fit its model: {first}") from None
     return model.eval()
 
