@@ -26,7 +26,8 @@ from typing import Any, Literal, TypeVar
 
 import torch
 
-from murmur.peer.flags import DEVICES, OUTER_STATES, PRECISIONS  # --device, --precision, --outer-state choices
+# --device, --precision, --outer-state choices
+from murmur.peer.flags import DEVICES, OUTER_STATES, PRECISIONS, unknown_device
 
 T = TypeVar("T")
 DeviceChoice = Literal["auto", "cpu", "cuda"]
@@ -79,7 +80,7 @@ def capabilities() -> Capabilities:
 def resolve_device(choice: str, caps: Capabilities) -> torch.device:
     """`auto` is CUDA when available, else the CPU; asking for CUDA without it is a DeviceError."""
     if choice not in DEVICES:
-        raise DeviceError(f"unknown device {choice!r}; choose one of: {', '.join(DEVICES)}")
+        raise DeviceError(unknown_device(choice))
     if choice == "cuda" and not caps.cuda:
         raise DeviceError("--device cuda: no CUDA device is available (is the CUDA build of torch installed?)")
     return torch.device("cuda" if choice == "cuda" or (choice == "auto" and caps.cuda) else "cpu")
@@ -159,7 +160,7 @@ class DeviceConfig:
         if self.outer_state not in OUTER_STATES:
             raise DeviceError(f"unknown --outer-state {self.outer_state!r}; choose one of: {', '.join(OUTER_STATES)}")
         if self.device not in DEVICES:
-            raise DeviceError(f"unknown device {self.device!r}; choose one of: {', '.join(DEVICES)}")
+            raise DeviceError(unknown_device(self.device))
         if self.precision not in PRECISIONS:
             raise DeviceError(f"unknown precision {self.precision!r}; choose one of: {', '.join(PRECISIONS)}")
         if self.grad_accum is not None and self.micro_batch is not None:

@@ -19,6 +19,22 @@ from pathlib import Path
 from murmur.peer.config import TrainConfig
 
 DEVICES: tuple[str, ...] = ("auto", "cpu", "cuda")
+
+
+def unknown_device(text: str) -> str:
+    """Why `text` is not a --device: the choices, and for one GPU of several (`cuda:1`) how to pick it."""
+    index = text.removeprefix("cuda:")
+    hint = f" (one GPU of several: CUDA_VISIBLE_DEVICES={index} with --device cuda)" if index.isdigit() else ""
+    return f"unknown device {text!r}; choose one of: {', '.join(DEVICES)}{hint}"
+
+
+def device_choice(text: str) -> str:
+    """An argparse type: one of `DEVICES`."""
+    if text not in DEVICES:
+        raise argparse.ArgumentTypeError(unknown_device(text))
+    return text
+
+
 PRECISIONS: tuple[str, ...] = ("auto", "fp32", "bf16", "fp16")
 OUTER_STATES: tuple[str, ...] = ("auto", "device", "host")
 # the defaults of GroupConfig (exchange_timeout) and PeerOptions, as --help shows them
@@ -207,7 +223,9 @@ def access_flags(parser: argparse.ArgumentParser) -> None:
 
 def device_flags(parser: argparse.ArgumentParser, *, batching: bool) -> None:
     group = parser.add_argument_group("device")
-    group.add_argument("--device", choices=DEVICES, default="auto", help="auto: CUDA if available (default: auto)")
+    group.add_argument("--device", type=device_choice, metavar="{" + ",".join(DEVICES) + "}", default="auto",
+                       help="auto: CUDA if available; one GPU of several: CUDA_VISIBLE_DEVICES=N with cuda (default: "
+                            "auto)")  # fmt: skip
     group.add_argument("--precision", choices=PRECISIONS, default="auto",
                        help="auto: bf16 on CUDA if supported, else fp16 with a grad scaler; fp32 on CPU")  # fmt: skip
     if batching:

@@ -63,10 +63,16 @@ def test_help_screens(command, capsys):
         (["join", "--run", "r"], "--initial-peers"),
         (["simulate", "--peers", "many"], "argument --peers: must be a whole number, got 'many'"),
         (["fly"], "invalid choice"),
-        (["join", "--initial-peers", PEER, "--run", "r", "--device", "tpu"], "invalid choice: 'tpu'"),
+        (["join", "--initial-peers", PEER, "--run", "r", "--device", "tpu"], "unknown device 'tpu'; choose one of"),
+        # one GPU of several: torch's own name for it was refused with no word on how to pick it
+        (
+            [*JOIN, "--device", "cuda:1"],
+            "unknown device 'cuda:1'; choose one of: auto, cpu, cuda (one GPU of several: "
+            "CUDA_VISIBLE_DEVICES=1 with --device cuda)",
+        ),
         (["join", "--initial-peers", PEER, "--run", "r", "--precision", "fp8"], "invalid choice: 'fp8'"),
         (["join", "--initial-peers", PEER, "--run", "r", "--grad-accum", "two"], "must be a whole number"),
-        (["simulate", "--device", "gpu"], "invalid choice: 'gpu'"),
+        (["simulate", "--device", "gpu"], "unknown device 'gpu'"),
         (["doctor", "--port", "http"], "argument --port: must be a whole number"),
         ([*JOIN, "--eval-every", "-1"], "argument --eval-every: must be at least 0, got -1"),
         (["simulate", "--rank", "0"], "argument --rank: must be at least 1, got 0"),
