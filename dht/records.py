@@ -44,7 +44,7 @@ __all__ = [
 
 logger = logging.getLogger(__name__)
 
-PROTOCOL_VERSION = 2  # the peers' protocol (averaging.wire's messages); peers of another version never meet
+PROTOCOL_VERSION = 3  # the peers' protocol (averaging.wire's messages); peers of another version never meet
 _RUN_ID = re.compile(r"[A-Za-z0-9_.-]{1,64}")
 _MAX_ADDRESSES = 32
 _MAX_CONFIG_ITEMS = 256

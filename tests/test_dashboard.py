@@ -86,7 +86,7 @@ def test_sketches_too_large_for_the_arithmetic_give_none_not_an_error() -> None:
 def peer(peer_id: str, steps: int | None, exchanges: int | None, loss: float | None = 2.0) -> PeerStatus:
     return PeerStatus(
         peer_id=peer_id, state="training", outer_step=1, inner_steps=steps, samples=steps, loss=loss,
-        samples_per_second=5.0, version=2, client_mode=False, last_seen=1.0, exchanges_ok=exchanges,
+        samples_per_second=5.0, version=3, client_mode=False, last_seen=1.0, exchanges_ok=exchanges,
         exchanges_failed=0, bytes_sent=100 if steps else None, bytes_received=50 if steps else None,
     )  # fmt: skip
 

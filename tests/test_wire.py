@@ -338,7 +338,7 @@ def test_decode_checks_against_expected() -> None:
 @pytest.mark.parametrize(
     ("overrides", "match"),
     [
-        ({"v": 7}, r"protocol version 7 is not supported \(expected 2\)"),
+        ({"v": 7}, r"protocol version 7 is not supported \(expected 3\)"),
         ({"v": True}, r"protocol version True is not supported"),
         ({"v": "1"}, r"protocol version '1' is not supported"),
         ({"k": 42}, r"unknown message kind 42"),
@@ -469,4 +469,4 @@ def test_peers_announce_the_protocol_version_the_wire_speaks():
     from murmur.averaging.wire import PROTOCOL_VERSION
     from murmur.dht.records import PROTOCOL_VERSION as ANNOUNCED
 
-    assert ANNOUNCED == PROTOCOL_VERSION == 2
+    assert ANNOUNCED == PROTOCOL_VERSION == 3
