@@ -3,9 +3,10 @@
 What travels is what a joiner needs to take part in the swarm's next outer step: the outer anchor
 φ and momentum m of every parameter, the outer step, and the inner step count (so the inner
 learning-rate schedule picks up where the swarm is). The joiner's model is set to the anchor. The
-model's finite floating-point buffers travel too, as the donor's model holds them (BatchNorm's running
-statistics, which a model in eval() mode computes with); a buffer that is not finite (a mask of -inf)
-is the same on every peer and stays the joiner's own, and so do integer ones (`num_batches_tracked`).
+model's floating-point buffers that were finite as built travel too, as the donor's model holds them
+(BatchNorm's running statistics, which a model in eval() mode computes with); a buffer built not finite
+(a mask of -inf, a running maximum's start) stays the joiner's own, and so do integer ones
+(`num_batches_tracked`).
 What does not travel, and starts fresh: the inner AdamW moments (the learning rate warms up
 again over `warmup_steps`, from the swarm's step count), the error-feedback residuals (a donor's
 residual is its own unsent work, not the joiner's), and the joiner's own counters (samples, data
@@ -36,7 +37,6 @@ from murmur.averaging.transport import P2PTransport, Transport
 from murmur.averaging.wire import PROTOCOL_VERSION, TensorSpec
 from murmur.dht.records import RunRecords
 from murmur.peer.checkpoint import CheckpointError, check_count, check_tensors
-from murmur.peer.model import buffer_names
 from murmur.peer.ops.progress import download_bar
 from murmur.peer.trainer import Trainer
 
@@ -62,13 +62,11 @@ def training_state(trainer: Trainer) -> StateSnapshot:
 
 
 def shared_buffers(trainer: Trainer) -> dict[str, torch.Tensor]:
-    """The model's buffers that travel with its state: the floating-point ones whose values are all finite."""
+    """The model's buffers that travel with its state: the floating-point ones that were finite as the model was
+    built (`Trainer.shared_buffers`), the same names on every peer, whatever their values now (a donor's that
+    are no longer finite are refused with its state)."""
     state = trainer.model.state_dict()
-    return {
-        n: state[n].detach()
-        for n in buffer_names(trainer.model)
-        if state[n].is_floating_point() and bool(torch.isfinite(state[n]).all())
-    }
+    return {n: state[n].detach() for n in trainer.shared_buffers}
 
 
 def expected_layout(trainer: Trainer) -> dict[str, TensorSpec]:

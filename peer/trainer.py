@@ -77,6 +77,12 @@ class Trainer:
         workload = source if isinstance(source, Workload) else builtin(config, source)
         self._workload, self.data_seed = workload, data_seed
         self.model = workload.model.to(runtime.device)
+        # the floating-point buffers that travel with a donor's state (`peer.state`): those finite as built (not a
+        # mask of -inf), read now, so that every peer of the run names the same ones whatever training did since
+        built = self.model.state_dict()
+        self.shared_buffers = tuple(
+            n for n in buffer_names(self.model) if built[n].is_floating_point() and bool(torch.isfinite(built[n]).all())
+        )
         with raised_by("optimizer factory"):  # a researcher's own, like the builders: one line that names it
             self.inner = workload.optimizer(self.model.parameters())
         if not isinstance(self.inner, torch.optim.Optimizer):

@@ -37,6 +37,7 @@ from murmur.peer.data import DataConfig, load_corpus
 from murmur.peer.runner import PeerOptions, VolunteerPeer
 from murmur.peer.state import AHEAD, StateSharing, apply_training_state, catch_up, expected_layout, training_state
 from murmur.peer.trainer import Trainer, warmup_lr
+from murmur.peer.workload import builtin
 
 CONFIG = TransferConfig(
     chunk_size=1024, message_timeout=0.3, find_timeout=2.0, stall_timeout=1.0, max_state_bytes=8 << 20
@@ -701,6 +702,32 @@ def test_a_joiner_trainer_takes_the_donors_anchor_momentum_and_counters(corpus, 
     last = joiner.inner.param_groups[0]["lr"]
     assert last == pytest.approx(warmup_lr(config.inner_lr, config.inner_steps - 1, config.warmup_steps))
     assert last < warmup_lr(config.inner_lr, joiner.steps - 1, config.warmup_steps)  # not the swarm's own schedule
+
+
+def test_a_buffer_that_training_made_finite_or_not_does_not_keep_a_joiner_from_the_donors_state(corpus):
+    """Which buffers travelled was read off each peer's current values: a buffer built as -inf (a running maximum,
+    an observer's bounds) that training made finite was in a donor's state and not in a fresh joiner's layout, and a
+    BatchNorm statistic that a NaN batch left NaN was in the joiner's layout and not in the donor's state: either
+    way every donor's manifest was refused ("donor state has 1 unknown tensors"), and the joiner started alone."""
+    config = TrainConfig(inner_steps=2, batch_size=4, eval_batches=1)
+
+    def trainer(data_seed: int) -> Trainer:
+        workload = builtin(config, corpus)
+        workload.model.register_buffer("peak", torch.full((4,), -math.inf))  # a running maximum, as built
+        workload.model.register_buffer("mean", torch.zeros(4))  # a running statistic, as built
+        return Trainer(config, workload, data_seed=data_seed)
+
+    donor, joiner = trainer(1), trainer(2)
+    donor.model.peak.fill_(2.0)  # what its training saw
+    manifest, _ = pack(training_state(donor), 1 << 20)
+    manifest.check_layout(expected_layout(joiner))  # the donor's state fits the joiner's model
+    apply_training_state(joiner, training_state(donor))
+    assert torch.equal(joiner.model.peak, torch.full((4,), -math.inf))  # each peer's own
+    donor.model.mean.fill_(math.nan)  # a broken donor: its state still fits, and its values are refused
+    manifest, _ = pack(training_state(donor), 1 << 20)
+    manifest.check_layout(expected_layout(joiner))
+    with pytest.raises(CheckpointError, match="mean"):
+        apply_training_state(joiner, training_state(donor))
 
 
 class Terminal(io.StringIO):
