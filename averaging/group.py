@@ -6,8 +6,8 @@ leaders to try, in order (the last is itself), and, should it lead, the members 
 `GroupResult` or None. Every wait is bounded; any failure leaves the caller's update untouched (it
 applies nothing and keeps its work).
 
-    member → leader  JOIN     appointment, layout signature (the initial model's digest in it, and beside it),
-                              state digest, proof of the run secret
+    member → leader  JOIN     appointment, layout signature, the initial model's sketch (compared within a
+                              tolerance), state digest, proof of the run secret
     leader → member  ROSTER   session, members in order, whether states are pulled, the leader's proof;
                               the group's warm-start Q factors (or DECLINE: full, sealed, not leading,
                               incompatible, not authorized)
@@ -63,8 +63,8 @@ from murmur.averaging.layout import (
     layout_entries,
     layout_meta,
     layout_signature,
-    only_origin_differs,
     origin_difference,
+    origins_agree,
 )
 from murmur.averaging.lazy import Lazy
 from murmur.averaging.transport import Stream, Transport
@@ -150,7 +150,7 @@ class GroupAverager:
         seed: int | None = None,
         client_mode: bool = False,
         phase: str = "training",  # or "finish": another layout, so that the two never group
-        origin: str | None = None,  # a digest of the run's initial model as this peer built it (`averaging.layout`)
+        origin: str | None = None,  # a sketch of the run's initial model as this peer built it (`averaging.layout`)
     ) -> None:
         self.transport = transport
         self.client_mode = client_mode  # never dialled: it joins groups (never leads) and opens its pair streams
@@ -510,11 +510,12 @@ class GroupAverager:
             self._refuse(remote, why)
         elif join.meta.get("sig") != self.signature:
             reason, extra = INCOMPATIBLE, layout_meta(self.layout)
-            if only_origin_differs(self.layout, join.meta.get("sig"), join.meta.get("o")):
-                self._incompatible(remote, origin_difference(remote), detailed=True)
-            elif join.meta.get("phase") == self.phase:  # the same phase: it is the model that differs
+            if join.meta.get("phase") == self.phase:  # the same phase: it is the model that differs
                 why = f"model layout differs from the run's: peer {remote[-8:]} asked with another model layout"
                 self._incompatible(remote, why, detailed=False)
+        elif not origins_agree(self.origin, join.meta.get("o")):  # the same layout, built from other weights
+            reason, extra = INCOMPATIBLE, layout_meta(self.layout)
+            self._incompatible(remote, origin_difference(remote), detailed=True)
         elif not isinstance(digest, str):
             reason = "the join carries no state digest"
         elif self._closed or key is None or (key != self._expect and (gathering is None or gathering.key != key)):

@@ -1,20 +1,27 @@
 """What peers must agree on to average together, and, when they do not, which tensor differs.
 
 `layout_entries` lists a peer's layout: the run, the phase (training or finish rounds), the protocol and
-wire dtypes, a digest of the run's initial model as the peer built it (where it gives one), then per
-tensor its name, shape, codec, rank and mode. Peers compare its digest (`layout_signature`) in every
-JOIN; a leader that declines another layout sends its own entries back (`layout_meta`, no values), and
-the joiner says once which tensor differs, or that the initial models do (`layout_difference`).
+wire dtypes, a sketch of the run's initial model as the peer built it (where it gives one), then per
+tensor its name, shape, codec, rank and mode. Peers compare the digest of the rest (`layout_signature`)
+and the sketches (`origins_agree`) in every JOIN; a leader that declines another layout sends its own
+entries back (`layout_meta`, no values), and the joiner says once which tensor differs, or that the
+initial models do (`layout_difference`).
 
 Anchors are offered relative to the run's initial model, which every peer builds for itself under the
 run's seed: peers that built other initial weights (a model builder that draws from an RNG the seed does
 not set) would never agree on a model, however often they averaged, so they do not average together.
+The same builder on two machines draws the same weights but for their last bits (torch's CPU `normal_`
+computes otherwise with AVX2 than without), which changes nothing for their average: so peers compare a
+sketch of the initial model (`origin_sketch`: a few random projections) within a tolerance, not a digest.
 """
 
 from __future__ import annotations
 
 import hashlib
+import math
 from collections.abc import Mapping
+
+import torch
 
 from murmur.averaging import wire
 from murmur.averaging.compression import Mode, Slot
@@ -22,7 +29,10 @@ from murmur.averaging.compression import Mode, Slot
 INCOMPATIBLE = "incompatible run, model or compression settings"  # the DECLINE reason for another layout
 _LAYOUT_KEY = "layout."  # DECLINE meta keys "layout.0", "layout.1", ...: the decliner's layout entries
 _LAYOUT_CHUNKS = 24  # of at most 1000 characters each (wire meta limits)
-_ORIGIN = "initial model "  # the entry (second, after the head) with the digest of the run's initial model
+_ORIGIN = "initial model "  # the entry (second, after the head) with the sketch of the run's initial model
+_SKETCH_CHUNK = 1 << 16  # elements a projection's weights cover, used again (each time signed anew) for the next
+_SKETCH_FACTORS = (0x1E3779B97F4A7C15, 0x42B2AE3D27D4EB4F, 0x165667B19E3779F9, 0x56E8FEB86659FD93)  # odd, < 2^63
+_SKETCH_TOLERANCE = 1e-3  # two sketches agree if each projection does within this (they are about N(0, 1))
 
 
 def layout_entries(
@@ -33,7 +43,7 @@ def layout_entries(
     phase: str = "training",
     origin: str | None = None,
 ) -> list[str]:
-    """What two peers must agree on to average together: the head, the initial model's digest `origin` (if
+    """What two peers must agree on to average together: the head, the initial model's sketch `origin` (if
     given), and the tensors sorted by name."""
     cfg = compressor.config
     head = f"run {run_id}, {phase} rounds, protocol {wire.PROTOCOL_VERSION}, wire {cfg.factor_dtype}/{cfg.dense_dtype}"
@@ -41,11 +51,58 @@ def layout_entries(
     return [head, *initial] + [f"{n}:{tuple(s.shape)}:{s.codec}:{s.rank}:{modes[n]}" for n, s in sorted(slots.items())]
 
 
-def only_origin_differs(entries: list[str], signature: object, origin: object) -> bool:
-    """Whether a peer's layout `signature` is ours (`entries`) but for the initial model's digest `origin`."""
-    if not isinstance(origin, str) or len(entries) < 2 or not entries[1].startswith(_ORIGIN):
-        return False
-    return layout_signature([entries[0], _ORIGIN + origin, *entries[2:]]) == signature
+@torch.no_grad()
+def origin_sketch(tensors: Mapping[str, torch.Tensor]) -> str:
+    """A sketch of a model (the run's initial one): four random projections (weights of +-1, the same on every
+    machine) of each tensor divided by its norm, summed over the tensors and divided by the root of their number,
+    so that each is about N(0, 1) and a small tensor counts as much as a large one. Models drawn apart (another
+    RNG) give sketches that differ by about 1 in each projection, one tensor drawn apart by about 1/sqrt(tensors);
+    the same draws with other last bits, by under 1e-5 (`origins_agree`). Read once: one pass in float64."""
+    total = torch.zeros(len(_SKETCH_FACTORS), dtype=torch.float64)
+    weights: dict[torch.device, torch.Tensor] = {}
+    for name in sorted(tensors):
+        flat = tensors[name].detach().reshape(-1)
+        if flat.device not in weights:
+            weights[flat.device] = _sketch_weights().to(flat.device)
+        w = weights[flat.device]
+        square = torch.zeros((), dtype=torch.float64, device=flat.device)
+        projections = torch.zeros(len(_SKETCH_FACTORS), dtype=torch.float64, device=flat.device)
+        for chunk, start in enumerate(range(0, flat.numel(), _SKETCH_CHUNK)):
+            part = flat[start : start + _SKETCH_CHUNK].double()  # (C,)
+            sign = 1.0 if ((chunk * 0x9E3779B97F4A7C15) >> 40) & 1 else -1.0  # this chunk's own weights
+            projections += sign * (part @ w[: part.numel()])  # (S,)
+            square += part @ part
+        norm = math.sqrt(float(square))
+        if norm > 0:
+            total += projections.cpu() / norm
+    total /= math.sqrt(max(1, len(tensors)))
+    return ",".join(f"{v:+.6f}" for v in total.tolist())
+
+
+def _sketch_weights() -> torch.Tensor:
+    """(_SKETCH_CHUNK, 4) float64 of +-1, from integer arithmetic alone: the same bits on every machine."""
+    index = torch.arange(_SKETCH_CHUNK, dtype=torch.int64)
+    columns = [((index * factor) >> 40) & 1 for factor in _SKETCH_FACTORS]  # (the products wrap at 64 bits)
+    return (1 - 2 * torch.stack(columns, dim=1)).double()
+
+
+def origins_agree(ours: object, theirs: object) -> bool:
+    """Whether two peers' sketches of the initial model (`origin_sketch`) say they built the same one; a peer that
+    gives none agrees only with another that gives none, and a sketch that does not read with nothing."""
+    if ours is None or theirs is None:
+        return ours is theirs
+    a, b = _read_sketch(ours), _read_sketch(theirs)
+    return a is not None and b is not None and all(abs(x - y) <= _SKETCH_TOLERANCE for x, y in zip(a, b, strict=True))
+
+
+def _read_sketch(text: object) -> list[float] | None:
+    if not isinstance(text, str):
+        return None
+    try:
+        values = [float(v) for v in text.split(",")]
+    except ValueError:
+        return None
+    return values if len(values) == len(_SKETCH_FACTORS) and all(math.isfinite(v) for v in values) else None
 
 
 def origin_difference(peer: str) -> str:
@@ -57,8 +114,8 @@ def origin_difference(peer: str) -> str:
 
 
 def layout_signature(entries: list[str]) -> str:
-    """The digest peers compare: equal only if every entry is."""
-    return hashlib.sha256("|".join(entries).encode()).hexdigest()[:32]
+    """The digest peers compare: equal only if every entry is, but the initial model's sketch (`origins_agree`)."""
+    return hashlib.sha256("|".join(e for e in entries if not e.startswith(_ORIGIN)).encode()).hexdigest()[:32]
 
 
 def layout_meta(entries: list[str]) -> dict[str, str]:
@@ -89,7 +146,8 @@ def layout_difference(ours: list[str], meta: Mapping[str, object], peer: str) ->
     }
     if cut and other:  # only the tensors it sent are compared (they come sorted by name)
         mine = {n: e for n, e in mine.items() if n <= max(other)}
-    if origins[0] != origins[1] and mine == other:
+    sketches = [None if o is None else o.removeprefix(_ORIGIN) for o in origins]
+    if not origins_agree(*sketches) and mine == other:
         return origin_difference(peer)
     for name in sorted(set(mine) | set(other)):  # offer names: "anchor/<parameter>", "delta/<parameter>", ...
         if mine.get(name) == other.get(name):

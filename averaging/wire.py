@@ -19,7 +19,7 @@ import msgpack
 import numpy as np
 import torch
 
-PROTOCOL_VERSION: int = 3  # 3: a JOIN carries the initial model's digest, a donor's state the model's buffers
+PROTOCOL_VERSION: int = 3  # 3: a JOIN carries the initial model's sketch, a donor's state the model's buffers
 
 _KEYS = frozenset({"v", "k", "s", "t", "m", "x"})
 _MAX_ID = 2**63  # session and step lie in [0, 2**63)

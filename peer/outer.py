@@ -27,7 +27,6 @@ paired by its difference, and no inner steps), so that the peers' final models a
 
 from __future__ import annotations
 
-import hashlib
 import itertools
 import math
 import threading
@@ -40,8 +39,8 @@ import torch
 from torch import nn
 
 from murmur.averaging.compression import ErrorFeedback, Mode, Projection
-from murmur.averaging.exchange import fingerprint
 from murmur.averaging.group import GroupResult, Offer
+from murmur.averaging.layout import origin_sketch
 from murmur.averaging.lazy import Lazy
 from murmur.averaging.memory import allocate
 from murmur.peer.checkpoint import CheckpointError, check_count, check_tensors
@@ -183,14 +182,11 @@ class OuterOptimizer:
 
     @cached_property
     def origin_digest(self) -> str:
-        """A digest of the run's initial model as this peer built it. Anchors are offered relative to it, so peers
-        whose digests differ (a model builder that is not deterministic under the run's seed) could never agree
-        on a model: their averagers do not group (`averaging.layout`)."""
-        digest = hashlib.sha256()
-        for name in sorted(self.origin):
-            digest.update(name.encode())
-            digest.update(fingerprint(self.origin[name]))
-        return digest.hexdigest()[:32]
+        """A sketch of the run's initial model as this peer built it (`averaging.layout.origin_sketch`). Anchors are
+        offered relative to it, so peers whose sketches disagree (a model builder that is not deterministic under
+        the run's seed) could never agree on a model: their averagers do not group. Peers whose builders drew the
+        same weights but for their last bits (another CPU) agree (`averaging.layout.origins_agree`)."""
+        return origin_sketch(self.origin)
 
     def _keep(self, tensor: torch.Tensor) -> torch.Tensor:
         """`tensor` where the state lives (pinned host memory for a CUDA model's state kept off the card)."""

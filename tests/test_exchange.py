@@ -1,6 +1,7 @@
 """The group exchange over the in-memory transport: the same protocol code the real peers run."""
 
 import asyncio
+import copy
 import logging
 import math
 from dataclasses import replace
@@ -14,6 +15,7 @@ from murmur.averaging.exchange import CONTROL_BYTES, going_on
 from murmur.averaging.group import GroupAverager, GroupPlan, Offer
 from murmur.averaging.layout import layout_difference, layout_entries, layout_meta
 from murmur.averaging.transport import InMemoryNetwork
+from murmur.peer.outer import OuterOptimizer
 from murmur.peer.verdict import RunVerdict
 from tests.groupkit import (
     APPOINTMENT,
@@ -332,9 +334,7 @@ def test_peers_that_built_other_initial_weights_do_not_average_and_both_say_why(
 
     async def main():
         net = InMemoryNetwork()
-        a, b, c = (
-            built_from(net, name, origin) for name, origin in (("A", "1" * 32), ("B", "2" * 32), ("C", "1" * 32))
-        )
+        a, b, c = (built_from(net, name, origin) for name, origin in (("A", ONE), ("B", OTHER), ("C", ONE)))
         await started(a, b, c)
         plan_of = led_by("B", ["A"], window=0.2)
         mismatched = await asyncio.gather(
@@ -353,8 +353,38 @@ def test_peers_that_built_other_initial_weights_do_not_average_and_both_say_why(
     assert verdict.failure == line.format("A") + "; no peer of the run shares this model's layout and initial weights"
 
 
+ONE, OTHER = "+0.100000,-1.200000,+0.300000,+0.700000", "-0.900000,+0.400000,+1.100000,-0.200000"  # two sketches
+
+
+def test_peers_whose_initial_models_differ_in_their_last_bits_average_together():
+    """The same builder under the same seed draws the same weights but for their last bits on another CPU (torch's
+    `normal_` computes otherwise with AVX2 than without): the initial models' digests differed, so such peers (a
+    laptop without AVX2 and a server) never averaged, and each stopped after 3 rounds blaming the builder."""
+    torch.manual_seed(0)
+    model = torch.nn.Sequential(torch.nn.Linear(512, 512), torch.nn.Linear(512, 64))
+    other = copy.deepcopy(model)
+    with torch.no_grad():
+        for p in other.parameters():  # a bit apart, as another CPU draws them: some round to another fp16
+            p.copy_(torch.nextafter(p, torch.full_like(p, math.inf)))
+    apart = torch.nn.Sequential(torch.nn.Linear(512, 512), torch.nn.Linear(512, 64))  # drawn afresh
+    origins = [OuterOptimizer(m).origin_digest for m in (model, other, apart)]
+
+    async def main():
+        net = InMemoryNetwork()
+        a, b, c = (built_from(net, name, origin) for name, origin in zip("ABC", origins, strict=True))
+        await started(a, b, c)
+        plan_of = led_by("B", ["A"], window=0.5)
+        alike = await asyncio.gather(a.average(make_offer(1), plan_of["A"]), b.average(make_offer(2), plan_of["B"]))
+        plan_of = led_by("C", ["A"], window=0.2)
+        unlike = await asyncio.gather(a.average(make_offer(1), plan_of["A"]), c.average(make_offer(3), plan_of["C"]))
+        return alike, unlike
+
+    alike, unlike = asyncio.run(main())
+    assert all(r is not None and r.size == 2 for r in alike) and unlike == [None, None]
+
+
 def built_from(net: InMemoryNetwork, name: str, origin: str) -> GroupAverager:
-    """An averager of a peer whose initial model has the digest `origin`."""
+    """An averager of a peer whose initial model has the sketch `origin`."""
     compressor = LowRankCompressor(LowRankConfig(rank=4, mean_codec="sign", diff_codec="int8"))
     return GroupAverager(net.transport(name), compressor, shapes=SHAPES, modes=MODES, run_id="r", config=FAST,
                          origin=origin)  # fmt: skip
