@@ -240,19 +240,30 @@ def assert_exported_anchor(out: Path, printed: str, run: str, peer) -> None:
 
 
 @pytest.mark.slow
-def test_export_from_a_live_swarm_takes_a_donors_anchor(tmp_path, capsys) -> None:
+def test_export_from_a_live_swarm_takes_a_donors_anchor(tmp_path, capsys, monkeypatch) -> None:
+    """The download is bounded on the whole state it fetches (it once was on the parameters' bytes alone, half of
+    the anchor and momentum: on a slow link an export gave up, with a bare TimeoutError, long before its own
+    download's limit)."""
+    from murmur.averaging.state_transfer import TransferConfig, layout_bytes
+    from murmur.peer.state import expected_layout
+
+    bounded: list[int] = []
+    ceiling = TransferConfig.ceiling
+    monkeypatch.setattr(TransferConfig, "ceiling", lambda self, total: bounded.append(total) or ceiling(self, total))
     run = f"export-{uuid.uuid4().hex[:8]}"
     boot = start_node(NodeConfig(run_id=run))
     peer = None
     try:
-        config = CONFIG.with_overrides(solo_after=1)
+        config = CONFIG.with_overrides(solo_after=1, outer_momentum=0.5)  # a state of anchor and momentum
         RunRecords(boot, run).publish_config(
             RunRecord(run_id=run, config=config.to_record(), created_by=boot.peer_id.to_base58())
         )
         peer = trained_alone(boot, run)
         argv = ["export", str(tmp_path / "out"), "--initial-peers", *visible_addresses(boot), "--run", run]
+        bounded.clear()  # (the peer's own joining bounded its download too)
         assert main(argv) == 0
         assert_exported_anchor(tmp_path / "out", capsys.readouterr().out, run, peer)
+        assert bounded and set(bounded) == {layout_bytes(expected_layout(peer.trainer))}  # the export's and its own
     finally:
         if peer is not None:
             peer.close()

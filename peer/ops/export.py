@@ -244,7 +244,7 @@ def from_swarm(node, *, model: str | None = None, data: str | None = None, acces
     """A live swarm's model: a node (a `NodeConfig` with the run id) downloads a donor's state, as a late joiner
     does (with `access`, an `AccessPolicy`, that of a private run)."""
     from murmur.averaging.access import AccessPolicy
-    from murmur.averaging.state_transfer import StateTransferError
+    from murmur.averaging.state_transfer import StateTransferError, layout_bytes
     from murmur.dht.loop import LoopThread
     from murmur.dht.node import start_node, stop_node
     from murmur.dht.records import RunRecords
@@ -263,10 +263,13 @@ def from_swarm(node, *, model: str | None = None, data: str | None = None, acces
         trainer = Trainer(config, WorkloadSpec(model=model, data=data).build(config), data_seed=0)
         sharing = loop.run(StateSharing.create(dht, records, access=access), timeout=30)
         try:
-            found = loop.run(sharing.download(expected_layout(trainer)), timeout=sharing.config.ceiling(
-                sum(4 * p.numel() for p in trainer.outer.params.values())) + 30)  # fmt: skip
+            expected = expected_layout(trainer)  # the download's own bound, on the whole state (as catch_up's)
+            bound = sharing.config.ceiling(layout_bytes(expected)) + 30
+            found = loop.run(sharing.download(expected), timeout=bound)
         except StateTransferError as e:  # every donor failed or declined: one line, not a traceback
             raise ExportError(f"run '{run_id}': {e}") from None
+        except TimeoutError:
+            raise ExportError(f"run '{run_id}': the download of its state did not end within {bound:.0f} s") from None
         finally:
             loop.run(sharing.stop(), timeout=10)
         if found is None:
