@@ -14,7 +14,8 @@ import pytest
 @pytest.mark.timeout(300)
 def test_the_smallest_model_s_row_is_measured_and_its_targets_judged(tmp_path: Path):
     out = tmp_path / "scale.json"
-    done = subprocess.run([sys.executable, "scripts/bench_model_scale.py", "--models", "gpt-tiny", "--out", str(out)],
+    done = subprocess.run([sys.executable, "scripts/bench_model_scale.py", "--models", "gpt-tiny", "--repeats", "2",
+                           "--out", str(out)],
                           capture_output=True, text=True, timeout=240)  # fmt: skip
     assert done.returncode == 0, done.stderr[-2000:]
     result = json.loads(out.read_text())
@@ -25,12 +26,12 @@ def test_the_smallest_model_s_row_is_measured_and_its_targets_judged(tmp_path: P
     assert 0.2 < row["bytes_over_fp32"] < 0.4  # signs for the update, int8 for the anchors, and headers
     assert row["added_fp32_copies"] > 0 and row["peak_rss"] > row["plain_peak_rss"]
     runs = row["added_fp32_copies_runs"]  # each repeat a fresh pair of processes; the figure is the largest
-    assert result["repeats"] == len(runs) == 3 and row["added_fp32_copies"] == max(runs)
+    assert result["repeats"] == len(runs) == 2 and row["added_fp32_copies"] == max(runs)
     assert row["added_fp32_copies"] == (row["peak_rss"] - row["plain_peak_rss"]) / 2 / (4 * 437_760)
     assert row["state_download_seconds"] > 0 and row["checkpoint_write_seconds"] > 0
     # the fixed cost, measured on an 8,432-parameter model, is taken out of the copies beside them
     fixed = result["fixed_cost_bytes"]
-    assert len(result["fixed_cost_runs"]) == 3 and fixed == pytest.approx(sum(result["fixed_cost_runs"]) / 3)
+    assert len(result["fixed_cost_runs"]) == 2 and fixed == pytest.approx(sum(result["fixed_cost_runs"]) / 2)
     assert 0 < fixed < row["peak_rss"] - row["plain_peak_rss"]
     assert row["added_fp32_copies_beyond_fixed"] == pytest.approx(row["added_fp32_copies"] - fixed / 2 / (4 * 437_760))
     assert "fixed cost (a model of 8,432 parameters, two peers)" in done.stdout
