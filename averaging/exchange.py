@@ -487,8 +487,18 @@ class SealedExchange:
                 for j in others:
                     await m.refuse(seal.control[seal.members[j]], Kind.ABORT, seal.session, "a member failed phase 2")
                 raise ExchangeFailed(f"member {seal.members[failed[0]][-8:]} did not finish phase 2")
+        # the decision is taken: a member that cannot be told (it died since its HAVE or DONE) is that member's loss
+        # alone, as a lost COMMIT is. The leader applies as the members told before it do, unless it told nobody:
+        # its own update would be in their outer step and stay pending here, to be averaged in again
+        told = 0
         for j in others:
-            await m.send(seal.control[seal.members[j]], Kind.COMMIT, seal.session, step, {})
+            try:
+                await m.send(seal.control[seal.members[j]], Kind.COMMIT, seal.session, step, {})
+                told += 1
+            except (ConnectionError, TimeoutError) as e:
+                self._member_failed(j, e, "the COMMIT to it")
+        if not told:
+            raise ExchangeFailed("no member could be sent its COMMIT")
 
     def _member_failed(self, j: int, error: BaseException, what: str) -> None:
         """The leader heard nothing usable from member j: a bad message is its strike; either way it is left out."""

@@ -451,6 +451,44 @@ def test_a_leader_that_withholds_commit_is_struck_by_the_member_it_left_out(two_
     assert struck[victim] == 1 and all(n == 0 for peer, n in struck.items() if peer != victim)
 
 
+@pytest.mark.parametrize("two_phase", [False, True], ids=["one-phase", "two-phase"])
+def test_a_member_gone_before_its_commit_leaves_the_leader_applying_with_the_members_it_told(two_phase):
+    """The member told last dies as its leader sends it COMMIT (killed after its HAVE or DONE): the members told
+    before have applied the group's mean, so the leader applies it too. It applied nothing, keeping its own
+    update pending (already in the others' outer step: averaged in twice) and its anchor apart from theirs."""
+
+    async def main():
+        net = InMemoryNetwork()
+        codec = {"diff_codec": "lowrank"} if two_phase else {}
+        peers = await started(*(make_averager(net, f"P{i}", FAST, **codec) for i in range(3)))
+        plan_of = plans([p.peer_id for p in peers])
+        leader = plan_of[peers[0].peer_id].candidates[0]
+        victim = plan_of[leader].planned[-1]  # the last one the leader tells
+
+        async def before_send(src, dst, frame):
+            if src == leader and dst == victim and wire.decode(frame).kind == Kind.COMMIT:
+                await net.crash(victim)  # its streams close: the COMMIT cannot be sent
+                tasks[victim].cancel()
+            return frame
+
+        net.before_send = before_send
+        offers = [make_offer(i, anchor_seed=i if two_phase else None) for i in range(3)]
+        tasks = {p.peer_id: asyncio.create_task(p.average(o, plan_of[p.peer_id]))
+                 for p, o in zip(peers, offers, strict=True)}  # fmt: skip
+        survivors = [p.peer_id for p in peers if p.peer_id != victim]
+        results = await asyncio.gather(*(tasks[p] for p in survivors))
+        await asyncio.gather(tasks[victim], return_exceptions=True)
+        return dict(zip(survivors, results, strict=True)), leader
+
+    results, leader = asyncio.run(main())
+    told = next(r for peer, r in results.items() if peer != leader)
+    assert told is not None, "the member told first applies"
+    assert results[leader] is not None, "the leader applied nothing, where a member it told applied the mean"
+    assert results[leader].members == told.members
+    for name in ("delta/w", "anchor/w"):
+        assert torch.equal(results[leader].projections[name].mean, told.projections[name].mean)
+
+
 def test_a_control_message_over_its_cap_is_refused_unread_and_struck(caplog):
     """HAVE carries two bitmasks: an authenticated member that sends one of 100 kB is cut off at the frame's
     length, before it is decoded, left out of the round and struck."""
