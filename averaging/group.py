@@ -324,10 +324,19 @@ class GroupAverager:
         seal = Seal(session=self._rng.getrandbits(63), members=members, me=0, pull=pull, q_init=self._warm_starts(pull),
                     control={p: gathering.joins[p].stream for p in joined}, clients=clients)  # fmt: skip
         try:
+            told = 0
             for p in joined:
                 meta = {"m": ",".join(members), "p": pull, "c": sum(1 << i for i in clients),
                         **self._credentials("group-roster", p, seal.session)}  # fmt: skip
-                await self.messenger.send(seal.control[p], Kind.ROSTER, seal.session, offer.step, seal.q_init, meta)
+                try:
+                    await self.messenger.send(seal.control[p], Kind.ROSTER, seal.session, offer.step, seal.q_init,
+                                              meta)  # fmt: skip
+                    told += 1
+                except (ConnectionError, TimeoutError) as e:  # it died (or gave up) while held: the others, told
+                    # already, go on without it, as without a member that dies just after its roster
+                    logger.info("member %s left before its roster: %s", p[-8:], e)
+            if not told:
+                raise ExchangeFailed("no member could be sent the roster")
             return await self._run(offer, seal)
         except (ExchangeFailed, ConnectionError, TimeoutError, wire.WireError) as e:
             self._note_failure(",".join(m[-8:] for m in joined), ExchangeFailed(str(e)))  # bad members: struck inside
