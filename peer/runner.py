@@ -214,6 +214,7 @@ class VolunteerPeer:
         directory = options.checkpoints
         self.writer = CheckpointWriter(directory) if directory is not None else None
         self.lock: FolderLock | None = None  # its folders, held while it runs (`create` takes them)
+        self._training = threading.Lock()  # held by `run`: one at a time
 
     @classmethod
     def create(cls, options: PeerOptions) -> VolunteerPeer:
@@ -429,7 +430,16 @@ class VolunteerPeer:
         self.loop.loop.call_soon_threadsafe(averager.expect, key)
 
     def run(self, stop: threading.Event) -> PeerReport:
-        """Train round after round until the deadline or `stop`; returns the peer's report."""
+        """Train round after round until the deadline or `stop`; returns the peer's report. One `run` at a time:
+        RuntimeError if one trains on another thread."""
+        if not self._training.acquire(blocking=False):  # two loops would step one model and one round engine
+            raise RuntimeError("this peer is already training (on another thread): one run at a time")
+        try:
+            return self._run(stop)
+        finally:
+            self._training.release()
+
+    def _run(self, stop: threading.Event) -> PeerReport:
         trainer, options = self.trainer, self.options
         started = time.monotonic()
         deadline = started + options.duration if options.duration is not None else float("inf")

@@ -14,6 +14,7 @@ import threading
 import time
 import uuid
 from collections.abc import Callable
+from pathlib import Path
 
 import psutil
 import pytest
@@ -480,6 +481,47 @@ def test_train_together_refuses_a_peer_not_started_before_any_trains(custom_run)
         with pytest.raises(RuntimeError, match=r"^start every peer first \(peers\[1\] was not started\)$"):
             train_together(peers)
         assert time.monotonic() - started < 5 and peers[0].trainer.steps == 0
+
+
+def training_on_a_thread(peer: Peer, stop: threading.Event, log: Path) -> tuple[threading.Thread, list]:
+    """`peer.train(stop)` on a thread of its own, once it has trained a round (`log` has a line): the thread, and
+    what train() returned or raised once it has."""
+    outcome: list = []
+
+    def train() -> None:
+        try:
+            outcome.append(peer.train(stop))
+        except BaseException as e:
+            outcome.append(e)
+
+    thread = threading.Thread(target=train)
+    thread.start()
+    deadline = time.monotonic() + 60
+    while not (log.exists() and log.stat().st_size > 0) and thread.is_alive() and time.monotonic() < deadline:
+        time.sleep(0.05)
+    return thread, outcome
+
+
+@pytest.mark.slow
+def test_a_second_train_beside_the_first_is_refused_at_once(custom_run, tmp_path) -> None:
+    """A second train() while one ran on another thread stepped the same model, data stream and round engine from
+    two threads: the first died of its own data ("generator already executing"), or both trained on a mix."""
+    run, initial_peers = custom_run
+    with Peer(tiny_mlp.build_model, tiny_mlp.build_batches, run=run, initial_peers=initial_peers, device="cpu",
+              out_dir=tmp_path) as peer:  # fmt: skip
+        first, second = threading.Event(), threading.Event()
+        thread, outcome = training_on_a_thread(peer, first, tmp_path / "metrics.jsonl")
+        timer = threading.Timer(3.0, second.set)  # (not to train long beside it, if it does)
+        timer.start()
+        try:
+            with pytest.raises(RuntimeError, match=r"^this peer is already training \(on another thread\)"):
+                peer.train(second)
+            assert thread.is_alive() and not outcome  # the first one trains on
+        finally:
+            timer.cancel()
+            first.set()
+            thread.join(30)
+    assert len(outcome) == 1 and not isinstance(outcome[0], BaseException), outcome
 
 
 def broken_model() -> torch.nn.Module:
