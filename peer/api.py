@@ -168,6 +168,8 @@ class Peer:
         return running.run(stop)
 
     def close(self) -> None:
+        """Leave the run. A `train()` on another thread stops first, as its own stop would: its round, its final
+        checkpoint and report (it returns the report)."""
         if self._peer is not None:
             self._closed = self._peer.trainer
             self._peer.close()

@@ -214,7 +214,9 @@ class VolunteerPeer:
         directory = options.checkpoints
         self.writer = CheckpointWriter(directory) if directory is not None else None
         self.lock: FolderLock | None = None  # its folders, held while it runs (`create` takes them)
-        self._training = threading.Lock()  # held by `run`: one at a time
+        self._training = threading.Lock()  # held by `run`: one at a time, and `close` waits for it
+        self._trainer: int | None = None  # the thread `run` trains on
+        self._closing = threading.Event()  # `close` from another thread: `run` stops as on its own stop
 
     @classmethod
     def create(cls, options: PeerOptions) -> VolunteerPeer:
@@ -430,16 +432,20 @@ class VolunteerPeer:
         self.loop.loop.call_soon_threadsafe(averager.expect, key)
 
     def run(self, stop: threading.Event) -> PeerReport:
-        """Train round after round until the deadline or `stop`; returns the peer's report. One `run` at a time:
-        RuntimeError if one trains on another thread."""
+        """Train round after round until the deadline or `stop` (or `close()` from another thread); returns the
+        peer's report. One `run` at a time: RuntimeError if one trains on another thread, or the peer is closed."""
         if not self._training.acquire(blocking=False):  # two loops would step one model and one round engine
             raise RuntimeError("this peer is already training (on another thread): one run at a time")
         try:
-            return self._run(stop)
+            self._trainer = threading.get_ident()
+            if self._closing.is_set():
+                raise RuntimeError("this peer is closed")
+            return self._run(_Stopping(stop, self._closing))
         finally:
+            self._trainer = None
             self._training.release()
 
-    def _run(self, stop: threading.Event) -> PeerReport:
+    def _run(self, stop: _Stopping) -> PeerReport:
         trainer, options = self.trainer, self.options
         started = time.monotonic()
         deadline = started + options.duration if options.duration is not None else float("inf")
@@ -509,7 +515,7 @@ class VolunteerPeer:
         self.evaluated = (time.time(), self.trainer.samples)
         return loss
 
-    def _inner_phase(self, stop: threading.Event) -> tuple[float, int] | None:
+    def _inner_phase(self, stop: _Stopping) -> tuple[float, int] | None:
         """A round's inner steps, one at a time while the engine lets one fit before the appointment: their
         mean loss and how many (None: the round would end after `until`). The appointment is announced as soon
         as it is known."""
@@ -530,7 +536,7 @@ class VolunteerPeer:
                 self._announce()
         return total / max(steps, 1), steps
 
-    def _exchange(self, averager: GroupAverager, offer, stop: threading.Event, *,
+    def _exchange(self, averager: GroupAverager, offer, stop: _Stopping, *,
                   train: bool = False) -> tuple[GroupResult | None, int, float, bool]:  # fmt: skip
         """Gather at the appointment with the group the engine plans, on the event-loop thread, and with `train`
         (an offer made for it: `PeerOptions.overlap`) take inner steps meanwhile: the result, the steps taken,
@@ -563,7 +569,7 @@ class VolunteerPeer:
         return self.engine.ended(time.time(), None if result is None else result.size, partners, averager.missed,
                                  averager.shunned, waited)  # fmt: skip
 
-    def finish(self, stop: threading.Event) -> int:
+    def finish(self, stop: _Stopping) -> int:
         """The run config's finish rounds, once training is over: the work still pending becomes one outer
         step alone (nothing trained is lost), then the engine's finish rounds pull this peer's anchor together
         with other finishing peers' (`OuterOptimizer.finish_offer`), two rounds in a row without a group
@@ -589,8 +595,21 @@ class VolunteerPeer:
         self._log(logging.INFO, f"finished: {done} finish exchanges")
         return done
 
-    def close(self) -> None:
-        """Withdraw, stop the averager (an exchange in flight ends first), the loop and the DHT node."""
+    def close(self, wait: float = 120.0) -> None:
+        """Withdraw, stop the averager (an exchange in flight ends first), the loop and the DHT node. A `run` on
+        another thread is stopped first, as its own stop would (its round, final checkpoint and report), waiting for
+        it up to `wait` seconds (a Ctrl-C meanwhile waits no more: the teardown goes on, then it is raised)."""
+        self._closing.set()
+        try:
+            if self._training.locked() and self._trainer != threading.get_ident():
+                if self._training.acquire(timeout=wait):
+                    self._training.release()
+                else:
+                    logger.warning("the training thread did not stop within %.0f s: closing the peer under it", wait)
+        finally:
+            self._teardown()
+
+    def _teardown(self) -> None:
         self.watch.stop()
         if self.heartbeat is not None:
             self.heartbeat.stop()  # also withdraws the announcement
@@ -607,6 +626,26 @@ class VolunteerPeer:
         stop_node(self.dht)
         if self.lock is not None:
             self.lock.release()  # last: everything this peer writes is written
+
+
+class _Stopping:
+    """What `VolunteerPeer.run` stops on: the caller's stop event, or the peer's `close()` from another thread."""
+
+    def __init__(self, *events: threading.Event) -> None:
+        self.events = events
+
+    def is_set(self) -> bool:
+        return any(event.is_set() for event in self.events)
+
+    def wait(self, timeout: float) -> bool:
+        """Whether either was set within `timeout` seconds (looked at every 0.1 s: a finish round's wait)."""
+        deadline = time.monotonic() + timeout
+        while not self.is_set():
+            left = deadline - time.monotonic()
+            if left <= 0:
+                return False
+            self.events[0].wait(min(left, 0.1))
+        return True
 
 
 def _with_remembered_peers(options: PeerOptions) -> NodeConfig:

@@ -524,6 +524,24 @@ def test_a_second_train_beside_the_first_is_refused_at_once(custom_run, tmp_path
     assert len(outcome) == 1 and not isinstance(outcome[0], BaseException), outcome
 
 
+@pytest.mark.slow
+def test_close_from_another_thread_stops_the_training_with_its_work_saved(custom_run, tmp_path) -> None:
+    """peer.close() while train() ran on another thread tore the peer down under it: the training thread died on
+    "Event loop is closed" (or a cancelled exchange), with no final checkpoint, report or model."""
+    run, initial_peers = custom_run
+    peer = Peer(tiny_mlp.build_model, tiny_mlp.build_batches, run=run, initial_peers=initial_peers, device="cpu",
+                out_dir=tmp_path).start()  # fmt: skip
+    try:
+        thread, outcome = training_on_a_thread(peer, threading.Event(), tmp_path / "metrics.jsonl")  # until stopped
+    finally:
+        peer.close()  # stops the training (its round, final checkpoint and report), then tears down
+    thread.join(30)
+    assert not thread.is_alive() and len(outcome) == 1 and not isinstance(outcome[0], BaseException), outcome
+    steps = json.loads((tmp_path / "report.json").read_text())["steps"]
+    state, _ = latest_checkpoint(tmp_path / "checkpoints", run_id=run, model=MODEL)
+    assert outcome[0].steps == steps == state["trainer"]["steps"] > 0 and (tmp_path / "anchor.safetensors").exists()
+
+
 def broken_model() -> torch.nn.Module:
     raise RuntimeError("checkpoint /weights/base.pt not found")
 
