@@ -140,7 +140,9 @@ class RoundEngine:
 
     # -- training rounds ---------------------------------------------------------------------------------
     def begin(self, now: float, roster: Iterable[Seen]) -> Appointment | None:
-        """A new round starts at `now`: its appointment, or None while no round length is known."""
+        """A new round starts at `now`: its appointment, or None while no round length is known. It is a training
+        round, whatever came before (a peer that trains again once its finish is over, or was cut short)."""
+        self.phase = Phase.TRAINING
         self.steps = 0
         self._started = now
         self._observe(now, roster)

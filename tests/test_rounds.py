@@ -228,6 +228,22 @@ def test_peers_that_finish_a_round_apart_share_the_finish_grid_of_the_rounds_the
     assert grids == [32.0 / FINISH_GRID] * 2
 
 
+@pytest.mark.parametrize("finish_rounds", [0, 2], ids=["done", "finishing"])
+def test_a_peer_that_trains_again_after_its_finish_announces_training_and_groups_with_training_peers(finish_rounds):
+    """Peer.train() called again once a run had ended began its first round still "done" (or "finishing", a finish
+    cut short by a stop): it announced that, so no training peer planned it in a group, and a finishing engine
+    planned with finishing peers alone."""
+    key = Appointment(seconds=1.0, slot=5).key
+    roster = [seen("a", key), seen("b", key)]
+    engine = RoundEngine("me", dataclasses.replace(CONFIG, finish_rounds=finish_rounds))
+    engine.finish(3.0)
+    assert engine.phase == (Phase.FINISHING if finish_rounds else Phase.DONE)
+    engine.begin(4.0, roster)
+    assert engine.announced.state == Phase.TRAINING
+    plan = engine.gather(4.9, roster)
+    assert set(plan.candidates + plan.planned) == {"me", "a", "b"} and engine.announced.state == Phase.GATHERING
+
+
 def test_a_lonely_finish_round_that_ends_at_its_own_instant_moves_to_the_next_one():
     """On a virtual clock a leader alone seals at the very instant; the next finish round must not be the same
     appointment again (a 1024-peer simulation spent a peer's whole patience at one instant that way)."""
