@@ -185,6 +185,8 @@ class GroupAverager:
         return self.transport.peer_id
 
     async def start(self) -> None:
+        """Serve the exchange; again after `stop` too (a peer that trains again once its finish rounds are over)."""
+        self._closed = False
         self.transport.gate.barred = self._barred  # a peer on cool-down is not even read...
         await self.transport.serve(self._handle)
 

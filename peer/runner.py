@@ -447,6 +447,10 @@ class VolunteerPeer:
 
     def _run(self, stop: _Stopping) -> PeerReport:
         trainer, options = self.trainer, self.options
+        if self.finisher is not None:  # an earlier run's finish rounds hold the protocol: training takes it back
+            self.loop.run(self.finisher.stop(), timeout=15)
+            self.finisher = None
+            self.loop.run(self.averager.start(), timeout=30)
         started = time.monotonic()
         deadline = started + options.duration if options.duration is not None else float("inf")
         initial_loss = eval_loss = self._evaluate()

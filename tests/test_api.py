@@ -542,6 +542,25 @@ def test_close_from_another_thread_stops_the_training_with_its_work_saved(custom
     assert outcome[0].steps == steps == state["trainer"]["steps"] > 0 and (tmp_path / "anchor.safetensors").exists()
 
 
+@pytest.mark.slow
+def test_peers_train_again_after_their_finish_rounds() -> None:
+    """A second train() once a run with finish rounds had ended trained on with its averager stopped (the finish
+    rounds' took its protocol): no exchange, every round lonely; then its own finish failed with p2pd's
+    "ControlFailure: handler for protocol .../avg/3 already set", before its final checkpoint and report."""
+    run = f"again-{uuid.uuid4().hex[:8]}"
+    with Swarm(run, CUSTOM.with_overrides(finish_rounds=1, shortest_round=1.0)) as swarm:
+        peers = [Peer(tiny_mlp.build_model, tiny_mlp.build_batches, run=run, initial_peers=swarm.initial_peers,
+                      device="cpu", duration=1, data_seed=i).start() for i in range(2)]  # fmt: skip
+        try:
+            first = train_together(peers)
+            again = train_together(peers)
+        finally:
+            for peer in peers:
+                peer.close()
+    assert all(r.finish_exchanges == 1 for r in first)
+    assert all(b.exchanges_ok > a.exchanges_ok for a, b in zip(first, again, strict=True)), (first, again)
+
+
 def broken_model() -> torch.nn.Module:
     raise RuntimeError("checkpoint /weights/base.pt not found")
 
