@@ -463,7 +463,13 @@ class SealedExchange:
         for j in range(1, len(seal.members)):
             stream = seal.control[seal.members[j]]
             if j in going:
-                await m.send(stream, Kind.PROCEED, seal.session, step, {}, {"g": bits(going)})
+                try:
+                    await m.send(stream, Kind.PROCEED, seal.session, step, {}, {"g": bits(going)})
+                except (ConnectionError, TimeoutError) as e:  # it died since its HAVE
+                    if self.two_phase:  # phase 2 cannot leave a member out: its basis holds everyone's payload
+                        raise
+                    # every member holds its payload: the others go on with it, as with a member whose COMMIT is lost
+                    self._member_failed(j, e, "the PROCEED to it")
             elif j in haves:
                 await m.refuse(stream, Kind.ABORT, seal.session, "left out: payloads missing")
         return going

@@ -489,6 +489,37 @@ def test_a_member_gone_before_its_commit_leaves_the_leader_applying_with_the_mem
         assert torch.equal(results[leader].projections[name].mean, told.projections[name].mean)
 
 
+def test_a_member_gone_before_its_proceed_leaves_the_rest_of_the_group_averaging():
+    """A member that dies after its HAVE, as its leader sends it PROCEED (one phase: every member already holds every
+    payload): the others average without it, as without a member whose COMMIT is lost. The whole group aborted."""
+
+    async def main():
+        net = InMemoryNetwork()
+        peers = await started(*(make_averager(net, f"P{i}", FAST) for i in range(3)))
+        plan_of = plans([p.peer_id for p in peers])
+        leader = plan_of[peers[0].peer_id].candidates[0]
+        victim = plan_of[leader].planned[-1]  # the last one sent PROCEED: the others have theirs
+
+        async def before_send(src, dst, frame):
+            if src == leader and dst == victim and wire.decode(frame).kind == Kind.PROCEED:
+                await net.crash(victim)  # its streams close: PROCEED cannot be sent
+                tasks[victim].cancel()
+            return frame
+
+        net.before_send = before_send
+        tasks = {p.peer_id: asyncio.create_task(p.average(make_offer(i), plan_of[p.peer_id]))
+                 for i, p in enumerate(peers)}  # fmt: skip
+        survivors = [p.peer_id for p in peers if p.peer_id != victim]
+        results = await asyncio.gather(*(tasks[p] for p in survivors))
+        await asyncio.gather(tasks[victim], return_exceptions=True)
+        return results
+
+    results = asyncio.run(main())
+    assert all(r is not None for r in results), "the group aborted over one member gone before its PROCEED"
+    assert results[0].members == results[1].members and len(results[0].members) == 3  # its payload is in the mean
+    assert torch.equal(results[0].projections["delta/w"].mean, results[1].projections["delta/w"].mean)
+
+
 def test_a_member_gone_while_its_join_was_held_leaves_the_rest_of_the_group_averaging():
     """A member that dies (or is aborted) while its leader holds its JOIN cannot be sent the roster: the others
     average without it, as without a member that dies just after its roster. The whole group aborted."""
