@@ -142,6 +142,8 @@ class RoundEngine:
     def begin(self, now: float, roster: Iterable[Seen]) -> Appointment | None:
         """A new round starts at `now`: its appointment, or None while no round length is known. It is a training
         round, whatever came before (a peer that trains again once its finish is over, or was cut short)."""
+        if self.phase in (Phase.FINISHING, Phase.DONE):  # a finish's lonely rounds are no training round's
+            self.lonely = 0
         self.phase = Phase.TRAINING
         self.steps = 0
         self._started = now

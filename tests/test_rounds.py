@@ -244,6 +244,17 @@ def test_a_peer_that_trains_again_after_its_finish_announces_training_and_groups
     assert set(plan.candidates + plan.planned) == {"me", "a", "b"} and engine.announced.state == Phase.GATHERING
 
 
+def test_a_peer_that_trains_again_after_a_lonely_finish_keeps_its_first_lonely_round_pending():
+    """A finish that nobody came to ended with its lonely finish rounds counted (2 * FINISH_GRID of them): a peer that
+    trained again stepped alone at its first lonely training round, where solo_after rounds keep the work pending."""
+    engine = RoundEngine("me", CONFIG)
+    engine.finish(0.0)
+    while engine.phase == Phase.FINISHING:
+        engine.ended(1.0, None)
+    engine.begin(2.0, [])
+    assert [engine.ended(float(t), None) for t in range(3, 6)] == [Step.PENDING, Step.PENDING, Step.ALONE]
+
+
 def test_a_lonely_finish_round_that_ends_at_its_own_instant_moves_to_the_next_one():
     """On a virtual clock a leader alone seals at the very instant; the next finish round must not be the same
     appointment again (a 1024-peer simulation spent a peer's whole patience at one instant that way)."""
