@@ -184,6 +184,11 @@ class GroupAverager:
     def peer_id(self) -> str:
         return self.transport.peer_id
 
+    @property
+    def closed(self) -> bool:
+        """Whether `stop` closed it (and no `start` since)."""
+        return self._closed
+
     async def start(self) -> None:
         """Serve the exchange; again after `stop` too (a peer that trains again once its finish rounds are over)."""
         self._closed = False

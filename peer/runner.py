@@ -450,6 +450,7 @@ class VolunteerPeer:
         if self.finisher is not None:  # an earlier run's finish rounds hold the protocol: training takes it back
             self.loop.run(self.finisher.stop(), timeout=15)
             self.finisher = None
+        if self.averager.closed:  # an earlier run's finish stopped it (also one that failed before its finisher ran)
             self.loop.run(self.averager.start(), timeout=30)
         started = time.monotonic()
         deadline = started + options.duration if options.duration is not None else float("inf")
