@@ -54,9 +54,9 @@ def save_anchor(
               "murmur.model": str(record["model"]), "murmur.config": tensorfile.to_json(record),
               "murmur.parameters": tensorfile.to_json([n for n, _ in model.named_parameters()]),
               **{f"murmur.{k}": str(v) for k, v in steps.items()}}  # fmt: skip
+    for stale in path.parent.glob(f".{path.name}.*.tmp"):  # a model's size each, left by a kill mid-write: first,
+        stale.unlink(missing_ok=True)  # as on a full disk it holds the room this write needs
     tensorfile.write(path, tensorfile.snapshot(model_state(model, anchor), labels))
-    for stale in path.parent.glob(f".{path.name}.*.tmp"):  # a model's size each, left by a kill mid-write
-        stale.unlink(missing_ok=True)
 
 
 def read_anchor(path: Path) -> dict[str, torch.Tensor]:

@@ -85,10 +85,10 @@ def write_snapshot(directory: Path, taken: Snapshot, *, keep: int = 2) -> Path:
         raise ValueError(f"keep must be at least 1, got {keep}")
     labels = taken.metadata
     path = directory / f"ckpt-{int(labels['murmur.step']):08d}.safetensors"
+    for stale in directory.glob(_TEMP_GLOB):  # left by a crash mid-write: first, as on a full disk it holds the
+        stale.unlink(missing_ok=True)  # room this write needs (the folder's one writer is this peer: FolderLock)
     tensorfile.write(path, taken)
     prune(directory, run_id=labels["murmur.run_id"], model=labels["murmur.model"], keep=keep)
-    for stale in directory.glob(_TEMP_GLOB):  # left by a crash mid-write
-        stale.unlink(missing_ok=True)
     return path
 
 

@@ -2,9 +2,15 @@
 
 from __future__ import annotations
 
+import contextlib
+import os
 import resource
 import subprocess
 import sys
+from collections.abc import Iterator
+from pathlib import Path
+
+import pytest
 
 
 def disk_full_at(size: int, argv: list[str], timeout: float = 120) -> subprocess.CompletedProcess:
@@ -20,3 +26,21 @@ def disk_full_at(size: int, argv: list[str], timeout: float = 120) -> subprocess
         text=True,
         timeout=timeout,
     )
+
+
+@contextlib.contextmanager
+def tiny_disk(folder: Path, size: int) -> Iterator[Path]:
+    """A file system of `size` bytes (a tmpfs) mounted on `folder`, which fills up as a real disk does (ENOSPC, for
+    every file together, which RLIMIT_FSIZE is not); unmounted on exit. Skips the test where it cannot be mounted
+    (not root, or no right to mount)."""
+    if os.geteuid() != 0:
+        pytest.skip("mounting a small file system needs root")
+    folder.mkdir(parents=True, exist_ok=True)
+    done = subprocess.run(["mount", "-t", "tmpfs", "-o", f"size={size}", "tmpfs", str(folder)], capture_output=True,
+                          text=True)  # fmt: skip
+    if done.returncode != 0:
+        pytest.skip(f"cannot mount a tmpfs: {done.stderr.strip()}")
+    try:
+        yield folder
+    finally:
+        subprocess.run(["umount", str(folder)], check=True)

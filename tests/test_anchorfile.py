@@ -21,7 +21,7 @@ from murmur.peer.data import DataConfig, load_corpus
 from murmur.peer.journal import Journal
 from murmur.peer.model import build_model
 from murmur.peer.trainer import Trainer
-from tests.diskfull import disk_full_at
+from tests.diskfull import disk_full_at, tiny_disk
 
 RUN = "anchor-test"
 CONFIG = TrainConfig(inner_steps=2, batch_size=4, eval_batches=1, warmup_steps=4)
@@ -117,6 +117,19 @@ def test_the_temp_file_of_a_write_killed_midway_goes_with_the_next_write(tmp_pat
     stale.write_bytes(b"\0" * 1000)
     save_anchor(tmp_path / ANCHOR, model, dict(model.named_parameters()), run_id=RUN, config={"model": "m"}, step=1)
     assert [p.name for p in tmp_path.iterdir()] == [ANCHOR]
+
+
+def test_a_final_save_killed_on_a_full_disk_does_not_fail_the_next(tmp_path):
+    """The temp file of a final model killed mid-write took, on a disk with room for two models, the room of the
+    next one, which failed ('No space left on device'): it was removed only after a write that succeeded."""
+    mib = 1 << 20
+    model = nn.Linear(512, 512, bias=False)  # 1 MiB
+    with tiny_disk(tmp_path / "disk", 2 * mib + mib // 2) as disk:
+        save_anchor(disk / ANCHOR, model, dict(model.named_parameters()), run_id=RUN, config={"model": "m"}, step=1)
+        (disk / f".{ANCHOR}.k1ll3d.tmp").write_bytes(b"\0" * (3 * mib // 4))  # as the kill left it
+        save_anchor(disk / ANCHOR, model, dict(model.named_parameters()), run_id=RUN, config={"model": "m"}, step=2)
+        assert [p.name for p in disk.iterdir()] == [ANCHOR]
+        assert tensorfile.read_metadata(disk / ANCHOR)["murmur.step"] == "2"
 
 
 def test_a_checkpoint_is_not_taken_for_a_model(tmp_path):

@@ -44,6 +44,7 @@ from murmur.peer.rundir import LOCK, FolderLock, check_fresh, earlier_run
 from murmur.peer.runner import PeerError, PeerOptions, checkpoint_state, restore_state, run_peer
 from murmur.peer.trainer import Trainer
 from murmur.peer.workload import custom
+from tests.diskfull import tiny_disk
 
 RUN = "ckpt-test"
 BOOTSTRAP = "/ip4/127.0.0.1/tcp/4001/p2p/QmNnooDu7bfjPFoTZYxMNLWUQJyrVwtbZg5gBMjTezGAJN"
@@ -255,11 +256,26 @@ def test_a_crash_mid_write_leaves_the_previous_checkpoint(tmp_path, monkeypatch)
     monkeypatch.setattr(tensorfile.os, "replace", crash)
     with pytest.raises(OSError, match="simulated crash"):
         save_checkpoint(tmp_path, small_state(2))
-    assert sorted(p.name for p in tmp_path.iterdir()) == [".ckpt-stale.tmp", "ckpt-00000001.safetensors"]
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["ckpt-00000001.safetensors"]  # the stale file: gone first
     assert torch.equal(load_checkpoint(tmp_path / "ckpt-00000001.safetensors")["x"], small_state(1)["x"])
     monkeypatch.undo()
     save_checkpoint(tmp_path, small_state(3))
     assert sorted(p.name for p in tmp_path.iterdir()) == ["ckpt-00000001.safetensors", "ckpt-00000003.safetensors"]
+
+
+def test_a_write_killed_on_a_full_disk_does_not_fail_every_later_one(tmp_path):
+    """A checkpoint killed mid-write (SIGKILL, the OOM killer) leaves its hidden temp file; on a disk with room for
+    three checkpoints (two kept, one being written) that file took the room of the next, so every checkpoint of the
+    resumed peer failed ('No space left on device') and the file, removed only after a write that succeeded, stayed."""
+    mib = 1 << 20
+    big = lambda step: {"run_id": RUN, "model": "m", "step": step, "x": torch.full((mib // 4,), float(step))}  # noqa: E731
+    with tiny_disk(tmp_path / "disk", 3 * mib + mib // 2) as disk:
+        save_checkpoint(disk, big(1))
+        save_checkpoint(disk, big(2))
+        (disk / ".ckpt-00000003.safetensors.k1ll3d.tmp").write_bytes(b"\0" * (3 * mib // 4))  # as the kill left it
+        save_checkpoint(disk, big(3))  # was OSError: cannot write ...: No space left on device
+        assert sorted(p.name for p in disk.iterdir()) == ["ckpt-00000002.safetensors", "ckpt-00000003.safetensors"]
+        assert load_checkpoint(disk / "ckpt-00000003.safetensors")["x"][0] == 3
 
 
 def test_keeps_the_newest_two(tmp_path):
