@@ -63,7 +63,7 @@ def read_anchor(path: Path) -> dict[str, torch.Tensor]:
     """The anchor saved in `path` by `save_anchor`, keyed by parameter name (tied copies and buffers left out);
     ValueError (one line) if the file is not such a model or is corrupt."""
     try:
-        metadata, state = tensorfile.read(path, check=_check_kind)
+        metadata, state = tensorfile.read(path, check=check_kind)
         names = tensorfile.from_json(metadata.get("murmur.parameters", "null"))
         if not isinstance(names, list) or not isinstance(state, dict) or not set(names) <= set(state):
             raise TensorFileError("is corrupt: murmur.parameters does not match its tensors")
@@ -72,9 +72,12 @@ def read_anchor(path: Path) -> dict[str, torch.Tensor]:
     return {n: state[n] for n in names}
 
 
-def _check_kind(metadata: dict[str, str]) -> None:
+def check_kind(metadata: dict[str, str]) -> None:
+    """TensorFileError (one line) unless the metadata is a model's of a format this reader reads."""
     if metadata.get("murmur.kind") != KIND:
         raise TensorFileError("is not a murmur model (no murmur.kind 'model' metadata)")
     version = metadata.get("murmur.format", "")
-    if not version.isdigit() or int(version) > FORMAT:
-        raise TensorFileError(f"was written by a model format {version!r} this peer does not read")
+    if not (version.isascii() and version.isdigit()):
+        raise TensorFileError(f"is corrupt: malformed murmur.format {version[:20]!r}")
+    if int(version) > FORMAT:
+        raise TensorFileError(f"was written by a newer model format {version} (this murmur reads format {FORMAT})")

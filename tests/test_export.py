@@ -18,6 +18,7 @@ from torch import nn
 
 from murmur.dht.node import NodeConfig, start_node, stop_node, visible_addresses
 from murmur.dht.records import RunRecord, RunRecords
+from murmur.peer import anchorfile
 from murmur.peer.anchorfile import ANCHOR, save_anchor
 from murmur.peer.checkpoint import save_checkpoint
 from murmur.peer.cli import main
@@ -187,6 +188,21 @@ def test_a_bad_source_is_one_line(tmp_path, capsys, make, error) -> None:
     err = capsys.readouterr().err
     assert err.startswith("murmur export: error: ") and error in err and err.count("\n") == 1
     assert not (tmp_path / "out").exists()
+
+
+def test_a_model_of_a_newer_format_is_refused_in_one_line(trained, tmp_path, capsys, monkeypatch) -> None:
+    peer_dir, out = tmp_path / "peer", tmp_path / "out"
+    monkeypatch.setattr(anchorfile, "FORMAT", 2)  # as a newer murmur writes its final model
+    save_anchor(peer_dir / ANCHOR, trained.model, trained.outer.anchor, run_id="r", config=CONFIG, step=1,
+                outer_step=1)  # fmt: skip
+    monkeypatch.undo()
+    for source in (peer_dir, peer_dir / ANCHOR):
+        for command in (["export", str(out), "--from", str(source)], ["sample", str(source)]):
+            assert main(command) == 1  # was exported (and sampled) as if it were format 1
+            err = capsys.readouterr().err
+            assert err.endswith("was written by a newer model format 2 (this murmur reads format 1)\n"), err
+            assert err.count("\n") == 1
+    assert not out.exists()
 
 
 def test_a_full_disk_is_one_line_and_leaves_no_file(trained, tmp_path) -> None:

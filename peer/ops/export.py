@@ -33,7 +33,7 @@ from torch import nn
 
 from murmur.dht.errors import one_line
 from murmur.peer import tensorfile
-from murmur.peer.anchorfile import ANCHOR, model_state
+from murmur.peer.anchorfile import ANCHOR, check_kind, model_state
 from murmur.peer.checkpoint import CheckpointError, checkpoint_files, decimal, load_checkpoint, named_step
 from murmur.peer.config import is_spec
 from murmur.peer.model import CONFIG_FILE, GPT, MODEL_FILE, MODELS, buffer_names, build_model
@@ -157,11 +157,11 @@ def _loaded(model: nn.Module, state: dict[str, torch.Tensor], where: str) -> nn.
 
 def _from_anchor(path: Path, custom: bool | str | None = True) -> Found:
     try:
-        metadata, state = tensorfile.read(path)
+        metadata, state = tensorfile.read(path, check=check_kind)  # a newer format's model: refused, not guessed at
     except TensorFileError as e:
         raise ExportError(f"model {path} {e}") from None
-    if metadata.get("murmur.kind") != "model" or not isinstance(state, dict):
-        raise ExportError(f"{path} is not a murmur model (no murmur.kind 'model' metadata)")
+    if not isinstance(state, dict):
+        raise ExportError(f"model {path} is corrupt: its state is not a dict")
     name = metadata.get("murmur.model", "")
     config = _json(metadata.get("murmur.config"))
     model = _loaded(build(name, seed=int(config.get("seed", 0) or 0), custom=custom), state, str(path))
