@@ -4,6 +4,7 @@ or a live swarm, loaded back with the README's own lines; and the one-line error
 from __future__ import annotations
 
 import json
+import logging
 import re
 import subprocess
 import sys
@@ -107,6 +108,32 @@ def test_export_from_a_resumed_peers_folder_takes_its_later_checkpoint(trained, 
                 step=trained.steps, outer_step=trained.outer.step)  # fmt: skip
     assert main(["export", str(tmp_path / "end"), "--from", str(peer_dir)]) == 0
     assert f"from {peer_dir / ANCHOR} to " in capsys.readouterr().out
+
+
+def test_a_file_that_does_not_load_is_skipped_with_a_warning(trained, tmp_path, capsys, caplog) -> None:
+    """`export --from` a peer's folder whose newest checkpoint was damaged took the one before it and said nothing
+    (the user saw an older step and no reason), and a damaged final model failed the export, good checkpoints beside
+    it: each file that does not load is now a warning, and the next one is taken, as `--resume` does."""
+    peer_dir = tmp_path / "peer"
+    older = save_checkpoint(peer_dir / "checkpoints", checkpoint_state("r", trained, _compressor(trained)))
+    newer = older.with_name("ckpt-00009999.safetensors")
+    newer.write_bytes(older.read_bytes()[:-1] + b"\x01")  # a flipped byte in its data
+    with caplog.at_level(logging.WARNING, logger="murmur.export"):
+        assert main(["export", str(tmp_path / "a"), "--from", str(peer_dir)]) == 0
+    assert f"from {older} to " in capsys.readouterr().out
+    assert [r.getMessage() for r in caplog.records] == [f"checkpoint {newer} is corrupt: sha256 mismatch; skipped"]
+    newer.unlink()
+    caplog.clear()
+    (peer_dir / ANCHOR).write_bytes(b"\0" * 64)  # a final model that does not read
+    with caplog.at_level(logging.WARNING, logger="murmur.export"):
+        assert main(["export", str(tmp_path / "b"), "--from", str(peer_dir)]) == 0  # was exit 1, the checkpoint there
+    assert f"from {older} to " in capsys.readouterr().out
+    unreadable = f"model {peer_dir / ANCHOR} is not a safetensors file (unreadable header)"
+    assert [r.getMessage() for r in caplog.records] == [f"{unreadable}; skipped"]
+    older.unlink()  # nothing that loads: the newest file's error, in one line
+    assert main(["export", str(tmp_path / "c"), "--from", str(peer_dir)]) == 1
+    assert capsys.readouterr().err == f"murmur export: error: {unreadable}\n"
+    assert not (tmp_path / "c").exists()
 
 
 def test_an_export_into_the_peers_own_folder_is_refused(trained, tmp_path, capsys) -> None:

@@ -22,6 +22,7 @@ steps. Loading it back:
 from __future__ import annotations
 
 import json
+import logging
 import math
 import os
 from dataclasses import dataclass, field
@@ -43,10 +44,16 @@ if TYPE_CHECKING:
     from murmur.averaging.access import AccessPolicy
 
 MODEL_TYPE = "murmur-gpt"
+logger = logging.getLogger("murmur.export")
 
 
 class ExportError(ValueError):
     """No model where the user pointed, or one that does not load; str(e) is one line."""
+
+
+class Unusable(ExportError):
+    """A model file that does not load (corrupt, foreign, of a newer format, not its model's): in a folder, the next
+    one is tried."""
 
 
 class OwnModel(ExportError):
@@ -99,26 +106,19 @@ def build(name: str, seed: int = 0, *, custom: bool | str | None = True) -> nn.M
 def load(path: Path, *, custom: bool | str | None = True) -> Found:
     """The model in `path`: an export folder (or its model file), a peer's out dir, a checkpoints folder, an anchor
     or a checkpoint. A researcher's model is built as `build` says for `custom`: its builder imported if True or if
-    `custom` names it, an ExportError otherwise."""
+    `custom` names it, an ExportError otherwise. In a folder, a file that does not load is a warning, and the next
+    one (older, or the final model) is taken."""
     path = Path(path)
     if path.is_dir():
         if (path / MODEL_FILE).exists():
             return _from_export(path, custom)
         if (path / ANCHOR).exists():
-            for file in _trained_since(path):  # a resumed peer trains on beside the final model of its last start
-                try:
-                    return _from_checkpoint(file, custom)
-                except ExportError:  # a bad one: the next, or the final model
-                    continue
-            return _from_anchor(path / ANCHOR, custom)
+            since = _trained_since(path)  # a resumed peer trains on beside the final model of its last start
+            older = [file for file in checkpoint_files(path / "checkpoints") if file not in since]
+            return _first_usable([*since, path / ANCHOR, *older], custom)
         for folder in (path / "checkpoints", path):
-            for file in checkpoint_files(folder):  # newest first; a bad one is skipped for the next
-                try:
-                    return _from_checkpoint(file, custom)
-                except ExportError as e:
-                    last = e
-            if checkpoint_files(folder):
-                raise last
+            if files := checkpoint_files(folder):  # newest first
+                return _first_usable(files, custom)
         peers = sorted((p for p in path.glob("peer-*") if p.is_dir()), key=lambda p: (len(p.name), p.name))
         if peers:  # `murmur simulate`'s folder, as `murmur report` takes it
             raise ExportError(f"{path} is a simulation's folder: name one of its peers' folders, as {peers[0]}")
@@ -132,6 +132,22 @@ def load(path: Path, *, custom: bool | str | None = True) -> Found:
     except TensorFileError as e:
         raise ExportError(f"{path} {e}") from None
     return _from_anchor(path, custom) if kind == "model" else _from_checkpoint(path, custom)
+
+
+def _first_usable(files: list[Path], custom: bool | str | None) -> Found:
+    """The model of the first of a folder's `files` (checkpoints, its final model) that loads, each one before it
+    skipped with a warning (as `--resume` skips them); if none loads, the first one's error."""
+    skipped: list[Unusable] = []
+    for file in files:
+        try:
+            found = _from_anchor(file, custom) if file.name == ANCHOR else _from_checkpoint(file, custom)
+        except Unusable as e:
+            skipped.append(e)
+            continue
+        for e in skipped:
+            logger.warning("%s; skipped", e)
+        return found
+    raise skipped[0]
 
 
 def _trained_since(out_dir: Path) -> list[Path]:
@@ -151,7 +167,7 @@ def _loaded(model: nn.Module, state: dict[str, torch.Tensor], where: str) -> nn.
         model.load_state_dict(state)  # strict: every key and shape
     except RuntimeError as e:
         first = one_line(e, 300)
-        raise ExportError(f"{where} does not fit its model: {first}") from None
+        raise Unusable(f"{where} does not fit its model: {first}") from None
     return model.eval()
 
 
@@ -159,9 +175,9 @@ def _from_anchor(path: Path, custom: bool | str | None = True) -> Found:
     try:
         metadata, state = tensorfile.read(path, check=check_kind)  # a newer format's model: refused, not guessed at
     except TensorFileError as e:
-        raise ExportError(f"model {path} {e}") from None
+        raise Unusable(f"model {path} {e}") from None
     if not isinstance(state, dict):
-        raise ExportError(f"model {path} is corrupt: its state is not a dict")
+        raise Unusable(f"model {path} is corrupt: its state is not a dict")
     name = metadata.get("murmur.model", "")
     config = _json(metadata.get("murmur.config"))
     model = _loaded(build(name, seed=int(config.get("seed", 0) or 0), custom=custom), state, str(path))
@@ -173,15 +189,15 @@ def _from_checkpoint(path: Path, custom: bool | str | None = True) -> Found:
     try:
         state = load_checkpoint(path)
     except CheckpointError as e:
-        raise ExportError(str(e)) from None
+        raise Unusable(str(e)) from None
     try:
         outer = state["trainer"]["outer"]
         anchor, outer_step = outer["anchor"], outer["step"]
     except (KeyError, TypeError):
-        raise ExportError(f"checkpoint {path} is corrupt: it has no outer anchor") from None
+        raise Unusable(f"checkpoint {path} is corrupt: it has no outer anchor") from None
     model = build(state["model"], seed=int((state.get("config") or {}).get("seed", 0) or 0), custom=custom)
     if not isinstance(anchor, dict) or not all(isinstance(t, torch.Tensor) for t in anchor.values()):
-        raise ExportError(f"checkpoint {path} is corrupt: its anchor is not a dict of tensors")
+        raise Unusable(f"checkpoint {path} is corrupt: its anchor is not a dict of tensors")
     saved = state["trainer"].get("model")  # the peer's model: its buffers (BatchNorm's running statistics) as trained
     buffers = {k: saved[k] for k in buffer_names(model) if k in saved} if isinstance(saved, dict) else {}
     model = _loaded(model, model_state(model, anchor) | buffers, f"checkpoint {path}")
