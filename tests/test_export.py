@@ -245,6 +245,19 @@ def test_a_full_disk_is_one_line_and_leaves_no_file(trained, tmp_path) -> None:
     assert "File too large" in err and err.count("\n") == 1 and list((tmp_path / "out").iterdir()) == []
 
 
+def test_the_temp_file_of_an_export_killed_midway_goes_with_the_next_export(trained, tmp_path) -> None:
+    """An export killed mid-write (Ctrl-C's second press, SIGKILL) left `.model.safetensors.tmp-PID`, a model's size
+    and hidden, in the folder for good: the next export's own temp file has another name."""
+    peer_dir, out = tmp_path / "peer", tmp_path / "out"
+    save_anchor(peer_dir / ANCHOR, trained.model, trained.outer.anchor, run_id="r", config=CONFIG, step=1,
+                outer_step=1)  # fmt: skip
+    out.mkdir()
+    for stale in (".model.safetensors.tmp-4194304", ".config.json.tmp-4194304"):  # as the killed export named them
+        (out / stale).write_bytes(b"\0" * 1000)
+    assert main(["export", str(out), "--from", str(peer_dir)]) == 0
+    assert sorted(p.name for p in out.iterdir()) == ["config.json", "model.safetensors"]
+
+
 def test_export_flags_are_checked(tmp_path, capsys) -> None:
     (tmp_path / "notes").write_text("kept")  # an output folder that is a file: one line naming it, before anything
     assert main(["export", str(tmp_path / "notes"), "--from", str(tmp_path)]) == 1

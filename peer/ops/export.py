@@ -250,6 +250,9 @@ def write(found: Found, out_dir: Path) -> tuple[Path, Path]:
         config = {"model_type": "custom", "builder": found.name}
     config["murmur"] = found.provenance()
     model_path, config_path = out_dir / MODEL_FILE, out_dir / CONFIG_FILE
+    for name in (MODEL_FILE, CONFIG_FILE):  # an export killed mid-write left its temp file (a model's size): first,
+        for stale in out_dir.glob(f".{name}.tmp-*"):  # as on a full disk it holds the room this write needs
+            stale.unlink(missing_ok=True)
     _atomic(model_path, lambda tmp: save_file(state, tmp, metadata={"format": "pt"}))
     _atomic(config_path, lambda tmp: Path(tmp).write_text(json.dumps(config, indent=2, allow_nan=False) + "\n"))
     return model_path, config_path
