@@ -170,12 +170,23 @@ def checkpoint_state(run_id: str, trainer: Trainer, compressor: LowRankCompresso
 
 
 def restore_state(state: Mapping[str, Any], trainer: Trainer, compressor: LowRankCompressor) -> None:
-    """Load a `checkpoint_state()`; everything is checked first, so on CheckpointError nothing has changed."""
+    """Load a `checkpoint_state()`; everything is checked first, so on CheckpointError nothing has changed. A checkpoint
+    written under another config of the run (its operator changed it since) resumes under the config as it is now:
+    the inner optimizer's settings are the run's, not the checkpoint's (`config_changes`)."""
     slots = compressor.plan(trainer.outer.shapes, trainer.outer.modes)  # the layout the averager exchanges
     low_rank = {name: (slot.cols, slot.rank) for name, slot in slots.items() if slot.low_rank}
     warm_starts = check_tensors(state.get("warm_starts"), low_rank, "warm start", partial=True)
-    trainer.load_state_dict(state.get("trainer"))
+    changed = bool(config_changes(state.get("config"), trainer.config.to_record()))
+    trainer.load_state_dict(state.get("trainer"), own_settings=changed)
     compressor.load_state_dict(warm_starts)
+
+
+def config_changes(saved: Any, now: Mapping[str, Any]) -> list[str]:
+    """The run config's fields that differ between a checkpoint's (`saved`) and the run's now, as "name old -> new"; a
+    field one of them lacks (a checkpoint of an older murmur) is not a change."""
+    if not isinstance(saved, Mapping):
+        return []
+    return [f"{k} {saved[k]!r} -> {now[k]!r}" for k in now if k in saved and saved[k] != now[k]]
 
 
 class VolunteerPeer:
@@ -308,6 +319,9 @@ class VolunteerPeer:
         if isinstance(predecessor, str) and predecessor and predecessor != self.peer_id:  # killed: its announcement
             self.loop.run(self.averager.avoid(predecessor, self.records.announce_ttl))  # outlives it for a while
         self._log(logging.INFO, f"resumed from {found[1]} at step {trainer.steps} (outer step {trainer.outer.step})")
+        if changed := config_changes(found[0].get("config"), trainer.config.to_record()):  # (once, --quiet or not)
+            logger.warning("the run's config changed since this checkpoint (%s): the peer goes on under the run's "
+                           "config as it is now", ", ".join(changed))  # fmt: skip
         return True
 
     def _log(self, level: int, line: str) -> None:

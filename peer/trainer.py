@@ -320,8 +320,10 @@ class Trainer:
             "batches_drawn": self.batches_drawn,
         } | ({"scaler": self.scaler.state_dict()} if self.scaler is not None else {})
 
-    def load_state_dict(self, state: Mapping[str, Any]) -> None:
-        """Restore `state_dict()`; everything is checked first, so on CheckpointError nothing has changed."""
+    def load_state_dict(self, state: Mapping[str, Any], *, own_settings: bool = False) -> None:
+        """Restore `state_dict()`; everything is checked first, so on CheckpointError nothing has changed. With
+        `own_settings` the inner optimizer keeps this trainer's settings (weight decay, betas: the run's config as it
+        is now, as the learning rate always is), and only its state (AdamW's moments) comes from `state`."""
         if not isinstance(state, Mapping):
             raise CheckpointError("trainer state is not a dict")
         counters = {k: check_count(state.get(k), k) for k in ("steps", "samples", "batches_drawn")}
@@ -339,7 +341,11 @@ class Trainer:
         scaler = self._check_scaler(state.get("scaler"))
         self.outer.load_state_dict(state.get("outer"))  # checks, then applies: the last check
         self.model.load_state_dict(model)  # copies in place: the optimizers keep their parameters
-        self.inner.load_state_dict(state["inner"])
+        settings = [{k: v for k, v in group.items() if k != "params"} for group in self.inner.param_groups]
+        self.inner.load_state_dict(state["inner"])  # torch takes the saved groups' settings too
+        if own_settings:
+            for group, own in zip(self.inner.param_groups, settings, strict=True):
+                group.update(own)
         if scaler is not None:
             self.scaler.load_state_dict(scaler)
         self.steps, self.samples, self.warm_from = counters["steps"], counters["samples"], warm_from

@@ -41,7 +41,7 @@ from murmur.peer.config import TrainConfig
 from murmur.peer.data import DataConfig, load_corpus
 from murmur.peer.model import build_model
 from murmur.peer.rundir import LOCK, FolderLock, check_fresh, earlier_run
-from murmur.peer.runner import PeerError, PeerOptions, checkpoint_state, restore_state, run_peer
+from murmur.peer.runner import PeerError, PeerOptions, checkpoint_state, config_changes, restore_state, run_peer
 from murmur.peer.trainer import Trainer
 from murmur.peer.workload import custom
 from tests.diskfull import tiny_disk
@@ -162,6 +162,26 @@ def test_resume_continues_bit_for_bit(corpus, tmp_path):
     assert alone(a, step=True) == alone(b, step=True)  # the same next batches: the stream continued, not restarted
     assert a.outer.step == 3  # alone, exchange, and this round stepped alone with both rounds' work
     assert_same(a, b, ca, cb)
+
+
+def test_a_checkpoint_of_an_earlier_config_of_the_run_resumes_under_the_run_config_now(corpus):
+    """A run whose operator changed its config between a peer's stop and its --resume (--weight-decay 0.01 -> 0.1):
+    the resumed peer took the run's new learning rate (set at each step) but kept the checkpoint's weight decay, as
+    torch's load_state_dict takes a saved optimizer's settings, and nothing said so."""
+    a, ca = Trainer(CONFIG, corpus, data_seed=1), LowRankCompressor(CONFIG.compression())
+    alone(a)
+    state = checkpoint_state(RUN, a, ca)
+    changed = CONFIG.with_overrides(weight_decay=0.1, inner_lr=1e-3)
+    b, cb = Trainer(changed, corpus, data_seed=1), LowRankCompressor(changed.compression())
+    restore_state(state, b, cb)
+    assert [g["weight_decay"] for g in b.inner.param_groups] == [0.1]  # was 0.01, the checkpoint's
+    moments = a.inner.state_dict()["state"][0]["exp_avg"]
+    assert torch.equal(b.inner.state_dict()["state"][0]["exp_avg"], moments)  # the moments are the checkpoint's
+    said = config_changes(state["config"], changed.to_record())
+    assert said == ["inner_lr 0.002 -> 0.001", "weight_decay 0.01 -> 0.1"]
+    c, cc = Trainer(CONFIG, corpus, data_seed=1), LowRankCompressor(CONFIG.compression())
+    restore_state(state, c, cc)  # the same config: the saved settings, exactly
+    assert c.inner.state_dict()["param_groups"] == a.inner.state_dict()["param_groups"]
 
 
 def test_an_unusable_state_is_rejected_and_changes_nothing(corpus, tmp_path):
