@@ -15,7 +15,9 @@ nothing is rebuilt before the hash matches. Nothing is ever unpickled.
 and fsyncs the folder, so a crash leaves the previous checkpoint whole. It then prunes to the newest
 `keep` checkpoints of its run and model *that verify* (header, labels and sha256): a corrupt file is
 never counted, so it can never push out a good one, and it is never deleted either (nor is another
-run's file), so the newest checkpoint that loads is always kept.
+run's file), so the newest checkpoint that loads is always kept. On a disk with no room for a new checkpoint beside
+those kept, the older ones are deleted first (the newest that verifies stays), with one warning: otherwise every later
+checkpoint would fail, and a crash would go back to the first ones.
 `CheckpointWriter` does the same off the training thread: the loop only takes the snapshot.
 `latest_checkpoint` returns the newest usable one for a run and model, skipping each other one
 with a warning. `remembered_peers` reads the live peers a checkpoint names from its header alone: a peer that
@@ -32,6 +34,7 @@ from __future__ import annotations
 import json
 import logging
 import re
+import shutil
 import threading
 from collections.abc import Callable, Collection, Mapping
 from pathlib import Path
@@ -87,9 +90,30 @@ def write_snapshot(directory: Path, taken: Snapshot, *, keep: int = 2) -> Path:
     path = directory / f"ckpt-{int(labels['murmur.step']):08d}.safetensors"
     for stale in directory.glob(_TEMP_GLOB):  # left by a crash mid-write: first, as on a full disk it holds the
         stale.unlink(missing_ok=True)  # room this write needs (the folder's one writer is this peer: FolderLock)
+    run_id, model = labels["murmur.run_id"], labels["murmur.model"]
+    if keep > 1 and not _room_for(directory, taken) and (gone := prune(directory, run_id=run_id, model=model, keep=1)):
+        # the older checkpoints kept would take the room of the newest, and every later one would fail with them
+        if str(directory) not in _cramped:  # said once: it goes on every checkpoint while the disk is full
+            _cramped.add(str(directory))
+            logger.warning("%s has no room for a checkpoint beside the %d kept: the older ones make room for the "
+                           "newest", directory, len(gone) + 1)  # fmt: skip
     tensorfile.write(path, taken)
-    prune(directory, run_id=labels["murmur.run_id"], model=labels["murmur.model"], keep=keep)
+    prune(directory, run_id=run_id, model=model, keep=keep)
     return path
+
+
+_cramped: set[str] = set()  # the folders said to have no room for all the checkpoints kept
+
+
+def _room_for(directory: Path, taken: Snapshot) -> bool:
+    """Whether the file system of `directory` has room for the checkpoint `taken` (its tensors, its metadata, and a
+    margin for the header and the blocks' rounding); True if it cannot tell."""
+    size = sum(t.numel() * t.element_size() for t in taken.tensors.values())
+    size += sum(len(k) + len(v) for k, v in taken.metadata.items()) + (1 << 16)
+    try:
+        return shutil.disk_usage(directory).free >= size
+    except OSError:  # the folder not made yet, or gone: the write says what is wrong
+        return True
 
 
 def prune(directory: Path, *, run_id: str, model: str, keep: int) -> list[Path]:

@@ -298,6 +298,26 @@ def test_a_write_killed_on_a_full_disk_does_not_fail_every_later_one(tmp_path):
         assert load_checkpoint(disk / "ckpt-00000003.safetensors")["x"][0] == 3
 
 
+def test_a_disk_with_room_for_two_checkpoints_keeps_the_newest(tmp_path, caplog):
+    """On a disk with room for the two checkpoints kept but not for a third being written, every checkpoint after
+    the second failed ('No space left on device'): the peer trained on with its two first checkpoints kept, and lost
+    everything since to a crash, its clean stop's checkpoint included (a --resume went back to the second round,
+    beside a final model a thousand steps ahead). The older one now makes room for the newest, with a warning."""
+    mib = 1 << 20
+    big = lambda step: {"run_id": RUN, "model": "m", "step": step, "x": torch.full((mib // 4,), float(step))}  # noqa: E731
+    with tiny_disk(tmp_path / "disk", 2 * mib + mib // 2) as disk:
+        save_checkpoint(disk, big(1))
+        save_checkpoint(disk, big(2))
+        with caplog.at_level(logging.WARNING, logger="murmur.checkpoint"):
+            save_checkpoint(disk, big(3))  # was OSError: cannot write ...: No space left on device
+            save_checkpoint(disk, big(4))
+        assert sorted(p.name for p in disk.iterdir()) == ["ckpt-00000003.safetensors", "ckpt-00000004.safetensors"]
+        assert load_checkpoint(disk / "ckpt-00000004.safetensors")["x"][0] == 4
+    assert [r.getMessage() for r in caplog.records] == [  # once
+        f"{disk} has no room for a checkpoint beside the 2 kept: the older ones make room for the newest"
+    ]
+
+
 def test_keeps_the_newest_two(tmp_path):
     for step in (5, 1, 12, 7):
         save_checkpoint(tmp_path, small_state(step))
