@@ -28,8 +28,9 @@ import contextlib
 import hashlib
 import json
 import os
+import secrets
+import stat
 import struct
-import tempfile
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass
 from pathlib import Path
@@ -84,17 +85,15 @@ def from_json(text: str) -> Any:
 def write(path: Path, snap: Snapshot) -> None:
     """Hash `snap` and write it to `path` atomically: a crash leaves whatever `path` held before, whole."""
     from safetensors import SafetensorError
-    from safetensors.torch import save_file
 
     metadata = {**snap.metadata, SHA256: digest(snap.metadata, snap.tensors)}
     directory = path.parent
     directory.mkdir(parents=True, exist_ok=True)
-    fd, temp = tempfile.mkstemp(dir=directory, prefix=f".{path.name}.", suffix=".tmp")
-    os.close(fd)
+    temp = _new_temp(directory, path.name)
     placed = False
     try:
         try:
-            save_file(snap.tensors, temp, metadata=metadata)
+            save_tensors(snap.tensors, temp, metadata)
         except SafetensorError as e:  # a full disk, as safetensors says it: an OSError, one line
             raise OSError(f"cannot write {path}: {_first_line(e)}") from None
         _fsync(temp, os.O_RDONLY)
@@ -242,6 +241,32 @@ def _end(entry: Any) -> int | None:
     if not isinstance(offsets, list) or len(offsets) != 2 or any(type(n) is not int for n in offsets):
         return None
     return offsets[1] if 0 <= offsets[0] <= offsets[1] else None
+
+
+def save_tensors(tensors: Mapping[str, torch.Tensor], path: str | Path, metadata: Mapping[str, str]) -> None:
+    """safetensors' `save_file`, the file made as any other file is, 0o666 less the umask (safetensors makes it 0o600:
+    the final model, the checkpoints and an export were the only files of their folders that the owner's group, or a
+    web server serving them, could not read); SafetensorError as safetensors raises it."""
+    from safetensors.torch import save_file
+
+    fd = os.open(path, os.O_WRONLY | os.O_CREAT, 0o666)
+    try:
+        mode = stat.S_IMODE(os.fstat(fd).st_mode)  # a new file's: the umask applied
+    finally:
+        os.close(fd)
+    save_file(dict(tensors), str(path), metadata=dict(metadata))
+    os.chmod(path, mode)
+
+
+def _new_temp(directory: Path, name: str) -> str:
+    """The name of a new hidden file in `directory` for `name`'s next version (as mkstemp makes them: it exists now)."""
+    while True:
+        temp = str(directory / f".{name}.{secrets.token_hex(6)}.tmp")
+        try:
+            os.close(os.open(temp, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o666))
+        except FileExistsError:  # (one chance in 2^48)
+            continue
+        return temp
 
 
 def _fsync(path: str | Path, flags: int) -> None:

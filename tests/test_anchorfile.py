@@ -4,6 +4,8 @@ corrupt file is a one-line error."""
 
 import json
 import logging
+import os
+import stat
 from pathlib import Path
 
 import pytest
@@ -130,6 +132,23 @@ def test_a_final_save_killed_on_a_full_disk_does_not_fail_the_next(tmp_path):
         save_anchor(disk / ANCHOR, model, dict(model.named_parameters()), run_id=RUN, config={"model": "m"}, step=2)
         assert [p.name for p in disk.iterdir()] == [ANCHOR]
         assert tensorfile.read_metadata(disk / ANCHOR)["murmur.step"] == "2"
+
+
+def test_the_final_model_and_the_checkpoints_are_made_as_the_other_files_of_the_folder(tmp_path):
+    """anchor.safetensors and ckpt-*.safetensors came out 0o600 (mkstemp's mode, kept by the rename) where the rest of
+    a run folder (metrics.jsonl, report.json) is 0o644 under the usual umask: a user of the owner's group, a web server
+    that serves the folder, could read the run's log but not its model. They now follow the umask as any file does."""
+    model = nn.Linear(4, 4)
+    previous = os.umask(0o022)
+    try:
+        save_anchor(tmp_path / ANCHOR, model, dict(model.named_parameters()), run_id=RUN, config={"model": "m"}, step=1)
+        path = save_checkpoint(tmp_path / "checkpoints", {"run_id": RUN, "model": "m", "step": 1, "x": torch.zeros(2)})
+        assert [stat.S_IMODE(p.stat().st_mode) for p in (tmp_path / ANCHOR, path)] == [0o644, 0o644]  # were 0o600
+        os.umask(0o077)  # a user who keeps their files to themselves: so are these
+        save_anchor(tmp_path / ANCHOR, model, dict(model.named_parameters()), run_id=RUN, config={"model": "m"}, step=2)
+        assert stat.S_IMODE((tmp_path / ANCHOR).stat().st_mode) == 0o600
+    finally:
+        os.umask(previous)
 
 
 def test_a_checkpoint_is_not_taken_for_a_model(tmp_path):

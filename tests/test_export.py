@@ -5,7 +5,9 @@ from __future__ import annotations
 
 import json
 import logging
+import os
 import re
+import stat
 import subprocess
 import sys
 import threading
@@ -256,6 +258,21 @@ def test_the_temp_file_of_an_export_killed_midway_goes_with_the_next_export(trai
         (out / stale).write_bytes(b"\0" * 1000)
     assert main(["export", str(out), "--from", str(peer_dir)]) == 0
     assert sorted(p.name for p in out.iterdir()) == ["config.json", "model.safetensors"]
+
+
+def test_an_export_is_made_as_any_file_is(trained, tmp_path) -> None:
+    """model.safetensors came out 0o600 (safetensors' own mode) beside a 0o644 config.json: a folder made to be handed
+    on, whose model the owner's group, or a web server serving it, could not read."""
+    peer_dir, out = tmp_path / "peer", tmp_path / "out"
+    save_anchor(peer_dir / ANCHOR, trained.model, trained.outer.anchor, run_id="r", config=CONFIG, step=1,
+                outer_step=1)  # fmt: skip
+    previous = os.umask(0o022)
+    try:
+        assert main(["export", str(out), "--from", str(peer_dir)]) == 0
+    finally:
+        os.umask(previous)
+    assert {p.name: stat.S_IMODE(p.stat().st_mode) for p in out.iterdir()} == {"model.safetensors": 0o644,
+                                                                                "config.json": 0o644}  # fmt: skip
 
 
 def test_export_flags_are_checked(tmp_path, capsys) -> None:

@@ -232,8 +232,6 @@ def _from_export(folder: Path, custom: bool | str | None = True) -> Found:
 
 def write(found: Found, out_dir: Path) -> tuple[Path, Path]:
     """`model.safetensors` and `config.json` in `out_dir` (made if missing), each written atomically."""
-    from safetensors.torch import save_file
-
     out_dir = Path(out_dir)
     out_dir.mkdir(parents=True, exist_ok=True)
     state, seen = {}, set()
@@ -253,7 +251,7 @@ def write(found: Found, out_dir: Path) -> tuple[Path, Path]:
     for name in (MODEL_FILE, CONFIG_FILE):  # an export killed mid-write left its temp file (a model's size): first,
         for stale in out_dir.glob(f".{name}.tmp-*"):  # as on a full disk it holds the room this write needs
             stale.unlink(missing_ok=True)
-    _atomic(model_path, lambda tmp: save_file(state, tmp, metadata={"format": "pt"}))
+    _atomic(model_path, lambda tmp: tensorfile.save_tensors(state, tmp, {"format": "pt"}))
     _atomic(config_path, lambda tmp: Path(tmp).write_text(json.dumps(config, indent=2, allow_nan=False) + "\n"))
     return model_path, config_path
 
