@@ -37,6 +37,19 @@ def final_model(out_dir: Path | None) -> Path | None:
     return next((path for path in found if path.is_file()), None)
 
 
+def final_step(out_dir: Path | None) -> int | None:
+    """The inner step of the final model (`anchor.safetensors`) in `out_dir`, from its header; None if there is none,
+    or it does not read."""
+    from murmur.peer import tensorfile
+    from murmur.peer.tensorfile import TensorFileError
+
+    try:
+        step = tensorfile.read_metadata(out_dir / "anchor.safetensors").get("murmur.step") if out_dir else None
+    except TensorFileError:
+        return None
+    return int(step) if isinstance(step, str) and step.isascii() and step.isdigit() else None
+
+
 def other_run(out_dir: Path | None, checkpoints: Path | None, run_id: str) -> tuple[str, str] | None:
     """(the other run's id, the file that names it) if these folders hold another run's final model, or only
     other runs' checkpoints; None if they hold this run's, or nothing readable (an unreadable file proves nothing)."""

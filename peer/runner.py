@@ -42,6 +42,7 @@ from murmur.dht.heartbeat import Heartbeat, RosterWatch
 from murmur.dht.loop import LoopThread
 from murmur.dht.node import NodeConfig, node_lost, shared_address, start_node, stop_node, visible_addresses
 from murmur.dht.records import Announcement, PeerState, RunRecord, RunRecords, config_digest
+from murmur.peer.anchorfile import ANCHOR
 from murmur.peer.checkpoint import CheckpointWriter, check_tensors, latest_checkpoint, remembered_peers
 from murmur.peer.config import TrainConfig
 from murmur.peer.device import DeviceConfig, Runtime, keep_freed_memory, on_stream, side_stream
@@ -49,7 +50,7 @@ from murmur.peer.journal import Journal
 from murmur.peer.metrics import PeerReport
 from murmur.peer.outer import finish_layout
 from murmur.peer.rounds import Plan, RoundEngine, Seen, Step
-from murmur.peer.rundir import FolderLock, check_fresh, check_writable, final_model
+from murmur.peer.rundir import FolderLock, check_fresh, check_writable, final_model, final_step
 from murmur.peer.state import StateSharing, catch_up
 from murmur.peer.trainer import NonFiniteLoss, StreamError, Trainer
 from murmur.peer.verdict import RunVerdict, all_finite
@@ -262,6 +263,8 @@ class VolunteerPeer:
             resumed = options.resume and peer._resume()
             if options.state_download:  # a resumed peer takes a live state only if the swarm moved on
                 peer._log(*catch_up(peer.loop.run, peer.sharing, peer.trainer, resumed=resumed))
+            if resumed:
+                peer._behind_final_model()
             peer.trainer.check_batches()  # bad data is one line, before anyone hears of this peer
             peer.sharing.publish(peer.trainer)
             if options.own_process:
@@ -323,6 +326,18 @@ class VolunteerPeer:
             logger.warning("the run's config changed since this checkpoint (%s): the peer goes on under the run's "
                            "config as it is now", ", ".join(changed))  # fmt: skip
         return True
+
+    def _behind_final_model(self) -> None:
+        """PeerError if the out-dir's final model is of a later step than the state resumed (the last checkpoint of
+        the peer's last start was not written: a full disk, a kill during the final save): its steps since would be
+        lost, and the final model written over at the end."""
+        steps = self.trainer.steps
+        if (final := final_step(self.options.out_dir)) is not None and final > steps:
+            raise PeerError(
+                f"--resume: the newest usable checkpoint in {self.options.checkpoints} (step {steps}) is older than "
+                f"the final model {self.options.out_dir / ANCHOR} (step {final}): resuming would lose {final - steps} "
+                f"steps and write over it at the end; export it first, or move it away to resume from step {steps}"
+            )
 
     def _log(self, level: int, line: str) -> None:
         logger.log(level, line)

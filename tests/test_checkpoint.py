@@ -717,9 +717,16 @@ def test_a_real_peer_checkpoints_and_resumes(tmp_path, caplog):
             second = run_peer(dataclasses.replace(options, resume=True), threading.Event())
         assert f"resumed from {saved[0]} at step {first.steps}" in caplog.text
         assert second.steps > first.steps and second.samples > first.samples
+        # the second start's last checkpoint was not written (a full disk, a kill during the final save), its final
+        # model was: a resume went back to the first start's checkpoint, and its end wrote over the later model
+        (tmp_path / "checkpoints" / f"ckpt-{second.steps:08d}.safetensors").unlink()
+        final = (tmp_path / "anchor.safetensors").read_bytes()
+        behind = rf"^--resume: the newest usable checkpoint in .* \(step {first.steps}\) is older than the final model "
+        with pytest.raises(PeerError, match=behind + rf".*anchor.safetensors \(step {second.steps}\): resuming would"):
+            run_peer(dataclasses.replace(options, resume=True), threading.Event())
+        assert (tmp_path / "anchor.safetensors").read_bytes() == final
         # no usable checkpoint where it looks (another folder, or a run id reused with another model): a fresh start
         # would write over the final model the folder holds, so the resume is refused in one line, the model kept
-        final = (tmp_path / "anchor.safetensors").read_bytes()
         elsewhere = dataclasses.replace(options, resume=True, checkpoint_dir=tmp_path / "elsewhere")
         with pytest.raises(PeerError, match=r"^--resume found no usable checkpoint in .*elsewhere, and .*anchor"):
             run_peer(elsewhere, threading.Event())
