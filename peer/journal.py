@@ -8,8 +8,10 @@ log line, never an error in the training loop.
 
 from __future__ import annotations
 
+import contextlib
 import logging
 import math
+import os
 import time
 from pathlib import Path
 
@@ -95,9 +97,24 @@ class Journal:
         )  # fmt: skip
         if self.out_dir is not None:
             self.out_dir.mkdir(parents=True, exist_ok=True)
-            self.save_model(trainer, peer.options.run_id)
-            (self.out_dir / "report.json").write_text(report.model_dump_json(indent=2))
+            try:
+                self.save_model(trainer, peer.options.run_id)
+            except OSError:  # a full disk: the report (a few lines, not a model's size) is kept all the same
+                with contextlib.suppress(OSError):
+                    self._write_report(report)
+                raise
+            self._write_report(report)
         return report
+
+    def _write_report(self, report: PeerReport) -> None:
+        """`report.json`, replaced whole or not at all (a full disk left an earlier start's report cut short)."""
+        path = self.out_dir / "report.json"
+        temp = path.with_name(f".{path.name}.tmp")
+        try:
+            temp.write_text(report.model_dump_json(indent=2))
+            os.replace(temp, path)
+        finally:
+            temp.unlink(missing_ok=True)
 
     def save_model(self, trainer, run_id: str) -> Path | None:
         """Write the trainer's anchor to `anchor.safetensors` in the out dir (at the end of a run, on this

@@ -39,6 +39,7 @@ from murmur.peer.checkpoint_v1 import encode_frame
 from murmur.peer.cli import main
 from murmur.peer.config import TrainConfig
 from murmur.peer.data import DataConfig, load_corpus
+from murmur.peer.metrics import PeerReport
 from murmur.peer.model import build_model
 from murmur.peer.rundir import LOCK, FolderLock, check_fresh, earlier_run
 from murmur.peer.runner import PeerError, PeerOptions, checkpoint_state, config_changes, restore_state, run_peer
@@ -731,6 +732,21 @@ def test_a_real_peer_checkpoints_and_resumes(tmp_path, caplog):
         with pytest.raises(PeerError, match=r"^--resume found no usable checkpoint in .*elsewhere, and .*anchor"):
             run_peer(elsewhere, threading.Event())
         assert (tmp_path / "anchor.safetensors").read_bytes() == final
+
+
+@pytest.mark.slow
+def test_a_final_model_with_no_room_keeps_the_report(tmp_path):
+    """A peer whose disk had no room for its final model at its end stopped with that error (one line) and wrote no
+    report.json either, though it had room for it: the run's losses, steps and exchanges were lost with the model."""
+    config = TrainConfig(inner_steps=2, batch_size=4, eval_batches=1)  # gpt-tiny: a final model of 1.9 MB
+    with published(config) as node, tiny_disk(tmp_path / "disk", 1 << 20) as disk:
+        options = PeerOptions(run_id=RUN, node=node, duration=1.0, out_dir=disk / "me", verbose=False)
+        with pytest.raises(OSError, match=r"^cannot write .*anchor.safetensors: .*No space left on device"):
+            run_peer(options, threading.Event())
+        report = PeerReport.model_validate_json((disk / "me" / "report.json").read_text())  # was not written
+        assert report.steps > 0
+        assert sorted(p.name for p in (disk / "me").iterdir()) == [".murmur.lock", "checkpoints", "metrics.jsonl",
+                                                                   "report.json"]  # fmt: skip
 
 
 @pytest.mark.slow
