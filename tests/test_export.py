@@ -3,6 +3,7 @@ or a live swarm, loaded back with the README's own lines; and the one-line error
 
 from __future__ import annotations
 
+import io
 import json
 import logging
 import os
@@ -24,6 +25,7 @@ from murmur.dht.records import RunRecord, RunRecords
 from murmur.peer import anchorfile
 from murmur.peer.anchorfile import ANCHOR, save_anchor
 from murmur.peer.checkpoint import save_checkpoint
+from murmur.peer.checkpoint_v1 import encode_frame
 from murmur.peer.cli import main
 from murmur.peer.config import TrainConfig
 from murmur.peer.data import DataConfig, evaluate, load_corpus
@@ -91,6 +93,20 @@ def test_export_from_a_checkpoint_and_from_an_export_give_the_same_model(trained
     for name, tensor in states[0].items():
         assert all(torch.equal(tensor, s[name]) for s in states[1:])
     assert evaluate(GPT.from_pretrained(outs[2]), trained.eval_set) == anchor_loss(trained)
+
+
+def test_export_from_an_older_murmurs_checkpoint_file(trained, tmp_path, capsys) -> None:
+    """`murmur export --from ckpt-N.pt` (and `murmur sample` of it), a checkpoint of format 1 that an older murmur
+    wrote and this one still reads (its folder exported), failed: 'is not a safetensors file (header length ...)'."""
+    buffer = io.BytesIO()
+    torch.save(checkpoint_state("r", trained, _compressor(trained)), buffer)
+    path = tmp_path / "checkpoints" / f"ckpt-{trained.steps:08d}.pt"
+    path.parent.mkdir()
+    path.write_bytes(encode_frame(buffer.getvalue(), run_id="r", model=CONFIG.model, step=trained.steps))
+    assert main(["export", str(tmp_path / "out"), "--from", str(path)]) == 0  # was exit 1
+    assert capsys.readouterr().out.startswith(f"exported gpt-tiny at step {trained.steps} (outer step 2) from {path}")
+    assert evaluate(GPT.from_pretrained(tmp_path / "out"), trained.eval_set) == anchor_loss(trained)
+    assert main(["sample", str(path), "--tokens", "3"]) == 0
 
 
 def test_export_from_a_resumed_peers_folder_takes_its_later_checkpoint(trained, tmp_path, capsys) -> None:

@@ -127,6 +127,8 @@ def load(path: Path, *, custom: bool | str | None = True) -> Found:
         raise ExportError(f"{path}: no such file or folder")
     if path.name == MODEL_FILE and (path.parent / CONFIG_FILE).exists():  # an export's model file: its folder
         return _from_export(path.parent, custom)
+    if path.suffix == ".pt":  # an older murmur's checkpoint (format 1, peer.checkpoint_v1): not a safetensors file
+        return _from_checkpoint(path, custom)
     try:
         kind = tensorfile.read_metadata(path).get("murmur.kind")
     except TensorFileError as e:
