@@ -181,6 +181,10 @@ def _lock(folder: Path) -> int:
     except BaseException:
         os.close(fd)
         raise
-    os.ftruncate(fd, 0)
-    os.pwrite(fd, f"{os.getpid()}\n".encode(), 0)
+    try:
+        os.ftruncate(fd, 0)
+        os.pwrite(fd, f"{os.getpid()}\n".encode(), 0)
+    except OSError as e:  # a full disk: say which file, not a bare '[Errno 28] No space left on device'
+        os.close(fd)
+        raise OSError(f"cannot write {folder / LOCK}: {e.strerror}") from None
     return fd

@@ -575,6 +575,17 @@ def test_a_folder_a_live_peer_holds_is_refused_and_freed_when_it_dies(tmp_path, 
     FolderLock.take(folder, folder / "checkpoints").release()  # the kernel released the dead holder's lock
 
 
+def test_a_full_disk_at_the_start_names_the_file(tmp_path, capsys):
+    """`murmur join --out-dir` on a full disk said only 'murmur join: error: [Errno 28] No space left on device': its
+    folder's lock, the first file a peer writes, failed with no name."""
+    with tiny_disk(tmp_path / "disk", 1 << 20) as disk:
+        with contextlib.suppress(OSError), open(disk / "filler", "wb", buffering=0) as f:
+            while f.write(b"\0" * 4096):  # the whole disk
+                pass
+        with pytest.raises(OSError, match=rf"^cannot write {disk / 'me' / LOCK}: No space left on device$"):
+            FolderLock.take(disk / "me")
+
+
 def test_a_folder_deleted_under_its_peer_is_held_again(tmp_path):
     """An out-dir deleted while its peer ran took the peer's lock files with it: the peer made the folder again at
     its next metrics line and checkpoint, unheld, and a second peer started there (`--resume`) trained beside it,
