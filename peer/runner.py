@@ -173,11 +173,16 @@ def checkpoint_state(run_id: str, trainer: Trainer, compressor: LowRankCompresso
 def restore_state(state: Mapping[str, Any], trainer: Trainer, compressor: LowRankCompressor) -> None:
     """Load a `checkpoint_state()`; everything is checked first, so on CheckpointError nothing has changed. A checkpoint
     written under another config of the run (its operator changed it since) resumes under the config as it is now:
-    the inner optimizer's settings are the run's, not the checkpoint's (`config_changes`)."""
+    the inner optimizer's settings are the run's, not the checkpoint's (`config_changes`), and the compressor's warm
+    starts that no longer fit its codecs (another --rank or --consensus-codec) are left out: they only seed the next
+    power iteration, and the checkpoint's model and optimizer state are no less the peer's work."""
     slots = compressor.plan(trainer.outer.shapes, trainer.outer.modes)  # the layout the averager exchanges
     low_rank = {name: (slot.cols, slot.rank) for name, slot in slots.items() if slot.low_rank}
-    warm_starts = check_tensors(state.get("warm_starts"), low_rank, "warm start", partial=True)
+    saved = state.get("warm_starts")
     changed = bool(config_changes(state.get("config"), trainer.config.to_record()))
+    if changed and isinstance(saved, Mapping):  # (a tensor that does fit is still checked below)
+        saved = {n: q for n, q in saved.items() if isinstance(q, torch.Tensor) and low_rank.get(n) == tuple(q.shape)}
+    warm_starts = check_tensors(saved, low_rank, "warm start", partial=True)
     trainer.load_state_dict(state.get("trainer"), own_settings=changed)
     compressor.load_state_dict(warm_starts)
 

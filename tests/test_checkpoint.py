@@ -185,6 +185,31 @@ def test_a_checkpoint_of_an_earlier_config_of_the_run_resumes_under_the_run_conf
     assert c.inner.state_dict()["param_groups"] == a.inner.state_dict()["param_groups"]
 
 
+@pytest.mark.parametrize("change", [{"rank": 8}, {"consensus_codec": "int8"}], ids=["rank", "codec"])
+def test_a_checkpoint_of_another_rank_or_codec_of_the_run_still_resumes(corpus, change):
+    """A run whose operator changed --rank (or --consensus-codec) between a peer's stop and its --resume: every
+    checkpoint was skipped ('does not fit this peer: warm start anchor/wte.weight has shape (128, 4), expected (128,
+    8)') for its compressor's warm starts, a seed of the next power iteration, so the resume was refused beside a final
+    model, or started afresh without one: a run resumed by all its peers at once lost all its training."""
+    config = CONFIG  # consensus_codec lowrank: warm starts to keep
+    a, partner = Trainer(config, corpus, data_seed=1), Trainer(config, corpus, data_seed=2)
+    ca, cp = LowRankCompressor(config.compression()), LowRankCompressor(config.compression())
+    a.inner_phase(), partner.inner_phase()
+    exchange(a, partner, ca, cp)
+    state = checkpoint_state(RUN, a, ca)
+    assert state["warm_starts"]
+    changed = config.with_overrides(**change)
+    b, cb = Trainer(changed, corpus, data_seed=1), LowRankCompressor(changed.compression())
+    restore_state(state, b, cb)  # was CheckpointError
+    assert b.steps == a.steps and b.outer.step == a.outer.step
+    assert all(torch.equal(b.outer.anchor[n], t) for n, t in a.outer.anchor.items())
+    assert cb.state_dict() == {}  # the warm starts of another rank or codec: left out
+    bad = checkpoint_state(RUN, a, ca)  # the same config: a warm start that does not fit is still refused
+    bad["warm_starts"]["anchor/wte.weight"] = torch.zeros(3, 3)
+    with pytest.raises(CheckpointError, match=r"^warm start anchor/wte.weight has shape \(3, 3\)"):
+        restore_state(bad, Trainer(config, corpus, data_seed=1), LowRankCompressor(config.compression()))
+
+
 def test_an_unusable_state_is_rejected_and_changes_nothing(corpus, tmp_path):
     a, ca = Trainer(CONFIG, corpus, data_seed=1), LowRankCompressor(CONFIG.compression())
     alone(a)
