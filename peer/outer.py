@@ -386,8 +386,12 @@ class OuterOptimizer:
         shapes = {n: tuple(p.shape) for n, p in self.params.items()}
         step = check_count(state.get("step"), "outer step")
         anchor = check_tensors(state.get("anchor"), shapes, "outer anchor")
-        # without momentum none is kept (a saved one, all zeros from an older version, is not needed)
-        momentum = check_tensors(state.get("momentum"), shapes, "outer momentum") if self.config.momentum > 0 else {}
+        # without momentum none is kept (a saved one, all zeros from an older version, is not needed); with it, a state
+        # saved with none (the run's --outer-momentum was 0 then) starts it at zero, as a new peer's is
+        saved = state.get("momentum")
+        if self.config.momentum > 0 and isinstance(saved, Mapping) and not saved:
+            saved = {n: torch.zeros(shape) for n, shape in shapes.items()}
+        momentum = check_tensors(saved, shapes, "outer momentum") if self.config.momentum > 0 else {}
         residuals = check_tensors(state.get("error_feedback"), shapes, "error-feedback residual", partial=True)
 
         def own(tensors: Mapping[str, torch.Tensor]) -> dict[str, torch.Tensor]:

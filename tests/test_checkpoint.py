@@ -210,6 +210,22 @@ def test_a_checkpoint_of_another_rank_or_codec_of_the_run_still_resumes(corpus, 
         restore_state(bad, Trainer(config, corpus, data_seed=1), LowRankCompressor(config.compression()))
 
 
+def test_a_checkpoint_from_before_the_run_took_outer_momentum_still_resumes(corpus):
+    """A run whose operator turned on --outer-momentum 0.9 between a peer's stop and its --resume: every checkpoint was
+    skipped, 'outer momentum does not match this model: unknown [], missing [...]' (a peer with no momentum keeps
+    none), as if it were another model's. The momentum now starts at zero, as a new peer's does."""
+    a, ca = Trainer(CONFIG, corpus, data_seed=1), LowRankCompressor(CONFIG.compression())
+    alone(a, step=True)
+    state = checkpoint_state(RUN, a, ca)
+    assert state["trainer"]["outer"]["momentum"] == {}
+    changed = CONFIG.with_overrides(outer_momentum=0.9)
+    b, cb = Trainer(changed, corpus, data_seed=1), LowRankCompressor(changed.compression())
+    restore_state(state, b, cb)  # was CheckpointError
+    assert b.outer.step == a.outer.step == 1 and set(b.outer.momentum) == set(a.outer.anchor)
+    assert all(not t.any() for t in b.outer.momentum.values())
+    assert all(torch.equal(b.outer.anchor[n], t) for n, t in a.outer.anchor.items())
+
+
 def test_an_unusable_state_is_rejected_and_changes_nothing(corpus, tmp_path):
     a, ca = Trainer(CONFIG, corpus, data_seed=1), LowRankCompressor(CONFIG.compression())
     alone(a)
