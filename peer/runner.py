@@ -543,6 +543,8 @@ class VolunteerPeer:
         if trainer.steps > saved_steps or finished:  # a clean stop keeps every step since the last checkpoint,
             # a round that a stop cut short included (the model holds its inner steps; the next round goes on)
             self.checkpoint(final=True)
+        if self.writer is not None:  # written before the final model: on a nearly full disk the two took each other's
+            self.writer.flush()  # room at once, and both failed where one fitted (and the report with them)
         report = self.journal.report(self, started, rounds, initial_loss, finished)
         if failed:  # the work so far is saved; the error is one line
             raise (NetworkLost if self.verdict.restartable else PeerError)(self.verdict.failure)

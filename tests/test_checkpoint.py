@@ -802,6 +802,22 @@ def test_a_final_model_with_no_room_keeps_the_report(tmp_path):
 
 
 @pytest.mark.slow
+def test_a_disk_with_room_for_the_final_model_but_not_a_checkpoint_keeps_the_final_model(tmp_path):
+    """At a peer's end its final checkpoint (8 MB for gpt-tiny) and its final model (1.9 MB) were written at once, on
+    two threads: on a disk with room for the model alone, the checkpoint's temp file took it, and both failed (the
+    report with them) where the model fitted."""
+    config = TrainConfig(inner_steps=2, batch_size=4, eval_batches=1)
+    with published(config) as node, tiny_disk(tmp_path / "disk", 3 << 20) as disk:
+        for i in range(2):  # the two writes raced (each end failed about one time in four): tried twice
+            options = PeerOptions(run_id=RUN, node=node, duration=0.5, out_dir=disk / f"me{i}", verbose=False)
+            report = run_peer(options, threading.Event())
+            model = build_model(config.model, seed=config.seed)
+            model.load_state_dict(load_file(disk / f"me{i}" / "anchor.safetensors"))
+            assert PeerReport.model_validate_json((disk / f"me{i}" / "report.json").read_text()) == report
+            shutil.rmtree(disk / f"me{i}")
+
+
+@pytest.mark.slow
 def test_a_peer_in_a_process_of_its_own_freezes_its_heap_before_it_announces_itself(tmp_path):
     """`murmur join`'s peer leaves what its start-up built out of later full collections (`settle_heap`): the
     model and torch's modules among them, frozen by the time it has announced itself; a peer inside another program
