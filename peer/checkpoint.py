@@ -164,13 +164,14 @@ class CheckpointWriter:
     and hands the hashing, the write and the fsyncs to the writer thread. A snapshot is a copy of the
     whole training state (a 124M model's is 2.5 GB), so at most one is held besides the one being
     written: while a write is in progress, a round's `submit` takes none and returns False (the next
-    round's will), and a `final` one waits for the write to end first. A failed write is a warning;
-    `flush` waits for the pending write and returns the last path written.
+    round's will), and a `final` one waits for the write to end first. A failed write is a warning, once until a
+    write succeeds again (which says so); `flush` waits for the pending write and returns the last path written.
     """
 
     def __init__(self, directory: Path, *, keep: int = 2) -> None:
         self.directory, self.keep = directory, keep
         self.last: Path | None = None
+        self.failed = 0  # checkpoints not saved since the last one that was
         self._pending: Snapshot | None = None
         self._busy = False
         self._closed = False
@@ -205,6 +206,9 @@ class CheckpointWriter:
             self._closed = True
             self._cond.notify_all()
         self._thread.join()
+        if self.failed:  # the end of a run whose failures were said once, long before
+            logger.warning("the last %d checkpoints were not saved in %s; the newest saved is %s", self.failed,
+                           self.directory, last or "none")  # fmt: skip
         return last
 
     def _run(self) -> None:
@@ -218,7 +222,14 @@ class CheckpointWriter:
             try:
                 path = write_snapshot(self.directory, taken, keep=self.keep)
             except Exception as e:  # a checkpoint that cannot be written never stops training
-                logger.warning("checkpoint not saved in %s: %s", self.directory, _first_line(e))
+                if not self.failed:  # said once until one is saved: a full disk fails every round, for days
+                    logger.warning("checkpoint not saved in %s: %s; training goes on, and the next checkpoints are "
+                                   "tried", self.directory, _first_line(e))  # fmt: skip
+                self.failed += 1
+            else:
+                if self.failed:
+                    logger.warning("checkpoints are saved again in %s (%d were not)", self.directory, self.failed)
+                self.failed = 0
             with self._cond:
                 self.last = path or self.last
                 self._busy = False

@@ -440,13 +440,23 @@ def test_a_failed_background_write_is_a_warning_and_the_next_one_lands(tmp_path,
     blocker.write_text("a file where the checkpoint folder should be")
     writer = CheckpointWriter(blocker)
     with caplog.at_level(logging.WARNING, logger="murmur.checkpoint"):
-        writer.submit(small_state(1))
-        assert writer.flush() is None
-    assert len(caplog.records) == 1 and "checkpoint not saved in" in caplog.records[0].getMessage()
-    blocker.unlink()
-    writer.submit(small_state(2))
-    assert writer.close() == blocker / "ckpt-00000002.safetensors"
-    assert load_checkpoint(blocker / "ckpt-00000002.safetensors")["step"] == 2
+        for step in (1, 2, 3):  # a full disk fails every round's: said once (was a warning each round, for days)
+            writer.submit(small_state(step))
+            assert writer.flush() is None
+        assert len(caplog.records) == 1 and "checkpoint not saved in" in caplog.records[0].getMessage()
+        blocker.unlink()
+        writer.submit(small_state(4))
+        assert writer.close() == blocker / "ckpt-00000004.safetensors"
+    assert caplog.records[1].getMessage() == f"checkpoints are saved again in {blocker} (3 were not)"
+    assert load_checkpoint(blocker / "ckpt-00000004.safetensors")["step"] == 4
+    caplog.clear()
+    writer = CheckpointWriter(blocker / "ckpt-00000004.safetensors")  # a file: the run's last ones fail
+    with caplog.at_level(logging.WARNING, logger="murmur.checkpoint"):
+        for step in (5, 6):
+            writer.submit(small_state(step))
+            writer.flush()
+        writer.close()
+    assert caplog.records[-1].getMessage().startswith("the last 2 checkpoints were not saved in ")
 
 
 def replaced(data: bytes, old: bytes, new: bytes) -> bytes:
