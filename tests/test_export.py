@@ -223,6 +223,7 @@ def test_sample_prints_the_prompt_and_its_continuation(trained, tmp_path, capsys
     [
         (lambda d: d / "missing", "missing: no such file or folder"),
         (lambda d: d, "no model in "),
+        (lambda d: (d / "anchor.pt").write_bytes(b"x") and d, "holds anchor.pt, the final model of an older murmur"),
         (lambda d: (d / "junk.safetensors").write_bytes(b"\x00" * 64) and d / "junk.safetensors", "junk.safetensors"),
         (lambda d: (d / "model.safetensors").write_bytes(b"x") and d, "has model.safetensors but no config.json"),
     ],

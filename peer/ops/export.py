@@ -122,6 +122,9 @@ def load(path: Path, *, custom: bool | str | None = True) -> Found:
         peers = sorted((p for p in path.glob("peer-*") if p.is_dir()), key=lambda p: (len(p.name), p.name))
         if peers:  # `murmur simulate`'s folder, as `murmur report` takes it
             raise ExportError(f"{path} is a simulation's folder: name one of its peers' folders, as {peers[0]}")
+        if (path / "anchor.pt").is_file():  # before safetensors (peer.rundir)
+            raise ExportError(f"{path} holds anchor.pt, the final model of an older murmur, which this one does not "
+                              "read (a pickle): export it with that murmur, or from its checkpoints")  # fmt: skip
         raise ExportError(f"no model in {path}: expected {MODEL_FILE}, {ANCHOR} or checkpoints/ckpt-*.safetensors")
     if not path.is_file():
         raise ExportError(f"{path}: no such file or folder")
