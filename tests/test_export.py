@@ -275,6 +275,15 @@ def test_the_temp_file_of_an_export_killed_midway_goes_with_the_next_export(trai
         (out / stale).write_bytes(b"\0" * 1000)
     assert main(["export", str(out), "--from", str(peer_dir)]) == 0
     assert sorted(p.name for p in out.iterdir()) == ["config.json", "model.safetensors"]
+    # ...but not the temp file of an export running now, in another process: it would fail on a file gone
+    running = subprocess.Popen([sys.executable, "-c", "import time; time.sleep(60)"])
+    try:
+        (out / f".model.safetensors.tmp-{running.pid}").write_bytes(b"\0" * 1000)
+        assert main(["export", str(out), "--from", str(peer_dir)]) == 0
+        assert (out / f".model.safetensors.tmp-{running.pid}").exists()
+    finally:
+        running.kill()
+        running.wait()
 
 
 def test_an_export_is_made_as_any_file_is(trained, tmp_path) -> None:

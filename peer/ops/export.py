@@ -255,7 +255,8 @@ def write(found: Found, out_dir: Path) -> tuple[Path, Path]:
     model_path, config_path = out_dir / MODEL_FILE, out_dir / CONFIG_FILE
     for name in (MODEL_FILE, CONFIG_FILE):  # an export killed mid-write left its temp file (a model's size): first,
         for stale in out_dir.glob(f".{name}.tmp-*"):  # as on a full disk it holds the room this write needs
-            stale.unlink(missing_ok=True)
+            if not _running(stale.name.rpartition("-")[2]):  # (not one an export running now is writing)
+                stale.unlink(missing_ok=True)
     _atomic(model_path, lambda tmp: tensorfile.save_tensors(state, tmp, {"format": "pt"}))
     _atomic(config_path, lambda tmp: Path(tmp).write_text(json.dumps(config, indent=2, allow_nan=False) + "\n"))
     return model_path, config_path
@@ -324,6 +325,19 @@ def sample(model: GPT, prompt: str, *, tokens: int, temperature: float, top_k: i
         ids.append(next_id)
         out.append(next_id)
     return prompt + out.decode("utf-8", errors="replace")
+
+
+def _running(pid: str) -> bool:
+    """Whether the process `pid` (a temp file's name ends with its writer's) is alive on this machine."""
+    if not pid.isdigit():
+        return False
+    try:
+        os.kill(int(pid), 0)
+    except ProcessLookupError:
+        return False
+    except OSError:  # alive, another user's
+        pass
+    return True
 
 
 def _atomic(path: Path, write_to) -> None:
