@@ -266,10 +266,11 @@ class VolunteerPeer:
             )  # fmt: skip
             # before the heartbeat: nobody knows this peer yet
             resumed = options.resume and peer._resume()
+            outer_step = peer.trainer.outer.step
             if options.state_download:  # a resumed peer takes a live state only if the swarm moved on
                 peer._log(*catch_up(peer.loop.run, peer.sharing, peer.trainer, resumed=resumed))
-            if resumed:
-                peer._behind_final_model()
+            if resumed and peer.trainer.outer.step == outer_step:  # (a live state taken holds the swarm's later
+                peer._behind_final_model()  # work, and its donor's step count: not this peer's to compare)
             peer.trainer.check_batches()  # bad data is one line, before anyone hears of this peer
             peer.sharing.publish(peer.trainer)
             if options.own_process:
