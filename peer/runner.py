@@ -328,7 +328,13 @@ class VolunteerPeer:
         if isinstance(predecessor, str) and predecessor and predecessor != self.peer_id:  # killed: its announcement
             self.loop.run(self.averager.avoid(predecessor, self.records.announce_ttl))  # outlives it for a while
         self._log(logging.INFO, f"resumed from {found[1]} at step {trainer.steps} (outer step {trainer.outer.step})")
-        if changed := config_changes(found[0].get("config"), trainer.config.to_record()):  # (once, --quiet or not)
+        changed = config_changes(found[0].get("config"), trainer.config.to_record())
+        if seed := [c for c in changed if c.startswith("seed ")]:  # its origin is rebuilt from the new seed: the
+            raise PeerError(  # anchor would be offered relative to another initial model, and averaged with its peers
+                f"--resume: {found[1]} was trained from another initial model (the run's {seed[0]} since): it cannot "
+                "go on in this run; choose another --out-dir to join it afresh"
+            )
+        if changed:  # (once, --quiet or not)
             logger.warning("the run's config changed since this checkpoint (%s): the peer goes on under the run's "
                            "config as it is now", ", ".join(changed))  # fmt: skip
         return True

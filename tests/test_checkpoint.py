@@ -797,6 +797,25 @@ def test_a_real_peer_checkpoints_and_resumes(tmp_path, caplog):
 
 
 @pytest.mark.slow
+def test_a_checkpoint_of_another_seed_of_the_run_is_refused_in_one_line(tmp_path):
+    """A run whose operator changed --seed since a peer's stop: the resumed peer went on (with a warning that the
+    config changed) from an anchor trained from the old seed's initial model, offered relative to the new seed's,
+    and was averaged with the new seed's peers: two initial models mixed."""
+    config = TrainConfig(inner_steps=2, batch_size=4, eval_batches=1)
+    with published(config) as node:
+        options = PeerOptions(run_id=RUN, node=node, duration=1.0, out_dir=tmp_path, verbose=False)
+        first = run_peer(options, threading.Event())
+    [saved] = (tmp_path / "checkpoints").glob("ckpt-*")
+    final = (tmp_path / "anchor.safetensors").read_bytes()
+    with published(config.with_overrides(seed=5)) as node:
+        resumed = dataclasses.replace(options, node=node, resume=True)
+        with pytest.raises(PeerError, match=r"^--resume: .*ckpt-\d+\.safetensors was trained from another initial "
+                                            r"model \(the run's seed 0 -> 5 since\)"):  # fmt: skip
+            run_peer(resumed, threading.Event())
+    assert (tmp_path / "anchor.safetensors").read_bytes() == final and saved.exists() and first.steps > 0
+
+
+@pytest.mark.slow
 def test_a_final_model_with_no_room_keeps_the_report(tmp_path):
     """A peer whose disk had no room for its final model at its end stopped with that error (one line) and wrote no
     report.json either, though it had room for it: the run's losses, steps and exchanges were lost with the model."""
