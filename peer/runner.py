@@ -155,7 +155,7 @@ def fetch_run(
 
 
 def checkpoint_state(run_id: str, trainer: Trainer, compressor: LowRankCompressor, peer_id: str = "",
-                     peers: Sequence[str] = ()) -> dict[str, Any]:  # fmt: skip
+                     peers: Sequence[str] = (), lonely: int = 0) -> dict[str, Any]:  # fmt: skip
     """What a peer checkpoints: its trainer and its compressor's warm starts, labelled for the file header."""
     return {
         "run_id": run_id,
@@ -165,6 +165,9 @@ def checkpoint_state(run_id: str, trainer: Trainer, compressor: LowRankCompresso
         "peer_id": peer_id,  # who wrote it: a restarted peer does not ask its dead predecessor
         # live peers' addresses: a peer that resumes joins through them too (its initial peers may be gone by then)
         "peers": list(peers),
+        # lonely rounds in a row since its last outer step (`RoundEngine.lonely`): a peer restarted more often than
+        # every `solo_after` rounds with nobody to average with would otherwise never step alone
+        "lonely": lonely,
         "trainer": trainer.state_dict(),
         "warm_starts": compressor.state_dict(),
     }
@@ -324,6 +327,9 @@ class VolunteerPeer:
                 )
             logger.warning("no usable checkpoint in %s", directory)
             return False
+        lonely = found[0].get("lonely")
+        if type(lonely) is int and lonely > 0:  # (a checkpoint of an older murmur has none)
+            self.engine.lonely = min(lonely, self.engine.config.solo_after - 1)
         predecessor = found[0].get("peer_id")
         if isinstance(predecessor, str) and predecessor and predecessor != self.peer_id:  # killed: its announcement
             self.loop.run(self.averager.avoid(predecessor, self.records.announce_ttl))  # outlives it for a while
@@ -377,10 +383,10 @@ class VolunteerPeer:
                                        "held; what was written there before is gone, the next checkpoint and the "
                                        "final model are written there")  # fmt: skip
 
-    def checkpoint(self, *, final: bool = False) -> bool:
+    def checkpoint(self, *, final: bool = False, lonely: int | None = None) -> bool:
         """Snapshot the state for the checkpoint writer, if there is a checkpoint folder; whether one was taken
         (a round's is not while the last one is still being written; a `final` one waits for it). Never stops
-        training."""
+        training. `lonely`: the lonely rounds whose work is pending (the engine's count unless given)."""
         if self.writer is None:
             return False
         # the parameters, not the buffers: a model's own attention mask of -inf is no reason to lose its work
@@ -388,8 +394,9 @@ class VolunteerPeer:
             logger.warning("checkpoint not taken: the model is not finite")
             return False
         try:
+            lonely = self.engine.lonely if lonely is None else lonely
             state = checkpoint_state(self.options.run_id, self.trainer, self.averager.compressor, self.peer_id,
-                                     self.live_addresses())  # fmt: skip
+                                     self.live_addresses(), lonely)  # fmt: skip
             return self.writer.submit(state, final=final)
         except Exception as e:  # a checkpoint that cannot be taken never stops training
             logger.warning("checkpoint not taken: %s", e)
@@ -546,10 +553,11 @@ class VolunteerPeer:
                 if self.checkpoint():
                     saved, saved_at, saved_steps = rounds, time.monotonic(), trainer.steps
         failed = self.verdict.failure is not None
+        lonely = self.engine.lonely  # (finish rounds count their own)
         finished = self.finish(stop) if not stop.is_set() and not failed else 0
         if trainer.steps > saved_steps or finished:  # a clean stop keeps every step since the last checkpoint,
             # a round that a stop cut short included (the model holds its inner steps; the next round goes on)
-            self.checkpoint(final=True)
+            self.checkpoint(final=True, lonely=0 if self.finisher is not None else lonely)  # (finish flushed it)
         if self.writer is not None:  # written before the final model: on a nearly full disk the two took each other's
             self.writer.flush()  # room at once, and both failed where one fitted (and the report with them)
         report = self.journal.report(self, started, rounds, initial_loss, finished)

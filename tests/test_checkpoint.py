@@ -816,6 +816,25 @@ def test_a_checkpoint_of_another_seed_of_the_run_is_refused_in_one_line(tmp_path
 
 
 @pytest.mark.slow
+def test_a_lone_peer_restarted_before_it_steps_alone_still_steps_alone(tmp_path):
+    """A peer with nobody to average with, restarted more often than every `solo_after` rounds (a laptop closed
+    every few minutes, a peer killed under --restart): its count of lonely rounds started at 0 at every start, so it
+    never took an outer step, and its anchor, final model and export stayed the run's initial model however long it
+    trained. The count is checkpointed now."""
+    config = TrainConfig(inner_steps=2, batch_size=4, eval_batches=1, solo_after=1000)
+    outer_step = lambda: int(tensorfile.read_metadata(tmp_path / "anchor.safetensors")["murmur.outer_step"])  # noqa: E731
+    with published(config) as node:
+        options = PeerOptions(run_id=RUN, node=node, duration=3.0, out_dir=tmp_path, verbose=False)
+        first = run_peer(options, threading.Event())
+    assert first.rounds >= 2 and outer_step() == 0  # lonely rounds, no step alone yet
+    # the run's creator now lets a peer step alone after one more lonely round than this peer has had: its first
+    # round after the resume is that one (a start shorter than the first: fewer rounds than that on its own)
+    with published(config.with_overrides(solo_after=first.rounds + 1)) as node:
+        second = run_peer(dataclasses.replace(options, node=node, resume=True, duration=1.0), threading.Event())
+    assert 1 <= second.rounds <= first.rounds and outer_step() >= 1
+
+
+@pytest.mark.slow
 def test_a_final_model_with_no_room_keeps_the_report(tmp_path):
     """A peer whose disk had no room for its final model at its end stopped with that error (one line) and wrote no
     report.json either, though it had room for it: the run's losses, steps and exchanges were lost with the model."""
