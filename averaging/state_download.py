@@ -17,8 +17,10 @@
    takes more). Each chunk is checked against its manifest hash on arrival and copied into one
    preallocated buffer, the payload's only copy. A donor that fails in any way (a closed stream, a late
    message, a wrong or corrupt chunk) is dropped, and the indices it held go back to the queue for the
-   others. The round fails when every donor in it has; the whole download, when no chunk has verified
-   from anyone for `stall_timeout`, or at `TransferConfig.ceiling` of the state's size.
+   others. A donor is dropped for a stall only once its bytes stop coming for `message_timeout`: on a slow
+   link a chunk may take far longer than that to arrive whole. The round fails when every donor in it has;
+   the whole download, when nothing has arrived from anyone for `stall_timeout`, or at
+   `TransferConfig.ceiling` of the state's size.
 4. Check. With every chunk in, the whole payload's sha256 and every value's finiteness are checked (on a
    worker thread), and the tensors returned are views of the buffer. Nothing is returned before; a payload
    that fails is dropped, with its donors.
@@ -126,7 +128,7 @@ class StateDownloader:
         self._buffer: torch.Tensor | None = None  # (total_bytes,) uint8: the payload, filled as chunks verify
         self._verified: set[int] = set()
         self._verified_bytes = 0
-        self._last_chunk = 0.0  # event-loop time a chunk last verified
+        self._last_progress = 0.0  # event-loop time a chunk last verified, or bytes last arrived
         self._tick = asyncio.Event()  # set when a chunk verifies or a worker ends
 
     async def download(self, donors: Sequence[str]) -> tuple[StateSnapshot, tuple[str, ...]]:
@@ -261,11 +263,12 @@ class StateDownloader:
         count = len(manifest.chunk_hashes)
         work = _Work(i for i in range(count) if i not in self._verified)
         self._tick = tick = asyncio.Event()
-        self._last_chunk = loop.time()
+        self._last_progress = loop.time()
         self._report()
         workers = [asyncio.create_task(self._worker(session, work)) for session in sessions]
         for worker in workers:
             worker.add_done_callback(lambda _: tick.set())
+        moved = sum(session.stream.moved() for session in sessions)
         try:
             while True:
                 tick.clear()
@@ -276,12 +279,14 @@ class StateDownloader:
                         worker.result()  # a worker's own bug surfaces here; a donor's failure is in self.errors
                     return None
                 now = loop.time()
+                if (now_moved := sum(session.stream.moved() for session in sessions)) != moved:
+                    moved, self._last_progress = now_moved, now  # chunks still arriving over a slow link: no stall
                 if now >= until:
                     raise StateTransferError(self._too_long())
-                if now >= self._last_chunk + stall:
-                    raise StateTransferError(f"stalled: no chunk verified from any donor in {stall:g} s")
-                with contextlib.suppress(TimeoutError):
-                    await asyncio.wait_for(tick.wait(), min(until, self._last_chunk + stall) - now)
+                if now >= self._last_progress + stall:
+                    raise StateTransferError(f"stalled: nothing arrived from any donor in {stall:g} s")
+                with contextlib.suppress(TimeoutError):  # woken to look at the bytes arriving meanwhile
+                    await asyncio.wait_for(tick.wait(), min(until, self._last_progress + stall, now + stall / 4) - now)
         finally:
             for worker in workers:
                 worker.cancel()
@@ -335,7 +340,7 @@ class StateDownloader:
         self._verified.add(index)
         self._verified_bytes += end - start
         self.fetched[donor] = self.fetched.get(donor, 0) + 1
-        self._last_chunk = asyncio.get_running_loop().time()
+        self._last_progress = asyncio.get_running_loop().time()
         self._tick.set()
         self._report()
 

@@ -42,7 +42,7 @@ import torch
 from murmur.averaging import wire
 from murmur.averaging.access import AccessPolicy
 from murmur.averaging.cooldown import Cooldown
-from murmur.averaging.transport import FrameTooLarge, Stream, StreamClosed, Transport
+from murmur.averaging.transport import FrameTooLarge, Stream, StreamClosed, Transport, while_moving
 from murmur.averaging.wire import TensorSpec, WireError
 from murmur.dht.errors import one_line
 
@@ -92,16 +92,17 @@ class TransferConfig:
 
     * finding donors: reaching them and getting their manifests takes at most `find_timeout` (a donor packs its
       state when the first joiner asks: seconds for a GB-sized one);
-    * moving chunks: every message within `message_timeout` (one stalled donor is dropped, the others go on); the
-      whole download fails when no chunk verifies, from any donor, for `stall_timeout`, and a donor ends a session
-      whose joiner asks for nothing that long;
+    * moving chunks: a message whose bytes stop moving for `message_timeout` (one stalled donor is dropped, the
+      others go on; a chunk that keeps arriving is waited for, however slow the link); the whole download fails
+      when nothing arrives, from any donor, for `stall_timeout`, and a donor ends a session whose joiner asks for
+      nothing that long;
     * in all: a download of n bytes, and a donor's session for it, ends by `ceiling(n)` = `find_timeout +
       n / min_rate`, however it goes (a joiner slower than `min_rate` on average cannot hold a donor forever).
 
     `chunk_size` stays at 1 MiB for GB-sized states: with `window` chunks in flight per donor, the round trip no
-    longer sets the rate (4 MiB in flight at 100 ms is 40 MB/s a donor, 160 MB/s from 4), a chunk has to arrive
-    within `message_timeout` (1 MiB in 5 s needs only 0.2 MB/s from a donor sharing its uplink), a bad or lost
-    chunk costs 1 MiB, and the manifest of a 355M-parameter model with momentum (2.8 GB) lists 2,700 hashes (90 kB).
+    longer sets the rate (4 MiB in flight at 100 ms is 40 MB/s a donor, 160 MB/s from 4), a chunk only has to keep
+    arriving (on a 1 Mbit/s home link shared by 4 donors, one takes half a minute), a bad or lost chunk costs 1 MiB,
+    and the manifest of a 355M-parameter model with momentum (2.8 GB) lists 2,700 hashes (90 kB).
     `max_state_bytes` (16 GiB) is far above that state; a manifest lists at most `MAX_CHUNKS` hashes, so a larger
     cap needs larger chunks.
     """
@@ -112,7 +113,7 @@ class TransferConfig:
     max_uploads: int = 2  # joiners a donor serves at once; more are declined as busy
     message_timeout: float = 5.0  # bound on waiting for any single message (a stalled peer)
     find_timeout: float = 30.0  # bound on reaching donors and getting their manifests
-    stall_timeout: float = 15.0  # no chunk verified from anyone this long: the download fails; no GET: a session ends
+    stall_timeout: float = 15.0  # nothing from anyone this long: the download fails; no GET: a session ends
     min_rate: float = float(1 << 20)  # bytes/s: the slowest average download that is let to finish (see `ceiling`)
     max_state_bytes: int = 16 << 30
     # a donor packs its state at most once this often: a HELLO from anyone within it is served the last pack
@@ -283,8 +284,10 @@ def pack(snapshot: StateSnapshot, chunk_size: int) -> tuple[Manifest, list[memor
 
 
 async def send_message(stream: Stream, kind: StateKind, timeout: float, **fields) -> None:
+    """Send one message; TimeoutError once none of its bytes has moved for `timeout` (a chunk to a joiner on a slow
+    link may take far longer in all: `transport.while_moving`)."""
     data = msgpack.packb({"v": STATE_VERSION, "k": int(kind), **fields}, use_bin_type=True)
-    await asyncio.wait_for(stream.send(data), timeout)
+    await while_moving(stream, stream.send(data), timeout)
 
 
 def decode_message(data: bytes, kinds: set[StateKind], config: TransferConfig) -> tuple[StateKind, dict]:
@@ -316,10 +319,11 @@ async def recv_message(
     timeout: float | None = None,
     max_frame: int | None = None,
 ) -> tuple[StateKind, dict]:
-    """The next message, within `timeout` (`message_timeout` unless given), its frame within `max_frame` (the
-    config's, which fits a chunk, unless given)."""
+    """The next message, its frame within `max_frame` (the config's, which fits a chunk, unless given); TimeoutError
+    once nothing of it has arrived for `timeout` (`message_timeout` unless given): a chunk that keeps coming over a
+    slow link is waited for, a donor that sends nothing is not (`transport.while_moving`)."""
     cap = config.max_frame if max_frame is None else max_frame
-    data = await asyncio.wait_for(stream.recv(cap), config.message_timeout if timeout is None else timeout)
+    data = await while_moving(stream, stream.recv(cap), config.message_timeout if timeout is None else timeout)
     return decode_message(data, kinds, config)
 
 

@@ -20,12 +20,17 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import time
 from abc import ABC, abstractmethod
 from collections.abc import Awaitable, Callable
 from dataclasses import dataclass
+from typing import TypeVar
 
 HEADER_LEN = 8
 BYTEORDER = "big"
+PIECE = 1 << 20  # a frame's body is read as it comes, in pieces of at most this many bytes, each counted at once
+
+T = TypeVar("T")
 
 
 class StreamClosed(ConnectionError):
@@ -157,8 +162,35 @@ class Stream(ABC):
     @abstractmethod
     async def close(self) -> None: ...
 
+    def moved(self) -> int:
+        """Bytes that have moved on this stream either way so far, counted as they move: a frame in part too, where
+        the transport sees its parts (`while_moving` tells a slow link from a stalled one by it)."""
+        return self.sent + self.received
+
 
 Handler = Callable[[str, Stream], Awaitable[None]]
+
+
+async def while_moving(stream: Stream, work: Awaitable[T], idle: float) -> T:
+    """`work` (a send or a receive on `stream`) for as long as its bytes keep moving: TimeoutError once none has moved
+    for `idle` seconds. A large frame on a slow link (a 1 MiB chunk shared with other streams on a 1 Mbit/s home
+    link takes tens of seconds) is not a stalled peer; a peer that sends nothing at all is one after `idle`."""
+    task = asyncio.ensure_future(work)
+    try:
+        seen, since = stream.moved(), time.monotonic()
+        while True:
+            done, _ = await asyncio.wait({task}, timeout=max(0.0, min(idle / 4, since + idle - time.monotonic())))
+            if done:
+                return task.result()
+            if (moved := stream.moved()) != seen:
+                seen, since = moved, time.monotonic()
+            elif time.monotonic() - since >= idle:
+                raise TimeoutError
+    finally:
+        if not task.done():
+            task.cancel()
+            with contextlib.suppress(asyncio.CancelledError, Exception):
+                await task
 
 
 class Transport(ABC):
@@ -186,11 +218,21 @@ class P2PStream(Stream):
         super().__init__(traffic)
         self._reader = reader
         self._writer = writer
+        self._written = 0  # bytes handed to the writer
+        self._arrived = 0  # bytes read, a frame's pieces counted as they come
+
+    def moved(self) -> int:
+        try:
+            buffered = self._writer.transport.get_write_buffer_size()  # written, but not yet on its way
+        except (AttributeError, RuntimeError):
+            buffered = 0
+        return self._written - buffered + self._arrived
 
     async def _send(self, data: bytes) -> None:
         try:
             self._writer.write(len(data).to_bytes(HEADER_LEN, BYTEORDER))
             self._writer.write(data)
+            self._written += HEADER_LEN + len(data)
             await self._writer.drain()
         except (OSError, RuntimeError) as e:
             raise StreamClosed(f"send failed: {e}") from e
@@ -198,10 +240,19 @@ class P2PStream(Stream):
     async def _recv(self, max_bytes: int) -> bytes:
         try:
             header = await self._reader.readexactly(HEADER_LEN)
+            self._arrived += HEADER_LEN
             length = int.from_bytes(header, BYTEORDER)
             if length > max_bytes:
                 raise FrameTooLarge(f"frame of {length} bytes exceeds the {max_bytes}-byte cap")
-            return await self._reader.readexactly(length)
+            pieces, left = [], length
+            while left:  # whatever has come, up to a piece: the count moves with every packet
+                piece = await self._reader.read(min(left, PIECE))
+                if not piece:
+                    raise asyncio.IncompleteReadError(b"".join(pieces), length)
+                pieces.append(piece)
+                left -= len(piece)
+                self._arrived += len(piece)
+            return pieces[0] if len(pieces) == 1 else b"".join(pieces)
         except asyncio.IncompleteReadError as e:
             raise StreamClosed("stream closed by the other side") from e
         except FrameTooLarge:  # a ConnectionError, hence an OSError: not to be taken for a broken link

@@ -99,6 +99,11 @@ class NetLab:
             _tc(name, "qdisc", "add", "dev", "eth0", *shape)  # what the peer sends
             _tc(self.hub, "qdisc", "add", "dev", bridge_end, *shape)  # what it receives
 
+    def link(self, peer: int, *, up: bool) -> None:
+        """Take a peer's link down at the bridge (what it sends and what is sent to it vanish, as in an outage of a
+        home uplink; its own `eth0` stays configured) or bring it up again."""
+        _ip("-n", self.hub, "link", "set", f"vp{peer}", "up" if up else "down")
+
     def wrap(self, peer: int | None, command: list[str]) -> list[str]:
         """`command` run inside a peer's namespace, or the hub's for None (`ip netns exec` execs it: same PID)."""
         return ["ip", "netns", "exec", self.hub if peer is None else self.namespace(peer), *command]

@@ -2,10 +2,14 @@
 
 import asyncio
 import io
+import json
 import logging
 import math
+import os
 import random
+import signal
 import threading
+import time
 from collections import Counter
 from dataclasses import replace
 
@@ -38,6 +42,7 @@ from murmur.peer.runner import PeerOptions, VolunteerPeer
 from murmur.peer.state import AHEAD, StateSharing, apply_training_state, catch_up, expected_layout, training_state
 from murmur.peer.trainer import Trainer, warmup_lr
 from murmur.peer.workload import builtin
+from tests.netkit import netlab, start
 
 CONFIG = TransferConfig(
     chunk_size=1024, message_timeout=0.3, find_timeout=2.0, stall_timeout=1.0, max_state_bytes=8 << 20
@@ -860,3 +865,40 @@ def test_a_real_joiner_starts_from_a_live_peers_state(corpus, caplog):
         for node in (donor_node, boot):
             if node is not None:
                 stop_node(node)
+
+
+def test_a_joiner_on_a_slow_link_downloads_chunks_that_take_longer_than_a_message_timeout():
+    """Real p2pd daemons in two network namespaces, their links at 1 Mbit/s (tbf): each 256 KiB chunk takes about
+    2 s to arrive whole, twice the 1 s message timeout, but its bytes keep coming, so no donor is taken for a
+    stalled one (once, a joiner on a home link dropped every donor and started from the initial model)."""
+    result = download_in_namespaces()
+    assert "error" not in result, result["error"]
+    assert result["same"] and result["seconds"] > 2 * 1.0  # slower than the message timeout, and whole
+
+
+def download_in_namespaces(outage: float = 0.0) -> dict:
+    """tests/netkit.py's joiner downloads its donor's state over 1 Mbit/s links; with `outage`, the joiner's link is
+    down that long once its first chunk is in. The joiner's JSON line."""
+    with netlab("mst", peers=2, rate_mbit=1) as lab:
+        donor, joiner = start(lab, 0, "donor", lab.host(0), "60"), start(lab, 1, "joiner", lab.host(1))
+        try:
+            maddr = donor.stdout.readline()
+            assert maddr.strip(), donor.communicate(timeout=10)[1][-2000:]
+            joiner.stdin.write(maddr)
+            joiner.stdin.flush()
+            if outage and joiner.stdout.readline().strip() == "verified":
+                lab.link(1, up=False)
+                time.sleep(outage)  # the outage itself, not a wait for an event
+                lab.link(1, up=True)
+            joiner.stdin.close()
+            joiner.wait(timeout=60)
+            out = joiner.stdout.read()  # (through the reader that read the first line, and may hold more)
+            result = (
+                json.loads(out.strip().splitlines()[-1]) if out.strip() else {"error": joiner.stderr.read()[-2000:]}
+            )
+        finally:
+            for proc in (donor, joiner):
+                if proc.poll() is None:
+                    os.killpg(proc.pid, signal.SIGKILL)
+                    proc.wait()
+    return result

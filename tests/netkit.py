@@ -1,0 +1,132 @@
+"""What the network-namespace tests share: a lab of namespaces (root only), and this file's roles run inside them.
+
+A test opens a `scripts/netlab.py` lab (its own prefix, every namespace deleted at the end), and runs
+`python tests/netkit.py ROLE ...` in a peer's namespace: real p2pd daemons on real links, which a `tbf` qdisc
+can slow and `ip link set ... down` can cut. Without root the test is skipped.
+
+    donor HOST SECONDS       a StateDonor of `state()` on HOST; prints its multiaddr, serves for SECONDS
+    joiner HOST              imports, then reads the donor's MADDR from stdin (so it starts beside the donor), and
+                             downloads that state through it; prints "verified" once the first chunk is in, then one
+                             JSON line: seconds, chunks reused, or the error
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import os
+import subprocess
+import sys
+import time
+from collections.abc import Iterator
+from contextlib import contextmanager
+from pathlib import Path
+
+import pytest
+
+SCRIPTS = Path(__file__).resolve().parent.parent / "scripts"
+PROTOCOL = "murmur/netkit/state"
+STATE_SHAPE = (192, 1024)  # 768 KiB of float32: three chunks of `config()`'s 256 KiB
+
+
+@contextmanager
+def netlab(prefix: str, peers: int, rate_mbit: float | None = None) -> Iterator:
+    """A NetLab of `peers` namespaces (each link at `rate_mbit` both ways), deleted at the end; skips without root."""
+    if os.geteuid() != 0:
+        pytest.skip("network namespaces need root")
+    sys.path.insert(0, str(SCRIPTS))
+    try:
+        from netlab import NetLab, namespaces
+    finally:
+        sys.path.remove(str(SCRIPTS))
+    lab = NetLab(f"{prefix}{os.getpid()}", peers, rate_mbit)
+    try:
+        lab.open()
+    except RuntimeError as e:
+        pytest.skip(f"cannot build network namespaces here: {e}")
+    try:
+        yield lab
+    finally:
+        lab.close()
+        assert namespaces(lab.prefix) == []
+
+
+def start(lab, peer: int, *args: str) -> subprocess.Popen:
+    """This file's role `args` in `peer`'s namespace, in a process group of its own (its p2pd with it)."""
+    command = lab.wrap(peer, [sys.executable, __file__, *args])
+    return subprocess.Popen(command, stdin=subprocess.PIPE, stdout=subprocess.PIPE, stderr=subprocess.PIPE,
+                            text=True, start_new_session=True)  # fmt: skip
+
+
+def config():
+    from murmur.averaging.state_transfer import TransferConfig
+
+    # 1 s without a byte is a stalled donor; a 256 KiB chunk at 1 Mbit/s takes 2.1 s to arrive whole
+    return TransferConfig(chunk_size=256 << 10, message_timeout=1.0, stall_timeout=10.0, find_timeout=15.0,
+                          min_rate=16 << 10, max_state_bytes=1 << 30)  # fmt: skip
+
+
+def state():
+    import torch
+
+    from murmur.averaging.state_transfer import StateSnapshot
+
+    values = torch.randn(STATE_SHAPE, generator=torch.Generator().manual_seed(0))
+    return StateSnapshot({"anchor/w": values}, {"outer_step": 3, "steps": 60})
+
+
+async def _p2p(host: str, initial_peers: list[str] = ()):
+    from hivemind.p2p import P2P
+
+    return await P2P.create(host_maddrs=[f"/ip4/{host}/tcp/0"], initial_peers=list(initial_peers),
+                            nat_port_map=False)  # fmt: skip
+
+
+async def donor(host: str, seconds: float) -> None:
+    from murmur.averaging.state_transfer import StateDonor
+    from murmur.averaging.transport import P2PTransport
+
+    p2p = await _p2p(host)
+    served = StateDonor(P2PTransport(p2p, PROTOCOL), config())
+    served.publish(state())
+    await served.start()
+    maddr = next(str(a) for a in await p2p.get_visible_maddrs() if host in str(a))
+    print(f"{maddr}/p2p/{p2p.peer_id.to_base58()}", flush=True)
+    await asyncio.sleep(seconds)
+    await p2p.shutdown()
+
+
+async def joiner(host: str) -> None:
+    import torch
+    from hivemind.p2p import P2P  # noqa: F401  (imported before the donor's address is read)
+
+    from murmur.averaging.state_download import StateDownloader
+    from murmur.averaging.transport import P2PTransport
+    from murmur.averaging.wire import TensorSpec
+
+    maddr = sys.stdin.readline().strip()
+
+    def progress(verified: int, total: int) -> None:
+        if verified and not said:
+            said.append(True)
+            print("verified", flush=True)
+
+    said: list[bool] = []
+    p2p = await _p2p(host, [maddr])
+    downloader = StateDownloader(P2PTransport(p2p, PROTOCOL), {"anchor/w": TensorSpec(STATE_SHAPE, torch.float32)},
+                                 config(), progress=progress)  # fmt: skip
+    started = time.monotonic()
+    try:
+        got, _ = await downloader.download([maddr.rsplit("/", 1)[1]])
+        same = bool(torch.equal(got.tensors["anchor/w"], state().tensors["anchor/w"]))
+        print(json.dumps({"seconds": time.monotonic() - started, "same": same, "reused": downloader.reused}),
+              flush=True)  # fmt: skip
+    except Exception as e:
+        print(json.dumps({"error": str(e)}), flush=True)
+    finally:
+        await p2p.shutdown()
+
+
+if __name__ == "__main__":
+    role, host, *seconds = sys.argv[1:]
+    asyncio.run(donor(host, float(seconds[0])) if role == "donor" else joiner(host))
