@@ -19,8 +19,9 @@
    message, a wrong or corrupt chunk) is dropped, and the indices it held go back to the queue for the
    others. A donor is dropped for a stall only once its bytes stop coming for `message_timeout`: on a slow
    link a chunk may take far longer than that to arrive whole. The round fails when every donor in it has;
-   the whole download, when nothing has arrived from anyone for `stall_timeout`, or at
-   `TransferConfig.ceiling` of the state's size.
+   the donors that only fell silent (a timeout, a lost stream: this peer's own link may have gone down) are
+   asked again, the verified chunks kept, once no other donor is left. The whole download fails when nothing
+   has arrived from anyone for `stall_timeout`, or at `TransferConfig.ceiling` of the state's size.
 4. Check. With every chunk in, the whole payload's sha256 and every value's finiteness are checked (on a
    worker thread), and the tensors returned are views of the buffer. Nothing is returned before; a payload
    that fails is dropped, with its donors.
@@ -123,6 +124,7 @@ class StateDownloader:
         self.reused = 0  # chunks kept from an earlier round or call
         self.restarts = 0  # times another payload forced the chunks held so far to be dropped
         self.errors: list[str] = []  # one line per donor that failed
+        self._silent: list[str] = []  # donors that failed by falling silent (a timeout, a lost stream): asked again
         self.outvoted: list[str] = []  # donors that offered another payload than the one taken
         self.fetched: dict[str, int] = {}  # verified chunks of the payload held (or last returned), by donor
         self._buffer: torch.Tensor | None = None  # (total_bytes,) uint8: the payload, filled as chunks verify
@@ -140,10 +142,19 @@ class StateDownloader:
         order = list(dict.fromkeys(donors))
         self.rng.shuffle(order)
         until = loop.time() + config.ceiling(self.total_bytes)
-        while order:
+        self._last_progress = loop.time()
+        while order or self._silent:
             if loop.time() >= until:
                 self.errors.append(self._too_long())
                 break
+            if not order:  # every donor left fell silent (this peer's link went down?): ask them again, keeping
+                # the chunks held, until nothing has arrived for `stall_timeout`
+                if loop.time() >= self._last_progress + config.stall_timeout:
+                    self.errors.append(f"stalled: nothing arrived from any donor in {config.stall_timeout:g} s")
+                    break
+                await asyncio.sleep(min(config.message_timeout, max(0.0, until - loop.time())))
+                order, self._silent = self._silent, []
+                continue
             sessions = await self._find(order, min(until, loop.time() + config.find_timeout))
             if not sessions:
                 continue
@@ -186,6 +197,7 @@ class StateDownloader:
                     else:
                         answered.append(_Session(donor, stream, manifest, at))
                         grace = min(grace, loop.time() + self.config.message_timeout)
+                        self._last_progress = loop.time()  # a donor answers again: the download is not stalled
             chosen = self._choose(answered)
         finally:
             for task in asking:
@@ -195,6 +207,7 @@ class StateDownloader:
                 if isinstance(result, tuple):
                     await result[0].close()
                 self.errors.append(f"{donor[-8:]}: no manifest in time")
+                self._fell_silent(donor)
             for session in answered:
                 if session not in chosen:
                     await session.stream.close()
@@ -263,7 +276,6 @@ class StateDownloader:
         count = len(manifest.chunk_hashes)
         work = _Work(i for i in range(count) if i not in self._verified)
         self._tick = tick = asyncio.Event()
-        self._last_progress = loop.time()
         self._report()
         workers = [asyncio.create_task(self._worker(session, work)) for session in sessions]
         for worker in workers:
@@ -354,4 +366,12 @@ class StateDownloader:
     def _failed(self, donor: str, error: Exception) -> None:
         line = "no answer in time" if isinstance(error, TimeoutError) else one_line(error, 300)
         self.errors.append(f"{donor[-8:]}: {line}")
+        if isinstance(error, TimeoutError | ConnectionError):
+            self._fell_silent(donor)
         logger.info("state download from %s failed: %s", donor[-8:], line)
+
+    def _fell_silent(self, donor: str) -> None:
+        """A donor that sent nothing more, or whose stream was lost (this peer's link may have gone down, not the
+        donor wrong): asked again once no other donor is left, while the download is not stalled."""
+        if donor not in self._silent:
+            self._silent.append(donor)
