@@ -19,7 +19,7 @@ from murmur.dht.errors import one_line
 from murmur.dht.records import Metrics
 from murmur.peer.anchorfile import ANCHOR, save_anchor
 from murmur.peer.metrics import MetricsLog, PeerReport
-from murmur.peer.ops.progress import Progress, ProgressLine
+from murmur.peer.ops.progress import Company, Progress, ProgressLine
 from murmur.peer.sketch import AnchorSketch
 from murmur.peer.verdict import all_finite
 
@@ -35,6 +35,7 @@ class Journal:
         self._metrics_at = -math.inf  # when this peer's metrics were last published to the DHT
         self._sketch: AnchorSketch | None = None  # made at the first publication, for the anchor's layout
         self.peers_alive = 1  # live peers in the run's announcements, this one included
+        self.company = Company()  # a peer that loses sight of every other one says so
 
     def round(self, peer, rounds: int, loss: float, eval_loss: float, result, blocked: float,
               overlapped: int = 0) -> None:  # fmt: skip
@@ -44,6 +45,8 @@ class Journal:
         stats, traffic, trainer = peer.averager.stats, peer.averager.transport.traffic, peer.trainer
         partner = result.partner if result else None
         self.peers_alive = max(1, len(peer.watch.peers))  # the last read of the run's announcements (never waits)
+        if (said := self.company.update(self.peers_alive - 1)) is not None:
+            peer._log(*said)
         if self.metrics_log is not None:
             self.metrics_log.write(
                 t=time.time(), run=peer.options.run_id, round=rounds, step=trainer.steps, samples=trainer.samples,
@@ -71,6 +74,7 @@ class Journal:
                     samples_per_second=peer.samples_per_second, peers_seen=self.peers_alive,
                     exchanges_ok=stats.ok, exchanges_failed=stats.failed, group=group,
                     seconds_since_exchange=since, bytes_sent=traffic.bytes_sent, bytes_received=traffic.bytes_received,
+                    most_others=self.company.most,
                 )
             )  # fmt: skip
 

@@ -3,8 +3,9 @@
 from __future__ import annotations
 
 import io
+import logging
 
-from murmur.peer.ops.progress import Progress, ProgressLine, download_bar, render_progress
+from murmur.peer.ops.progress import Company, Progress, ProgressLine, download_bar, render_progress
 
 SNAPSHOT = Progress(
     round=12, step=240, loss=2.3456, eval_loss=2.5, samples_per_second=81.25, peers_seen=3, exchanges_ok=9,
@@ -39,6 +40,25 @@ def test_the_line_remembers_the_last_group_through_lonely_rounds() -> None:
 def test_render_before_any_exchange() -> None:
     line = render_progress(Progress(**{**SNAPSHOT.__dict__, "group": None, "peers_seen": 1, "exchanges_ok": 0}))
     assert "no exchange yet" in line and "no other peer yet" in line
+
+
+def test_a_peer_that_saw_others_and_sees_none_says_so_once_and_once_more_when_they_are_back() -> None:
+    """A link down for half a minute: the roster empties as the others' announcements expire. The line said "no
+    other peer yet", as if none had come, and nothing else told the volunteer (a link taken down in a network
+    namespace, scripts/netlab.py); now one line says it, and the progress line says "now"."""
+    company = Company()
+    assert company.update(0) is None  # alone from the start: nothing to say, "yet" is right
+    line = render_progress(Progress(**{**SNAPSHOT.__dict__, "peers_seen": 1, "most_others": company.most}))
+    assert "no other peer yet" in line
+    assert company.update(2) is None and company.update(1) is None
+    level, said = company.update(0)
+    assert level == logging.WARNING and "sees no other peer of the run any more (2 before)" in said
+    assert "network is down" in said and "\n" not in said
+    assert company.update(0) is None  # once
+    line = render_progress(Progress(**{**SNAPSHOT.__dict__, "peers_seen": 1, "most_others": company.most}))
+    assert "no other peer now (2 before)" in line and "yet" not in line.split("|")[3]
+    assert company.update(2) == (logging.INFO, "sees 2 other peers of the run again")
+    assert company.update(2) is None
 
 
 def test_a_log_gets_a_line_every_few_rounds() -> None:

@@ -8,6 +8,7 @@ is a rich progress bar for the state download on join, shown only on a terminal.
 from __future__ import annotations
 
 import contextlib
+import logging
 import sys
 import time
 from collections.abc import Callable, Iterator
@@ -29,6 +30,7 @@ class Progress:
     seconds_since_exchange: float | None
     bytes_sent: int
     bytes_received: int
+    most_others: int = 0  # the most other peers seen at once so far: "no other peer yet" only before any
 
 
 def _bytes(n: int) -> str:
@@ -48,13 +50,42 @@ def render_progress(p: Progress) -> str:
         with_whom = p.group[0][-8:] if len(p.group) == 1 else f"{len(p.group)} peers"
         last = f"last exchange with {with_whom}{ago}"
     others = p.peers_seen - 1  # the count includes this peer
-    seen = f"{others} other peer{'s' * (others != 1)}" if others > 0 else "no other peer yet"
+    if others > 0:
+        seen = f"{others} other peer{'s' * (others != 1)}"
+    else:
+        seen = f"no other peer now ({p.most_others} before)" if p.most_others else "no other peer yet"
     return (
         f"round {p.round} inner step {p.step} | loss {p.loss:.3f} eval {p.eval_loss:.3f} | "
         f"{p.samples_per_second:.1f} samples/s | {seen} | "
         f"exchanges {p.exchanges_ok} ok / {p.exchanges_failed} failed, {last} | "
         f"sent {_bytes(p.bytes_sent)} received {_bytes(p.bytes_received)}"
     )
+
+
+class Company:
+    """Whether a peer sees other peers of its run, and the line to say when that changes. A peer that saw others and
+    sees none now (they all left, or its own network went down: nothing else tells it which) says so once, and
+    once more when it sees peers again; a peer alone from the start says nothing."""
+
+    def __init__(self) -> None:
+        self.most = 0  # the most other peers seen at once
+        self.alone = False  # said to be alone, and not seen company since
+
+    def update(self, others: int) -> tuple[int, str] | None:
+        """`others` other peers seen now: the (logging level, line) to say, if anything changed."""
+        if others > 0:
+            self.most = max(self.most, others)
+            if self.alone:
+                self.alone = False
+                return logging.INFO, f"sees {others} other peer{'s' * (others != 1)} of the run again"
+            return None
+        if self.most and not self.alone:
+            self.alone = True
+            return logging.WARNING, (
+                f"sees no other peer of the run any more ({self.most} before): they left, or this peer's network is "
+                "down; it trains on alone, keeps its work, and averages again once it sees peers"
+            )
+        return None
 
 
 class ProgressLine:
