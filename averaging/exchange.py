@@ -28,6 +28,7 @@ import asyncio
 import contextlib
 import hashlib
 import logging
+import math
 import time
 from collections.abc import Awaitable, Callable, Iterable, Mapping
 from dataclasses import dataclass
@@ -351,6 +352,7 @@ class SealedExchange:
         self.opened = {j: asyncio.Event() for j in others if seal.opens(j, seal.me)}  # links others open to us
         self.going: list[int] = []
         self.blamed: set[int] = set()  # members whose messages to us were bad (a strike each)
+        self.stuck: set[int] = set()  # members whose PHASE1 and ours did not cross in time (or their link broke)
         self.awaiting_commit = False  # a member that has done its part and waits for the leader's COMMIT
         self.deadline = 0.0  # monotonic time the exchange's bound ends
         self.over = asyncio.Event()
@@ -407,7 +409,11 @@ class SealedExchange:
         except TimeoutError:
             if self.awaiting_commit:
                 raise self._withheld(f"timed out after {time.monotonic() - started:.1f} s") from None
-            raise ExchangeFailed(f"timed out after {time.monotonic() - started:.1f} s") from None
+            raise ExchangeFailed(f"timed out after {time.monotonic() - started:.1f} s{self._too_slow()}") from None
+        except ExchangeFailed as e:
+            if type(e) is ExchangeFailed and (why := self._too_slow()):  # left out, say: because of our own link?
+                raise ExchangeFailed(f"{e}{why}") from None
+            raise
         except ConnectionError as e:
             raise ExchangeFailed(str(e)) from None
         except wire.WireError as e:
@@ -419,6 +425,18 @@ class SealedExchange:
             for task in links:
                 task.cancel()
             await asyncio.gather(*links, return_exceptions=True)
+
+    def _too_slow(self) -> str:
+        """What to add to a failure when the payloads did not cross in time with most other members: this peer's own
+        link is then the slow one (nothing else told a volunteer on a slow link why it was left out of every
+        group); empty otherwise."""
+        others = len(self.seal.members) - 1
+        if not self.stuck or 2 * len(self.stuck) <= others:
+            return ""
+        size = sum(math.prod(spec.shape) * spec.dtype.itemsize for spec in self.spec1.values())
+        whose = "this peer's link is" if others > 1 else "a link (this peer's or its partner's) is"
+        return (f"; payloads of {size / 1e3:.0f} kB did not cross with {len(self.stuck)} of {others} members within "
+                f"the {self.messenger.timeout:g} s message timeout: {whose} too slow for them")  # fmt: skip
 
     async def _expect(self, j: int) -> None:
         """A member that should open its pair stream with us and does not (it died, or never got the roster) is
@@ -592,6 +610,8 @@ class SealedExchange:
         try:
             await leg()
         except (ExchangeFailed, ConnectionError, TimeoutError, wire.WireError) as e:
+            if isinstance(e, TimeoutError | ConnectionError) and settled is self.settled:
+                self.stuck.add(j)  # (a timeout on either side: the other closes the stream once it gives up)
             self._failed(j, e)
         finally:
             _settle(settled[j])
