@@ -114,7 +114,10 @@ class TransferConfig:
     message_timeout: float = 5.0  # bound on waiting for any single message (a stalled peer)
     find_timeout: float = 30.0  # bound on reaching donors and getting their manifests
     stall_timeout: float = 15.0  # nothing from anyone this long: the download fails; no GET: a session ends
-    min_rate: float = float(1 << 20)  # bytes/s: the slowest average download that is let to finish (see `ceiling`)
+    # bytes/s: the slowest average download that is let to finish (see `ceiling`): half of what a 1 Mbit/s home link
+    # carries, so that a volunteer on one is not cut off (at 1 MiB/s, 8.4 Mbit/s, a joiner at 1 Mbit/s never got a
+    # state over 4.5 MB: gpt-small's is 7.6 MB)
+    min_rate: float = float(64 << 10)
     max_state_bytes: int = 16 << 30
     # a donor packs its state at most once this often: a HELLO from anyone within it is served the last pack
     # (a state a few rounds old), so a stranger's HELLO every round cannot make every peer repack every round
@@ -434,7 +437,9 @@ class StateDonor:
                     index = get["i"]
                     if type(index) is not int or not 0 <= index < len(chunks):
                         raise StateTransferError(f"chunk {index!r} does not exist")
-                    await send_message(stream, StateKind.CHUNK, timeout, i=index, b=chunks[index])
+                    # a chunk leaves through p2pd in bursts, as the joiner's flow-control window opens (seconds apart
+                    # on a slow link shared by several donors): the joiner, who sees its bytes arrive, judges stalls
+                    await send_message(stream, StateKind.CHUNK, self.config.stall_timeout, i=index, b=chunks[index])
         except StreamClosed:
             pass  # the joiner has what it wanted, or gave up
         except (StateTransferError, WireError, ConnectionError, TimeoutError) as e:
