@@ -125,6 +125,7 @@ class StateDownloader:
         self.restarts = 0  # times another payload forced the chunks held so far to be dropped
         self.errors: list[str] = []  # one line per donor that failed
         self._silent: list[str] = []  # donors that failed by falling silent (a timeout, a lost stream): asked again
+        self._asked_again: set[str] = set()  # ... once: a donor that falls silent twice is not asked a third time
         self.outvoted: list[str] = []  # donors that offered another payload than the one taken
         self.fetched: dict[str, int] = {}  # verified chunks of the payload held (or last returned), by donor
         self._buffer: torch.Tensor | None = None  # (total_bytes,) uint8: the payload, filled as chunks verify
@@ -154,6 +155,7 @@ class StateDownloader:
                     break
                 await asyncio.sleep(min(config.message_timeout, max(0.0, until - loop.time())))
                 order, self._silent = self._silent, []
+                self._asked_again.update(order)
                 continue
             sessions = await self._find(order, min(until, loop.time() + config.find_timeout))
             if not sessions:
@@ -197,7 +199,6 @@ class StateDownloader:
                     else:
                         answered.append(_Session(donor, stream, manifest, at))
                         grace = min(grace, loop.time() + self.config.message_timeout)
-                        self._last_progress = loop.time()  # a donor answers again: the download is not stalled
             chosen = self._choose(answered)
         finally:
             for task in asking:
@@ -206,7 +207,7 @@ class StateDownloader:
             for (_, donor), result in zip(asking.values(), late, strict=True):
                 if isinstance(result, tuple):
                     await result[0].close()
-                self.errors.append(f"{donor[-8:]}: no manifest in time")
+                self._error(f"{donor[-8:]}: no manifest in time")
                 self._fell_silent(donor)
             for session in answered:
                 if session not in chosen:
@@ -365,13 +366,18 @@ class StateDownloader:
 
     def _failed(self, donor: str, error: Exception) -> None:
         line = "no answer in time" if isinstance(error, TimeoutError) else one_line(error, 300)
-        self.errors.append(f"{donor[-8:]}: {line}")
+        self._error(f"{donor[-8:]}: {line}")
         if isinstance(error, TimeoutError | ConnectionError):
             self._fell_silent(donor)
         logger.info("state download from %s failed: %s", donor[-8:], line)
 
+    def _error(self, line: str) -> None:
+        if line not in self.errors:  # (a donor asked again that fails again the same way is said once)
+            self.errors.append(line)
+
     def _fell_silent(self, donor: str) -> None:
         """A donor that sent nothing more, or whose stream was lost (this peer's link may have gone down, not the
-        donor wrong): asked again once no other donor is left, while the download is not stalled."""
-        if donor not in self._silent:
+        donor wrong): asked again once no other donor is left, while the download is not stalled; once only (one
+        that answers but never sends, or trickles its chunks, would otherwise hold the download to its ceiling)."""
+        if donor not in self._silent and donor not in self._asked_again:
             self._silent.append(donor)

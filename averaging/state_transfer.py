@@ -42,7 +42,15 @@ import torch
 from murmur.averaging import wire
 from murmur.averaging.access import AccessPolicy
 from murmur.averaging.cooldown import Cooldown
-from murmur.averaging.transport import FrameTooLarge, Stream, StreamClosed, Transport, while_moving
+from murmur.averaging.transport import (
+    HEADER_LEN,
+    MIN_PROGRESS,
+    FrameTooLarge,
+    Stream,
+    StreamClosed,
+    Transport,
+    while_moving,
+)
 from murmur.averaging.wire import TensorSpec, WireError
 from murmur.dht.errors import one_line
 
@@ -326,7 +334,9 @@ async def recv_message(
     once nothing of it has arrived for `timeout` (`message_timeout` unless given): a chunk that keeps coming over a
     slow link is waited for, a donor that sends nothing is not (`transport.while_moving`)."""
     cap = config.max_frame if max_frame is None else max_frame
-    data = await while_moving(stream, stream.recv(cap), config.message_timeout if timeout is None else timeout)
+    # (a request, capped at a few kB, arrives whole within the timeout: no trickle holds a donor's slot)
+    least = min(cap + HEADER_LEN, MIN_PROGRESS)
+    data = await while_moving(stream, stream.recv(cap), config.message_timeout if timeout is None else timeout, least)
     return decode_message(data, kinds, config)
 
 
@@ -414,7 +424,8 @@ class StateDonor:
             _, hello = await recv_message(stream, {StateKind.HELLO}, self.config, max_frame=REQUEST_BYTES)
         except (StateTransferError, WireError, ConnectionError, TimeoutError) as e:
             if not self.cooldown.cooling(remote):
-                logger.warning("bad state request from %s: %s", remote[-8:], e)
+                why = "no whole request in time" if isinstance(e, TimeoutError) else one_line(e)
+                logger.warning("bad state request from %s: %s", remote[-8:], why)
                 if isinstance(e, StateTransferError | WireError | FrameTooLarge):  # not a closed link: on purpose
                     self.cooldown.strike(remote, str(e))
             return

@@ -171,10 +171,15 @@ class Stream(ABC):
 Handler = Callable[[str, Stream], Awaitable[None]]
 
 
-async def while_moving(stream: Stream, work: Awaitable[T], idle: float) -> T:
-    """`work` (a send or a receive on `stream`) for as long as its bytes keep moving: TimeoutError once none has moved
-    for `idle` seconds. A large frame on a slow link (a 1 MiB chunk shared with other streams on a 1 Mbit/s home
-    link takes tens of seconds) is not a stalled peer; a peer that sends nothing at all is one after `idle`."""
+MIN_PROGRESS = 16 * 1024  # bytes a stream must move in each `idle` period for `while_moving` to wait on: 3.2 kB/s
+
+
+async def while_moving(stream: Stream, work: Awaitable[T], idle: float, least: int = MIN_PROGRESS) -> T:
+    """`work` (a send or a receive on `stream`) for as long as its bytes keep moving: TimeoutError once fewer than
+    `least` bytes have moved for `idle` seconds. A large frame on a slow link (a 1 MiB chunk shared with other
+    streams on a 1 Mbit/s home link takes tens of seconds) is not a stalled peer; a peer that sends nothing, or
+    trickles a byte now and then to hold the stream, is one after `idle`. A message of at most `least` bytes
+    (a request) must so arrive whole within `idle`."""
     task = asyncio.ensure_future(work)
     try:
         seen, since = stream.moved(), time.monotonic()
@@ -182,7 +187,7 @@ async def while_moving(stream: Stream, work: Awaitable[T], idle: float) -> T:
             done, _ = await asyncio.wait({task}, timeout=max(0.0, min(idle / 4, since + idle - time.monotonic())))
             if done:
                 return task.result()
-            if (moved := stream.moved()) != seen:
+            if (moved := stream.moved()) - seen >= least:
                 seen, since = moved, time.monotonic()
             elif time.monotonic() - since >= idle:
                 raise TimeoutError
