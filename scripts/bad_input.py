@@ -307,8 +307,9 @@ def command(argv: Callable[[Lab], list[str]], *, stdout: bool = False, fast: boo
 
 
 def truncated_checkpoint(lab: Lab) -> Outcome:
-    """A peer's newest checkpoint is truncated; --resume takes the older one and goes on; the set keeps one
-    that loads."""
+    """A peer's newest checkpoint, its final one, is truncated: --resume skips it with a warning, and finds the older
+    one behind the final model the folder holds (the steps between would be lost, and the model written over at the
+    end), so it is refused in one line; the final model and the older checkpoint are kept as they were."""
     from murmur.peer.checkpoint import latest_checkpoint
 
     folder = lab.folder / "resumed"
@@ -319,10 +320,12 @@ def truncated_checkpoint(lab: Lab) -> Outcome:
     newest = saved[-1]
     newest.write_bytes(newest.read_bytes()[:-100])
     older = int(saved[-2].stem.split("-")[1]) if len(saved) > 1 else 0
+    model = (folder / "anchor.safetensors").read_bytes()
     ran = lab.murmur([*argv, "--resume"])
     found = latest_checkpoint(folder / "checkpoints", run_id="custom-run", model="wl:build_model")
-    intact = first.code == 0 and found is not None and found[0]["step"] > older
-    note = f"newest that loads: step {found[0]['step'] if found else None}"
+    kept = (folder / "anchor.safetensors").read_bytes() == model
+    intact = first.code == 0 and found is not None and found[0]["step"] == older and kept
+    note = f"newest that loads: step {found[0]['step'] if found else None}, final model kept: {kept}"
     return Outcome(ran.code, error_line(ran), intact, note, last_line(ran.err))
 
 
@@ -553,9 +556,12 @@ def cases() -> list[Case]:
     reach = "check the address and its /p2p id, and that the node is up"
     refused_folder = "pass --resume to continue it, or choose a new folder"
     return [
-        Case("newest checkpoint truncated, --resume", lost, truncated_checkpoint, 0,
+        Case("newest checkpoint truncated, --resume", lost, truncated_checkpoint, 1,
              lambda lab: r"murmur\.checkpoint WARN(ING)? checkpoint \S+ckpt-\d+\.safetensors is truncated: \d+ of "
-                         r"\d+ data bytes; skipped"),
+                         r"\d+ data bytes; skipped",
+             lambda lab: r"murmur join: error: --resume: the newest usable checkpoint in \S+ \(step \d+\) is older "
+                         r"than the final model \S+anchor\.safetensors \(step \d+\): resuming would lose \d+ steps "
+                         r"and write over it at the end; export it first, or move it away to resume from step \d+"),
         Case("--out-dir of an earlier run, no --resume", lost, _earlier_out_dir, 1,
              lambda lab: r"murmur join: error: \S+/run holds an earlier run \(anchor\.safetensors, "
                          r"report\.json, "
