@@ -451,11 +451,9 @@ def test_a_leader_that_withholds_commit_is_struck_by_the_member_it_left_out(two_
     assert struck[victim] == 1 and all(n == 0 for peer, n in struck.items() if peer != victim)
 
 
-@pytest.mark.parametrize("two_phase", [False, True], ids=["one-phase", "two-phase"])
-def test_a_member_gone_before_its_commit_leaves_the_leader_applying_with_the_members_it_told(two_phase):
-    """The member told last dies as its leader sends it COMMIT (killed after its HAVE or DONE): the members told
-    before have applied the group's mean, so the leader applies it too. It applied nothing, keeping its own
-    update pending (already in the others' outer step: averaged in twice) and its anchor apart from theirs."""
+def crash_as_sent(kind: Kind, *, two_phase: bool = False) -> tuple[dict, str]:
+    """Three peers average; the one their leader sends `kind` to last dies as it is sent (its streams close, its
+    task is cancelled). The survivors' results by peer id, and the leader's id."""
 
     async def main():
         net = InMemoryNetwork()
@@ -463,11 +461,11 @@ def test_a_member_gone_before_its_commit_leaves_the_leader_applying_with_the_mem
         peers = await started(*(make_averager(net, f"P{i}", FAST, **codec) for i in range(3)))
         plan_of = plans([p.peer_id for p in peers])
         leader = plan_of[peers[0].peer_id].candidates[0]
-        victim = plan_of[leader].planned[-1]  # the last one the leader tells
+        victim = plan_of[leader].planned[-1]  # the last one the leader tells: the others have theirs
 
         async def before_send(src, dst, frame):
-            if src == leader and dst == victim and wire.decode(frame).kind == Kind.COMMIT:
-                await net.crash(victim)  # its streams close: the COMMIT cannot be sent
+            if src == leader and dst == victim and wire.decode(frame).kind == kind:
+                await net.crash(victim)  # its streams close: the message cannot be sent
                 tasks[victim].cancel()
             return frame
 
@@ -480,7 +478,15 @@ def test_a_member_gone_before_its_commit_leaves_the_leader_applying_with_the_mem
         await asyncio.gather(tasks[victim], return_exceptions=True)
         return dict(zip(survivors, results, strict=True)), leader
 
-    results, leader = asyncio.run(main())
+    return asyncio.run(main())
+
+
+@pytest.mark.parametrize("two_phase", [False, True], ids=["one-phase", "two-phase"])
+def test_a_member_gone_before_its_commit_leaves_the_leader_applying_with_the_members_it_told(two_phase):
+    """The member told last dies as its leader sends it COMMIT (killed after its HAVE or DONE): the members told
+    before have applied the group's mean, so the leader applies it too. It applied nothing, keeping its own
+    update pending (already in the others' outer step: averaged in twice) and its anchor apart from theirs."""
+    results, leader = crash_as_sent(Kind.COMMIT, two_phase=two_phase)
     told = next(r for peer, r in results.items() if peer != leader)
     assert told is not None, "the member told first applies"
     assert results[leader] is not None, "the leader applied nothing, where a member it told applied the mean"
@@ -492,29 +498,7 @@ def test_a_member_gone_before_its_commit_leaves_the_leader_applying_with_the_mem
 def test_a_member_gone_before_its_proceed_leaves_the_rest_of_the_group_averaging():
     """A member that dies after its HAVE, as its leader sends it PROCEED (one phase: every member already holds every
     payload): the others average without it, as without a member whose COMMIT is lost. The whole group aborted."""
-
-    async def main():
-        net = InMemoryNetwork()
-        peers = await started(*(make_averager(net, f"P{i}", FAST) for i in range(3)))
-        plan_of = plans([p.peer_id for p in peers])
-        leader = plan_of[peers[0].peer_id].candidates[0]
-        victim = plan_of[leader].planned[-1]  # the last one sent PROCEED: the others have theirs
-
-        async def before_send(src, dst, frame):
-            if src == leader and dst == victim and wire.decode(frame).kind == Kind.PROCEED:
-                await net.crash(victim)  # its streams close: PROCEED cannot be sent
-                tasks[victim].cancel()
-            return frame
-
-        net.before_send = before_send
-        tasks = {p.peer_id: asyncio.create_task(p.average(make_offer(i), plan_of[p.peer_id]))
-                 for i, p in enumerate(peers)}  # fmt: skip
-        survivors = [p.peer_id for p in peers if p.peer_id != victim]
-        results = await asyncio.gather(*(tasks[p] for p in survivors))
-        await asyncio.gather(tasks[victim], return_exceptions=True)
-        return results
-
-    results = asyncio.run(main())
+    results = list(crash_as_sent(Kind.PROCEED)[0].values())
     assert all(r is not None for r in results), "the group aborted over one member gone before its PROCEED"
     assert results[0].members == results[1].members and len(results[0].members) == 3  # its payload is in the mean
     assert torch.equal(results[0].projections["delta/w"].mean, results[1].projections["delta/w"].mean)
@@ -523,31 +507,10 @@ def test_a_member_gone_before_its_proceed_leaves_the_rest_of_the_group_averaging
 def test_a_member_gone_while_its_join_was_held_leaves_the_rest_of_the_group_averaging():
     """A member that dies (or is aborted) while its leader holds its JOIN cannot be sent the roster: the others
     average without it, as without a member that dies just after its roster. The whole group aborted."""
-
-    async def main():
-        net = InMemoryNetwork()
-        peers = await started(*(make_averager(net, f"P{i}", FAST) for i in range(3)))
-        plan_of = plans([p.peer_id for p in peers])
-        leader = plan_of[peers[0].peer_id].candidates[0]
-        victim = plan_of[leader].planned[-1]  # the last one sent the roster: the others have theirs
-
-        async def before_send(src, dst, frame):
-            if src == leader and dst == victim and wire.decode(frame).kind == Kind.ROSTER:
-                await net.crash(victim)  # its streams close: the roster cannot be sent
-                tasks[victim].cancel()
-            return frame
-
-        net.before_send = before_send
-        tasks = {p.peer_id: asyncio.create_task(p.average(make_offer(i), plan_of[p.peer_id]))
-                 for i, p in enumerate(peers)}  # fmt: skip
-        survivors = [p.peer_id for p in peers if p.peer_id != victim]
-        results = await asyncio.gather(*(tasks[p] for p in survivors))
-        await asyncio.gather(tasks[victim], return_exceptions=True)
-        return results, survivors
-
-    results, survivors = asyncio.run(main())
+    by_id = crash_as_sent(Kind.ROSTER)[0]
+    results = list(by_id.values())
     assert all(r is not None for r in results), "the group aborted over one member gone before its roster"
-    assert all(sorted(r.members) == sorted(survivors) for r in results)
+    assert all(sorted(r.members) == sorted(by_id) for r in results)
     assert torch.equal(results[0].projections["delta/w"].mean, results[1].projections["delta/w"].mean)
 
 
