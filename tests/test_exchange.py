@@ -423,17 +423,23 @@ def test_finish_rounds_decline_training_peers_without_a_layout_complaint(caplog)
     assert not [r for r in caplog.records if "layout" in r.getMessage()]
 
 
+async def three_in_a_group(two_phase: bool = False):
+    """Three started averagers on one in-memory network (low-rank anchors if `two_phase`), their plans for one
+    appointment, and the leader those plans name."""
+    net = InMemoryNetwork()
+    codec = {"diff_codec": "lowrank"} if two_phase else {}
+    peers = await started(*(make_averager(net, f"P{i}", FAST, **codec) for i in range(3)))
+    plan_of = plans([p.peer_id for p in peers])
+    return net, peers, plan_of, plan_of[peers[0].peer_id].candidates[0]
+
+
 @pytest.mark.parametrize("two_phase", [False, True], ids=["one-phase", "two-phase"])
 def test_a_leader_that_withholds_commit_is_struck_by_the_member_it_left_out(two_phase):
     """The leader applies but never sends one member its COMMIT: that member applies nothing (its work stays
     pending) and strikes the leader, so a leader that does it on purpose is soon on its victims' cool-down."""
 
     async def main():
-        net = InMemoryNetwork()
-        codec = {"diff_codec": "lowrank"} if two_phase else {}
-        peers = await started(*(make_averager(net, f"P{i}", FAST, **codec) for i in range(3)))
-        plan_of = plans([p.peer_id for p in peers])
-        leader = plan_of[peers[0].peer_id].candidates[0]
+        net, peers, plan_of, leader = await three_in_a_group(two_phase)
         victim = plan_of[leader].planned[0]
 
         async def withhold(src, dst, frame):
@@ -456,11 +462,7 @@ def crash_as_sent(kind: Kind, *, two_phase: bool = False) -> tuple[dict, str]:
     task is cancelled). The survivors' results by peer id, and the leader's id."""
 
     async def main():
-        net = InMemoryNetwork()
-        codec = {"diff_codec": "lowrank"} if two_phase else {}
-        peers = await started(*(make_averager(net, f"P{i}", FAST, **codec) for i in range(3)))
-        plan_of = plans([p.peer_id for p in peers])
-        leader = plan_of[peers[0].peer_id].candidates[0]
+        net, peers, plan_of, leader = await three_in_a_group(two_phase)
         victim = plan_of[leader].planned[-1]  # the last one the leader tells: the others have theirs
 
         async def before_send(src, dst, frame):
