@@ -17,6 +17,8 @@
   that does not answer a find or store of them within 1.5 s is left out for a while
 * ``heartbeat``  ``Heartbeat`` re-announces a peer on a thread (now, and when poked) until stopped, then withdraws
   it; ``RosterWatch`` keeps the latest read of the live announcements for a loop that must not wait
+* ``clock``      ``SwarmClock``: this machine's clock corrected by the median offset of the DHT nodes it knows
+  (hivemind's ping answers with a node's time), so that peers whose clocks differ by up to 3 s meet at their rounds
 * ``loop``       ``LoopThread``: the one sync/async bridge, an event loop (uvloop) on a background thread
 * ``errors``     ``one_line``: what an error says, on one line (every package's log lines and one-line messages)
 """
@@ -28,6 +30,7 @@ from typing import Any
 # an access policy) does not import hivemind, and scipy with it, 55 MB of memory it never uses
 _WHERE = {
     "addresses": ["AddressError", "parse_host", "parse_peer_multiaddr", "parse_peer_multiaddrs"],
+    "clock": ["SwarmClock"],
     "heartbeat": ["ConfigKeeper", "Heartbeat", "RosterWatch"],
     "identity": ["IdentityError", "ensure_identity", "peer_id_of"],
     "node": ["NodeConfig", "NodeError", "start_node", "stop_node", "visible_addresses"],

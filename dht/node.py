@@ -23,6 +23,7 @@ import ipaddress
 import logging
 import math
 import os
+import re
 import signal
 import tempfile
 import threading
@@ -214,6 +215,8 @@ def _start(config: NodeConfig, validators: list) -> hivemind.DHT:
         reason = one_line(e)
         if "failed to connect to bootstrap peers" in reason:
             raise NodeError(_unreachable(config)) from None
+        if skew := _clock_refused(reason):
+            raise NodeError(skew) from None
         raise NodeError(f"DHT node on {config.host_maddr} failed to start: {reason}") from e
     finally:
         _forking_worker_of = None
@@ -242,6 +245,20 @@ def _start_shm_manager() -> None:
     finally:
         for signum in signums:
             signal.siginterrupt(signum, True)
+
+
+def _clock_refused(reason: str) -> str | None:
+    """What to tell a user whose node hivemind refused for its clock (a bootstrap node's answer more than 3 s off this
+    machine's time), or None for another failure."""
+    found = re.search(r"local time must be within ([\d.]+) seconds.*local: ([\d.]+), peer: ([\d.]+)", reason)
+    if found is None:
+        return None
+    allowed, local, peer = (float(x) for x in found.groups())
+    way = "ahead of" if local > peer else "behind"
+    return (
+        f"this machine's clock is {abs(local - peer):.1f} s {way} the bootstrap node's, more than the "
+        f"{allowed:g} s hivemind allows: set it right (NTP: timedatectl set-ntp true) and join again"
+    )
 
 
 def _unreachable(config: NodeConfig, when: str = "") -> str:

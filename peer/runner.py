@@ -38,6 +38,7 @@ from murmur.averaging.state_transfer import TransferConfig
 from murmur.averaging.transport import P2PTransport
 from murmur.averaging.wire import PROTOCOL_VERSION
 from murmur.dht.addresses import host_of
+from murmur.dht.clock import SwarmClock
 from murmur.dht.heartbeat import Heartbeat, RosterWatch
 from murmur.dht.loop import LoopThread
 from murmur.dht.node import NodeConfig, node_lost, shared_address, start_node, stop_node, visible_addresses
@@ -226,6 +227,7 @@ class VolunteerPeer:
         self.finisher: GroupAverager | None = None  # the averager of finish rounds, once training is over
         self.heartbeat: Heartbeat | None = None
         self.watch = RosterWatch(records)
+        self.clock = SwarmClock(dht, options.node.initial_peers, seed=options.data_seed)  # rounds meet on the swarm's
         self.sharing: StateSharing | None = None
         self.journal = Journal(options.out_dir, verbose=options.verbose, every=options.eval_every or 5,
                                metrics_interval=options.metrics_interval)  # fmt: skip
@@ -262,6 +264,7 @@ class VolunteerPeer:
                 peer._log(logging.INFO, "the outer state is kept in host memory: a training step does not fit "
                                         "beside it on the card")  # fmt: skip
             peer.creator = record.created_by  # signed by that key (dht.signing): join lines name it
+            peer.clock.start()  # before the first round's appointment
             peer.averager = peer.loop.run(peer._start_averager(), timeout=30)
             peer.sharing = peer.loop.run(
                 StateSharing.create(dht, records, config=options.transfer, access=options.exchange.access,
@@ -475,7 +478,7 @@ class VolunteerPeer:
         averager = averager or self.averager
         appointment = self.engine.appointment
         if appointment is not None:
-            self.watch.due(appointment.at)
+            self.watch.due(self.clock.local(appointment.at))
         key = appointment.key if appointment is not None else None
         self.loop.loop.call_soon_threadsafe(averager.expect, key)
 
@@ -507,7 +510,10 @@ class VolunteerPeer:
         saved_at, saved_steps = started, trainer.steps
         until = options.until if options.until is not None else math.inf
         while (
-            not stop.is_set() and time.monotonic() < deadline and time.time() < until and self.verdict.failure is None
+            not stop.is_set()
+            and time.monotonic() < deadline
+            and self.clock.now() < until
+            and self.verdict.failure is None
         ):
             round_start = time.monotonic()
             try:
@@ -576,18 +582,18 @@ class VolunteerPeer:
         mean loss and how many (None: the round would end after `until`). The appointment is announced as soon
         as it is known."""
         engine, trainer, until = self.engine, self.trainer, self.options.until
-        appointment = engine.begin(time.time(), self.roster())
-        if until is not None and (appointment.at if appointment is not None else time.time()) > until:
+        appointment = engine.begin(self.clock.now(), self.roster())
+        if until is not None and (appointment.at if appointment is not None else self.clock.now()) > until:
             return None
         self._announce()
         total, steps = 0.0, 0
-        fits = engine.step_fits(time.time())
+        fits = engine.step_fits(self.clock.now())
         while fits and not stop.is_set():
             known = engine.appointment
             started = time.perf_counter()
             total += trainer.inner_phase(1)
             steps += 1
-            fits = engine.step_fits(time.time(), time.perf_counter() - started)
+            fits = engine.step_fits(self.clock.now(), time.perf_counter() - started)
             if engine.appointment != known or steps == 1:  # its first step: the roster now shows its pace
                 self._announce()
         return total / max(steps, 1), steps
@@ -598,9 +604,9 @@ class VolunteerPeer:
         (an offer made for it: `PeerOptions.overlap`) take inner steps meanwhile: the result, the steps taken,
         the seconds they took, and False if one of them had a non-finite loss (the steps since the offer are
         then dropped, and the peer waits for the exchange)."""
-        plan = self.engine.gather(time.time(), self.roster())
+        plan = self.engine.gather(self.clock.now(), self.roster())
         self._announce(averager)
-        work = _average(averager, offer, plan, self.trainer.config.group_size)
+        work = _average(averager, offer, plan, self.trainer.config.group_size, self.clock.now)
         future = self.loop.submit(on_stream(self.exchange_stream if train else None, work))
         steps, computing, finite = 0, 0.0, True
         while train and finite and not future.done() and not stop.is_set():
@@ -622,7 +628,7 @@ class VolunteerPeer:
         """Tell the engine how the round went: who averaged with us, whom the averager planned in vain, and (if
         it trained through the exchange) how long it still waited."""
         partners = () if result is None else [m for m in result.members if m != self.peer_id]
-        return self.engine.ended(time.time(), None if result is None else result.size, partners, averager.missed,
+        return self.engine.ended(self.clock.now(), None if result is None else result.size, partners, averager.missed,
                                  averager.shunned, waited)  # fmt: skip
 
     def finish(self, stop: _Stopping) -> int:
@@ -631,15 +637,15 @@ class VolunteerPeer:
         with other finishing peers' (`OuterOptimizer.finish_offer`), two rounds in a row without a group
         ending it early. Returns the finish exchanges that completed."""
         engine, trainer = self.engine, self.trainer
-        if not engine.finish(time.time()):
+        if not engine.finish(self.clock.now()):
             return 0
         trainer.outer.flush()
         self.loop.run(self.averager.stop(), timeout=15)  # its stats and bytes stay for the report
         self.finisher = self.loop.run(self._start_averager(finish=True), timeout=30)
         done = 0
-        while not stop.is_set() and (appointment := engine.next_finish(time.time(), self.roster())) is not None:
+        while not stop.is_set() and (appointment := engine.next_finish(self.clock.now(), self.roster())) is not None:
             self._announce(self.finisher)
-            if stop.wait(max(0.0, appointment.at - time.time())):
+            if stop.wait(max(0.0, appointment.at - self.clock.now())):
                 break
             offer = trainer.outer.finish_offer()
             result, *_ = self._exchange(self.finisher, offer, stop)
@@ -667,6 +673,7 @@ class VolunteerPeer:
 
     def _teardown(self) -> None:
         self.watch.stop()
+        self.clock.stop()
         if self.heartbeat is not None:
             self.heartbeat.stop()  # also withdraws the announcement
         for part in (self.averager, self.finisher, self.sharing):
@@ -717,9 +724,11 @@ def _with_remembered_peers(options: PeerOptions) -> NodeConfig:
     return replace(node, initial_peers=(*node.initial_peers, *added))
 
 
-async def _average(averager: GroupAverager, offer, plan: Plan, group_size: int) -> GroupResult | None:
-    """The engine's plan (times on the wall clock) as the averager's (times on the event loop's clock)."""
-    loop, now = asyncio.get_running_loop(), time.time()
+async def _average(averager: GroupAverager, offer, plan: Plan, group_size: int,
+                   clock: Callable[[], float]) -> GroupResult | None:  # fmt: skip
+    """The engine's plan (times on the swarm's clock, which `clock` reads) as the averager's (times on the event
+    loop's clock)."""
+    loop, now = asyncio.get_running_loop(), clock()
     group = GroupPlan(
         key=plan.appointment.key, candidates=plan.candidates, planned=plan.planned, group_size=group_size,
         deadline=loop.time() + plan.deadline - now, not_before=loop.time() + plan.appointment.at - now,
