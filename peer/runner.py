@@ -39,6 +39,7 @@ from murmur.averaging.transport import P2PTransport
 from murmur.averaging.wire import PROTOCOL_VERSION
 from murmur.dht.addresses import host_of
 from murmur.dht.clock import SwarmClock
+from murmur.dht.errors import one_line
 from murmur.dht.heartbeat import Heartbeat, RosterWatch
 from murmur.dht.loop import LoopThread
 from murmur.dht.node import NodeConfig, node_lost, shared_address, start_node, stop_node, visible_addresses
@@ -558,9 +559,9 @@ class VolunteerPeer:
             ):
                 if self.checkpoint():
                     saved, saved_at, saved_steps = rounds, time.monotonic(), trainer.steps
-        failed = self.verdict.failure is not None
         lonely = self.engine.lonely  # (finish rounds count their own)
-        finished = self.finish(stop) if not stop.is_set() and not failed else 0
+        finished = self.finish(stop) if not stop.is_set() and self.verdict.failure is None else 0
+        failed = self.verdict.failure is not None  # (a finish that failed too: its work so far is saved all the same)
         if trainer.steps > saved_steps or finished:  # a clean stop keeps every step since the last checkpoint,
             # a round that a stop cut short included (the model holds its inner steps; the next round goes on)
             self.checkpoint(final=True, lonely=0 if self.finisher is not None else lonely)  # (finish flushed it)
@@ -635,26 +636,37 @@ class VolunteerPeer:
         """The run config's finish rounds, once training is over: the work still pending becomes one outer
         step alone (nothing trained is lost), then the engine's finish rounds pull this peer's anchor together
         with other finishing peers' (`OuterOptimizer.finish_offer`), two rounds in a row without a group
-        ending it early. Returns the finish exchanges that completed."""
+        ending it early. Returns the finish exchanges that completed. An error in a finish round (the averager's,
+        the DHT's, the outer optimizer's) ends the finish there, its round applying nothing, and becomes the run's
+        failure: the state as it stands is still checkpointed, written as the final model and reported."""
         engine, trainer = self.engine, self.trainer
         if not engine.finish(self.clock.now()):
             return 0
-        trainer.outer.flush()
-        self.loop.run(self.averager.stop(), timeout=15)  # its stats and bytes stay for the report
-        self.finisher = self.loop.run(self._start_averager(finish=True), timeout=30)
         done = 0
-        while not stop.is_set() and (appointment := engine.next_finish(self.clock.now(), self.roster())) is not None:
-            self._announce(self.finisher)
-            if stop.wait(max(0.0, appointment.at - self.clock.now())):
-                break
-            offer = trainer.outer.finish_offer()
-            result, *_ = self._exchange(self.finisher, offer, stop)
-            done += trainer.outer.apply_finish(offer, result)
-            self._ended(self.finisher, result)
-            del offer, result  # as in training's rounds: no round's payloads held into the next
+        try:
+            trainer.outer.flush()
+            self.loop.run(self.averager.stop(), timeout=15)  # its stats and bytes stay for the report
+            self.finisher = self.loop.run(self._start_averager(finish=True), timeout=30)
+            while not stop.is_set() and (appointment := engine.next_finish(self.clock.now(), self.roster())):
+                self._announce(self.finisher)
+                if stop.wait(max(0.0, appointment.at - self.clock.now())):
+                    break
+                offer = trainer.outer.finish_offer()
+                result, *_ = self._exchange(self.finisher, offer, stop)
+                done += trainer.outer.apply_finish(offer, result)
+                self._ended(self.finisher, result)
+                del offer, result  # as in training's rounds: no round's payloads held into the next
+        except Exception as e:  # the work so far is kept: the caller checkpoints it and writes the final model
+            logger.debug("a finish round failed", exc_info=e)  # its traceback, under -v
+            if (lost := node_lost(self.dht)) is not None:
+                self.verdict.network_lost(lost)
+            else:
+                self.verdict.failure = (f"the finish rounds failed after {done} finish exchange{'s' * (done != 1)}: "
+                                        f"{one_line(e)} (the model as it stood is kept)")  # fmt: skip
+        else:
+            self._log(logging.INFO, f"finished: {done} finish exchanges")
         self.heartbeat.poke()
         self.sharing.publish(trainer)
-        self._log(logging.INFO, f"finished: {done} finish exchanges")
         return done
 
     def close(self, wait: float = 120.0) -> None:

@@ -22,7 +22,7 @@ from safetensors import safe_open
 from safetensors.torch import load_file, save
 
 from murmur.averaging.compression import LowRankCompressor, Projection
-from murmur.averaging.group import GroupResult
+from murmur.averaging.group import GroupAverager, GroupResult
 from murmur.averaging.mixing import group_mean, local_round
 from murmur.dht.node import NodeConfig, start_node, stop_node, visible_addresses
 from murmur.dht.records import RunRecord, RunRecords
@@ -847,6 +847,33 @@ def test_a_final_model_with_no_room_keeps_the_report(tmp_path):
         assert report.steps > 0
         assert sorted(p.name for p in (disk / "me").iterdir()) == [".murmur.lock", "checkpoints", "metrics.jsonl",
                                                                    "report.json"]  # fmt: skip
+
+
+@pytest.mark.slow
+def test_a_finish_round_that_fails_keeps_the_final_checkpoint_model_and_report(tmp_path, monkeypatch):
+    """An error in a finish round (the averager's, the DHT's, the outer optimizer's) escaped the peer's run before its
+    final checkpoint, final model and report were written: the work since its last checkpoint was lost, and the
+    command ended in a traceback. Injected here into the finish's exchange, the rest real."""
+    average = GroupAverager.average
+
+    async def failing(self, offer, plan):
+        if self.phase == "finish":
+            raise RuntimeError("injected\nfault")
+        return await average(self, offer, plan)
+
+    monkeypatch.setattr(GroupAverager, "average", failing)
+    config = TrainConfig(inner_steps=2, batch_size=4, eval_batches=1, finish_rounds=2)
+    with published(config) as node:
+        options = PeerOptions(run_id=RUN, node=node, duration=1.0, out_dir=tmp_path, verbose=False,
+                              checkpoint_interval=3600)  # no checkpoint but the final one  # fmt: skip
+        with pytest.raises(PeerError, match=r"^the finish rounds failed after 0 finish exchanges: injected fault "
+                                            r"\(the model as it stood is kept\)$"):  # fmt: skip
+            run_peer(options, threading.Event())
+    report = PeerReport.model_validate_json((tmp_path / "report.json").read_text())
+    assert report.steps > 0 and report.finish_exchanges == 0
+    [saved] = (tmp_path / "checkpoints").glob("ckpt-*")
+    assert saved.name == f"ckpt-{report.steps:08d}.safetensors"
+    assert int(tensorfile.read_metadata(tmp_path / "anchor.safetensors")["murmur.step"]) == report.steps
 
 
 @pytest.mark.slow
