@@ -50,26 +50,43 @@ def final_step(out_dir: Path | None) -> int | None:
     return int(step) if isinstance(step, str) and step.isascii() and step.isdigit() else None
 
 
-def other_run(out_dir: Path | None, checkpoints: Path | None, run_id: str) -> tuple[str, str] | None:
-    """(the other run's id, the file that names it) if these folders hold another run's final model, or only
-    other runs' checkpoints; None if they hold this run's, or nothing readable (an unreadable file proves nothing)."""
+def _labels(path: Path) -> dict[str, str]:
+    """A murmur file's labels from its header alone ({} if it does not read: an unreadable file proves nothing)."""
     from murmur.peer import tensorfile
     from murmur.peer.tensorfile import TensorFileError
 
-    def run_of(path: Path) -> str | None:
-        try:
-            return tensorfile.read_metadata(path).get("murmur.run_id")
-        except TensorFileError:
-            return None
+    try:
+        return tensorfile.read_metadata(path)
+    except TensorFileError:
+        return {}
 
+
+def _checkpoints_in(checkpoints: Path | None) -> list[Path]:
+    return [] if checkpoints is None or not checkpoints.is_dir() else sorted(checkpoints.glob("ckpt-*.safetensors"))
+
+
+def other_run(out_dir: Path | None, checkpoints: Path | None, run_id: str) -> tuple[str, str] | None:
+    """(the other run's id, the file that names it) if these folders hold another run's final model, or only
+    other runs' checkpoints; None if they hold this run's, or nothing readable (an unreadable file proves nothing)."""
     anchor = out_dir / "anchor.safetensors" if out_dir is not None else None
-    if anchor is not None and anchor.is_file() and (other := run_of(anchor)) not in (None, run_id):
+    other = _labels(anchor).get("murmur.run_id") if anchor is not None and anchor.is_file() else None
+    if other not in (None, run_id):
         return other, anchor.name
-    found = [] if checkpoints is None or not checkpoints.is_dir() else sorted(checkpoints.glob("ckpt-*.safetensors"))
-    runs = {path.name: run for path in found if (run := run_of(path)) is not None}
+    found = {path.name: _labels(path).get("murmur.run_id") for path in _checkpoints_in(checkpoints)}
+    runs = {name: run for name, run in found.items() if run is not None}
     if runs and run_id not in runs.values():
         name, other = next(iter(runs.items()))
         return other, name
+    return None
+
+
+def other_model(checkpoints: Path | None, run_id: str, model: str) -> tuple[str, str] | None:
+    """(the other model, the file that names it) if the checkpoint folder holds checkpoints of this run for another
+    model (the run's creator changed its model since, or reused its id); None if it holds none."""
+    for path in _checkpoints_in(checkpoints):
+        labels = _labels(path)
+        if labels.get("murmur.run_id") == run_id and (other := labels.get("murmur.model")) not in (None, model):
+            return other, path.name
     return None
 
 

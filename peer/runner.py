@@ -52,7 +52,7 @@ from murmur.peer.journal import Journal
 from murmur.peer.metrics import PeerReport
 from murmur.peer.outer import finish_layout
 from murmur.peer.rounds import Plan, RoundEngine, Seen, Step
-from murmur.peer.rundir import FolderLock, check_fresh, check_writable, final_model, final_step
+from murmur.peer.rundir import FolderLock, check_fresh, check_writable, final_model, final_step, other_model
 from murmur.peer.state import StateSharing, catch_up
 from murmur.peer.trainer import NonFiniteLoss, StreamError, Trainer
 from murmur.peer.verdict import RunVerdict, all_finite
@@ -324,6 +324,12 @@ class VolunteerPeer:
             accept=lambda state: restore_state(state, trainer, compressor),
         )  # fmt: skip
         if found is None:
+            if (other := other_model(directory, self.options.run_id, trainer.config.model)) is not None:
+                raise PeerError(  # a fresh start would write its checkpoints beside theirs, and over those of its steps
+                    f"--resume: {directory} holds checkpoints of model {other[0]!r} ({other[1]}), not of the run's "
+                    f"model {trainer.config.model!r}: they cannot go on in this run; choose another --out-dir to "
+                    "join it afresh"
+                )
             if (final := final_model(self.options.out_dir)) is not None:  # another folder, or another model's run
                 raise PeerError(
                     f"--resume found no usable checkpoint in {directory}, and {final} is the final "

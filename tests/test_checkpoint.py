@@ -816,6 +816,25 @@ def test_a_checkpoint_of_another_seed_of_the_run_is_refused_in_one_line(tmp_path
 
 
 @pytest.mark.slow
+def test_a_resume_among_checkpoints_of_another_model_of_the_run_is_refused_and_keeps_them(tmp_path):
+    """A --resume whose folder held only checkpoints of another model of the run (its creator changed the model, or
+    reused the run id) started afresh with a warning: its checkpoints went beside the old ones, and replaced each
+    old one of the same step. Nothing resumable is there: refused in one line, naming the model, nothing written."""
+    config = TrainConfig(inner_steps=2, batch_size=4, eval_batches=1)
+    folder = tmp_path / "checkpoints"  # no out-dir: no final model to refuse the fresh start over
+    with published(config) as node:
+        options = PeerOptions(run_id=RUN, node=node, duration=1.0, checkpoint_dir=folder, verbose=False)
+        run_peer(options, threading.Event())
+    before = {path.name: path.read_bytes() for path in folder.iterdir()}
+    with published(config.with_overrides(model="gpt-small")) as node:
+        resumed = dataclasses.replace(options, node=node, resume=True)
+        said = r"^--resume: .*checkpoints holds checkpoints of model 'gpt-tiny' \(ckpt-\d+\.safetensors\), not of "
+        with pytest.raises(PeerError, match=said + "the run's model 'gpt-small': they cannot go on in this run"):
+            run_peer(resumed, threading.Event())
+    assert {path.name: path.read_bytes() for path in folder.iterdir()} == before
+
+
+@pytest.mark.slow
 def test_a_lone_peer_restarted_before_it_steps_alone_still_steps_alone(tmp_path):
     """A peer with nobody to average with, restarted more often than every `solo_after` rounds (a laptop closed
     every few minutes, a peer killed under --restart): its count of lonely rounds started at 0 at every start, so it
