@@ -19,6 +19,7 @@ from torch import Tensor
 from murmur.peer.config import DEFAULT_MODEL  # noqa: F401  (the registry's default, as the run config names it)
 
 MODEL_FILE, CONFIG_FILE = "model.safetensors", "config.json"  # what `murmur export` writes (peer.ops.export)
+EXPORT_ID = "murmur.export"  # one export's id, in its model file's metadata and config.json's "murmur": a pair's check
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -106,15 +107,12 @@ class GPT(nn.Module):
     @classmethod
     def from_pretrained(cls, folder: str | Path) -> GPT:
         """The model `murmur export` wrote to `folder`: config.json's GPTConfig fields, then model.safetensors,
-        loaded strictly (every key and shape)."""
-        import json
-
+        loaded strictly (every key and shape); MixedExport if the two are not of one export."""
         from safetensors.torch import load_file
 
-        folder = Path(folder)
-        config = json.loads((folder / CONFIG_FILE).read_text())
+        config = export_config(folder)
         model = cls(GPTConfig(**{k: v for k, v in config.items() if k in GPTConfig.__dataclass_fields__}))
-        model.load_state_dict(load_file(folder / MODEL_FILE))
+        model.load_state_dict(load_file(Path(folder) / MODEL_FILE))
         return model.eval()
 
     @staticmethod
@@ -187,3 +185,26 @@ def buffer_names(model: nn.Module) -> list[str]:
 def count_parameters(model: nn.Module) -> int:
     """Number of distinct parameter elements (tied weights counted once)."""
     return sum(p.numel() for p in model.parameters())
+
+
+class MixedExport(ValueError):
+    """An export folder whose two files are of two different exports; str(e) is one line."""
+
+
+def export_config(folder: str | Path) -> dict:
+    """An export's config.json (`murmur export`), after checking from its header alone that model.safetensors is of
+    the same export: one cut short between its two files left one of each (MixedExport). Exports of an older
+    murmur, which named none, pass."""
+    import json
+
+    from safetensors import safe_open
+
+    folder = Path(folder)
+    config = json.loads((folder / CONFIG_FILE).read_text())
+    with safe_open(str(folder / MODEL_FILE), framework="pt") as f:
+        model_id = (f.metadata() or {}).get(EXPORT_ID)
+    about = config.get("murmur") if isinstance(config, dict) else None
+    if model_id != (about.get("export") if isinstance(about, dict) else None):
+        raise MixedExport(f"{folder}: {MODEL_FILE} and {CONFIG_FILE} are of two different exports (an export into it "
+                          "was cut short between them): export again")  # fmt: skip
+    return config

@@ -286,6 +286,53 @@ def test_the_temp_file_of_an_export_killed_midway_goes_with_the_next_export(trai
         running.wait()
 
 
+@pytest.mark.parametrize("cut", ["config-write", "second-rename"])
+def test_an_export_cut_short_between_its_two_files_never_pairs_a_model_with_another_exports_config(
+    trained, tmp_path, capsys, monkeypatch, cut
+) -> None:
+    """An export over an earlier one wrote its model, then its config: cut short between the two (a kill, a full
+    disk), the folder held the new model under the earlier export's config, which loaded without a word, its
+    provenance (step, run) another model's. Cut here as the config is written, or at the pair's second rename."""
+    peer_dir, out = tmp_path / "peer", tmp_path / "out"
+    save_anchor(peer_dir / ANCHOR, trained.model, trained.outer.anchor, run_id="r", config=CONFIG, step=1,
+                outer_step=1)  # fmt: skip
+    assert main(["export", str(out), "--from", str(peer_dir)]) == 0
+    earlier = load_file(out / "model.safetensors")
+    later = {name: t + 1 for name, t in trained.outer.anchor.items()}
+    save_anchor(peer_dir / ANCHOR, trained.model, later, run_id="r", config=CONFIG, step=9, outer_step=3)
+    write_text, replace, renamed = Path.write_text, os.replace, []
+
+    def failing_write(path, *args, **kwargs):
+        if cut == "config-write" and path.name.startswith(".config.json.tmp"):
+            raise OSError(28, "No space left on device")
+        return write_text(path, *args, **kwargs)
+
+    def failing_replace(src, dst, *args, **kwargs):
+        if Path(dst).parent == out:
+            renamed.append(dst)
+            if cut == "second-rename" and len(renamed) == 2:
+                raise OSError(28, "No space left on device")
+        return replace(src, dst, *args, **kwargs)
+
+    monkeypatch.setattr(Path, "write_text", failing_write)
+    monkeypatch.setattr(os, "replace", failing_replace)
+    assert main(["export", str(out), "--from", str(peer_dir)]) == 1
+    monkeypatch.undo()
+    capsys.readouterr()
+    code = main(["export", str(tmp_path / "again"), "--from", str(out)])
+    assert code == (0 if cut == "config-write" else 1)
+    if code == 0:  # nothing renamed yet: the earlier export whole, its model and its config
+        exported = load_file(tmp_path / "again" / "model.safetensors")
+        assert all(torch.equal(t, exported[name]) for name, t in earlier.items())
+        assert json.loads((tmp_path / "again" / "config.json").read_text())["murmur"]["step"] == 1
+    else:  # the later config beside the earlier model: a pair of two exports, refused in one line
+        err = capsys.readouterr().err
+        assert code == 1 and "are of two different exports" in err and err.count("\n") == 1, err
+        with pytest.raises(ValueError, match="two different exports"):
+            GPT.from_pretrained(out)
+    assert sorted(p.name for p in out.iterdir()) == ["config.json", "model.safetensors"]  # no temp file left
+
+
 def test_an_export_is_made_as_any_file_is(trained, tmp_path) -> None:
     """model.safetensors came out 0o600 (safetensors' own mode) beside a 0o644 config.json: a folder made to be handed
     on, whose model the owner's group, or a web server serving it, could not read."""

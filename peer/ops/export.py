@@ -3,11 +3,13 @@
 `murmur export OUT_DIR --from PATH` (or `--initial-peers ... --run RUN`) writes two files:
 
 * `model.safetensors`: the model's `state_dict()`, every key and shape, loadable strictly (a tied weight
-  is stored under each of its names); its metadata is only {"format": "pt"}.
+  is stored under each of its names); its metadata is {"format": "pt"} and the export's id, "murmur.export".
 * `config.json`: for a built-in GPT, its `GPTConfig` fields at the top level (as Hugging Face configs
   keep theirs) and "model_type": "murmur-gpt"; for a researcher's own model, "model_type": "custom" and
   the builder's `pkg.module:function`. Both carry "murmur": the run, the registry name, the steps
-  and the run's training config.
+  and the run's training config, and the export's id. Both are written in full before either replaces
+  an earlier export's; an export cut short between the two renames leaves files of two exports, which
+  a load (`murmur export --from`, `sample`, `GPT.from_pretrained`) refuses in one line.
 
 The model comes from a peer's `--out-dir` (its final `anchor.safetensors`, else, or while a resumed peer trains
 on past it, its newest checkpoint), a checkpoint file, a folder that `export` wrote, or a live swarm: a
@@ -21,10 +23,13 @@ steps. Loading it back:
 
 from __future__ import annotations
 
+import contextlib
 import json
 import logging
 import math
 import os
+import secrets
+from collections.abc import Iterator
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
@@ -37,7 +42,17 @@ from murmur.peer import tensorfile
 from murmur.peer.anchorfile import ANCHOR, check_kind, model_state
 from murmur.peer.checkpoint import CheckpointError, checkpoint_files, decimal, load_checkpoint, named_step
 from murmur.peer.config import is_spec
-from murmur.peer.model import CONFIG_FILE, GPT, MODEL_FILE, MODELS, buffer_names, build_model
+from murmur.peer.model import (
+    CONFIG_FILE,
+    EXPORT_ID,
+    GPT,
+    MODEL_FILE,
+    MODELS,
+    MixedExport,
+    buffer_names,
+    build_model,
+    export_config,
+)
 from murmur.peer.tensorfile import TensorFileError
 
 if TYPE_CHECKING:
@@ -225,10 +240,13 @@ def _from_export(folder: Path, custom: bool | str | None = True) -> Found:
         if config.get("model_type") == MODEL_TYPE:
             model = GPT.from_pretrained(folder)
         else:
+            export_config(folder)  # before the builder is imported
             builder = build(str(config.get("builder") or ""), custom=custom)
             model = _loaded(builder, load_file(folder / MODEL_FILE), str(folder))
     except ExportError:
         raise
+    except MixedExport as e:
+        raise ExportError(str(e)) from None
     except (ValueError, TypeError, RuntimeError, OSError, SafetensorError) as e:
         raise ExportError(f"{folder}: the exported model does not load: {' '.join(str(e).split())[:300]}") from None
     return Found(model, str(about.get("model") or config.get("builder")), str(folder), about.get("run_id"),
@@ -251,14 +269,20 @@ def write(found: Found, out_dir: Path) -> tuple[Path, Path]:
         config = {"model_type": MODEL_TYPE, **vars(found.model.config)}
     else:
         config = {"model_type": "custom", "builder": found.name}
-    config["murmur"] = found.provenance()
+    export_id = secrets.token_hex(8)  # in both files: a reader tells a pair that two exports left (`export_config`)
+    config["murmur"] = found.provenance() | {"export": export_id}
     model_path, config_path = out_dir / MODEL_FILE, out_dir / CONFIG_FILE
     for name in (MODEL_FILE, CONFIG_FILE):  # an export killed mid-write left its temp file (a model's size): first,
         for stale in out_dir.glob(f".{name}.tmp-*"):  # as on a full disk it holds the room this write needs
             if not _running(stale.name.rpartition("-")[2]):  # (not one an export running now is writing)
                 stale.unlink(missing_ok=True)
-    _atomic(model_path, lambda tmp: tensorfile.save_tensors(state, tmp, {"format": "pt"}))
-    _atomic(config_path, lambda tmp: Path(tmp).write_text(json.dumps(config, indent=2, allow_nan=False) + "\n"))
+    # both are written in full before either replaces the last export's, the config first, the model last: a kill
+    # between the two renames leaves a pair that `export_config` refuses in one line, not a model under another's config
+    with _staged(model_path) as model_tmp, _staged(config_path) as config_tmp:
+        _saved(model_path, lambda: tensorfile.save_tensors(state, model_tmp, {"format": "pt", EXPORT_ID: export_id}))
+        config_tmp.write_text(json.dumps(config, indent=2, allow_nan=False) + "\n")
+        os.replace(config_tmp, config_path)
+        os.replace(model_tmp, model_path)
     return model_path, config_path
 
 
@@ -340,17 +364,25 @@ def _running(pid: str) -> bool:
     return True
 
 
-def _atomic(path: Path, write_to) -> None:
-    from safetensors import SafetensorError
-
+@contextlib.contextmanager
+def _staged(path: Path) -> Iterator[Path]:
+    """The hidden temp file `path`'s next version is written to (named for this process), gone at the end unless it
+    was renamed into place."""
     tmp = path.with_name(f".{path.name}.tmp-{os.getpid()}")
     try:
-        write_to(str(tmp))
-        os.replace(tmp, path)
-    except SafetensorError as e:  # a full disk, as safetensors says it: an OSError, one line
-        raise OSError(f"cannot write {path}: {' '.join(str(e).split())}") from None
+        yield tmp
     finally:
         tmp.unlink(missing_ok=True)
+
+
+def _saved(path: Path, save) -> None:
+    """`save()`, a safetensors write for `path`: a full disk, as safetensors says it, an OSError in one line."""
+    from safetensors import SafetensorError
+
+    try:
+        save()
+    except SafetensorError as e:
+        raise OSError(f"cannot write {path}: {' '.join(str(e).split())}") from None
 
 
 def _json(text: str | None) -> dict[str, Any]:
