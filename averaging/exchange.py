@@ -104,6 +104,14 @@ class Declined(ExchangeFailed):
         self.meta = dict(meta or {})
 
 
+class Aborted(ExchangeFailed):
+    """The other side aborted the exchange; `meta` is its ABORT's (a leader's names the members that went on)."""
+
+    def __init__(self, reason: str, meta: Mapping[str, object] | None = None) -> None:
+        super().__init__(reason)
+        self.meta = dict(meta or {})
+
+
 class Incompatible(Declined):
     """The leader trains another layout (another model, compression or run); str(e) names the first difference."""
 
@@ -264,7 +272,7 @@ class Messenger:
         if want is not None and message.kind == Kind.DECLINE:
             raise Declined(str(message.meta.get("reason", "no reason given")), message.meta)
         if want is not None and message.kind == Kind.ABORT:
-            raise ExchangeFailed(f"aborted: {message.meta.get('reason', 'no reason given')}")
+            raise Aborted(f"aborted: {message.meta.get('reason', 'no reason given')}", message.meta)
         if session is not None and message.session != session:
             raise Misbehaved(f"message for session {message.session}, expected {session}")
         if step is not None and abs(message.step - step) > self.max_step_gap:
@@ -352,7 +360,8 @@ class SealedExchange:
         self.opened = {j: asyncio.Event() for j in others if seal.opens(j, seal.me)}  # links others open to us
         self.going: list[int] = []
         self.blamed: set[int] = set()  # members whose messages to us were bad (a strike each)
-        self.stuck: set[int] = set()  # members whose PHASE1 and ours did not cross in time (or their link broke)
+        self.stuck: set[int] = set()  # members whose PHASE1 and ours did not cross within a message timeout
+        self.closed: set[int] = set()  # ... members that closed the stream before (it gave up on us, or it died)
         self.awaiting_commit = False  # a member that has done its part and waits for the leader's COMMIT
         self.deadline = 0.0  # monotonic time the exchange's bound ends
         self.over = asyncio.Event()
@@ -411,7 +420,7 @@ class SealedExchange:
                 raise self._withheld(f"timed out after {time.monotonic() - started:.1f} s") from None
             raise ExchangeFailed(f"timed out after {time.monotonic() - started:.1f} s{self._too_slow()}") from None
         except ExchangeFailed as e:
-            if type(e) is ExchangeFailed and (why := self._too_slow()):  # left out, say: because of our own link?
+            if type(e) in (ExchangeFailed, Aborted) and (why := self._too_slow(e)):  # left out: for our own link?
                 raise ExchangeFailed(f"{e}{why}") from None
             raise
         except ConnectionError as e:
@@ -426,16 +435,23 @@ class SealedExchange:
                 task.cancel()
             await asyncio.gather(*links, return_exceptions=True)
 
-    def _too_slow(self) -> str:
+    def _too_slow(self, error: ExchangeFailed | None = None) -> str:
         """What to add to a failure when the payloads did not cross in time with most other members: this peer's own
         link is then the slow one (nothing else told a volunteer on a slow link why it was left out of every
-        group); empty otherwise."""
-        others = len(self.seal.members) - 1
-        if not self.stuck or 2 * len(self.stuck) <= others:
+        group); empty otherwise. A member that closed the stream counts only if it went on with the group (as the
+        leader's PROCEED, or its ABORT (`error`), names them): it gave up on this peer, where a member that died
+        closed its streams as well."""
+        count = len(self.seal.members)
+        went_on = set(self.going)
+        if isinstance(error, Aborted) and type(mask := error.meta.get("g")) is int and mask >= 0:
+            went_on.update(members_of(mask, count))
+        stuck = self.stuck | (self.closed & went_on)
+        others = count - 1
+        if not stuck or 2 * len(stuck) <= others:
             return ""
         size = sum(math.prod(spec.shape) * spec.dtype.itemsize for spec in self.spec1.values())
         whose = "this peer's link is" if others > 1 else "a link (this peer's or its partner's) is"
-        return (f"; payloads of {size / 1e3:.0f} kB did not cross with {len(self.stuck)} of {others} members within "
+        return (f"; payloads of {size / 1e3:.0f} kB did not cross with {len(stuck)} of {others} members within "
                 f"the {self.messenger.timeout:g} s message timeout: {whose} too slow for them")  # fmt: skip
 
     async def _expect(self, j: int) -> None:
@@ -488,8 +504,8 @@ class SealedExchange:
                         raise
                     # every member holds its payload: the others go on with it, as with a member whose COMMIT is lost
                     self._member_failed(j, e, "the PROCEED to it")
-            elif j in haves:
-                await m.refuse(stream, Kind.ABORT, seal.session, "left out: payloads missing")
+            elif j in haves:  # who went on: a member whose stream with it closed tells a crash from a give-up
+                await m.refuse(stream, Kind.ABORT, seal.session, "left out: payloads missing", {"g": bits(going)})
         return going
 
     async def _commit(self) -> None:
@@ -610,8 +626,10 @@ class SealedExchange:
         try:
             await leg()
         except (ExchangeFailed, ConnectionError, TimeoutError, wire.WireError) as e:
-            if isinstance(e, TimeoutError | ConnectionError) and settled is self.settled:
-                self.stuck.add(j)  # (a timeout on either side: the other closes the stream once it gives up)
+            if settled is self.settled and isinstance(e, TimeoutError):
+                self.stuck.add(j)
+            elif settled is self.settled and isinstance(e, ConnectionError):  # it gave up on us (a timeout on its
+                self.closed.add(j)  # side), or it died: `_too_slow` tells which by whether it went on
             self._failed(j, e)
         finally:
             _settle(settled[j])

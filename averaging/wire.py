@@ -56,7 +56,7 @@ class Kind(enum.IntEnum):
     PHASE2 = 8  # member <-> member: the sender's own phase-2 Q factors
     DONE = 9  # member -> leader: it holds every phase-2 payload of the group
     COMMIT = 10  # leader -> member: apply
-    ABORT = 11  # either side: stop this exchange, apply nothing; meta["reason"]
+    ABORT = 11  # either side: stop this exchange, apply nothing; meta["reason"] (a leader leaving one out: "g")
 
 
 class WireError(ValueError):

@@ -609,3 +609,35 @@ def test_a_member_on_a_link_too_slow_for_the_payloads_is_told_why_it_was_left_ou
     assert "did not cross with 3 of 3 members within the 0.5 s message timeout" in said
     assert "this peer's link is too slow for them" in said and "\n" not in said
     assert all(p.stats.last_error is None for p in peers[:3])  # the fast ones are not told their link is slow
+
+
+def test_a_member_that_crashed_is_not_counted_as_a_link_too_slow():
+    """P1's payloads crawl with its leader's alone, and P2 dies as it sends its own (its streams close): P1 was told
+    "did not cross with 2 of 2 members ...: this peer's link is too slow for them", the crashed member's closed
+    stream counted as one that gave up on P1's slow link. A closed stream counts only from a member that went on
+    with the group (it gave up on this peer, and lives): here one member of two, so nothing is said of P1's link."""
+
+    async def main():
+        net = InMemoryNetwork()
+        peers = await started(*(make_averager(net, f"P{i}") for i in range(3)))
+
+        async def before_send(src, dst, frame):
+            kind = wire.decode(frame).kind
+            if src == "P2" and kind == wire.Kind.PHASE1:  # a SIGKILL: its streams and its round end
+                await net.crash("P2")
+                tasks[2].cancel()
+                return None
+            if {src, dst} == {"P0", "P1"} and kind == wire.Kind.PHASE1:
+                await asyncio.sleep(3 * FAST.message_timeout)  # the link's pace, not a wait for an event
+            return frame
+
+        net.before_send = before_send
+        plan_of = led_by("P0", ["P1", "P2"])
+        tasks = [asyncio.create_task(p.average(make_offer(i), plan_of[p.peer_id])) for i, p in enumerate(peers)]
+        await asyncio.gather(*tasks, return_exceptions=True)
+        return peers
+
+    peers = asyncio.run(main())
+    said = peers[1].stats.last_error
+    assert said is not None and "left out: payloads missing" in said, said
+    assert "too slow" not in said, said
