@@ -17,7 +17,8 @@ clocks differ).
 The nodes asked are the peer's initial peers (the nodes its operator handed out) and others of the routing table
 picked at random, so that a crowd of nodes in the table (a Sybil's) is at most the part of the sample it is of the
 table's rest. It measures at once, again 5 s later and then at doubling intervals up to `period` (the routing
-table fills as the peer meets the swarm, and clocks drift), on a daemon thread; `now()` never waits on the DHT.
+table fills as the peer meets the swarm, and clocks drift), and again within 2 s of this machine's clock being set
+(NTP's step) or of its waking from sleep, on a daemon thread; `now()` never waits on the DHT.
 """
 
 from __future__ import annotations
@@ -39,6 +40,7 @@ __all__ = ["MAX_SKEW", "ClockReading", "SwarmClock", "swarm_offset"]
 
 logger = logging.getLogger(__name__)
 
+TICK = 2.0  # seconds between looks at whether this machine's clock was set or slept, which calls for a measurement
 SAY_AT = 0.25  # seconds of correction (and of change in it) worth a line: a tenth of the built-in model's round
 
 
@@ -70,6 +72,7 @@ class SwarmClock(_Background):
         self.offset = 0.0  # seconds added to time.time(): the swarm's time minus this machine's
         self.reading: ClockReading | None = None  # the last measurement that found a node
         self._said = 0.0  # the offset last said in a line
+        self._stepped_from = _wall_minus_monotonic()  # at the last measurement
         self._rng = random.Random(seed)
 
     def now(self) -> float:
@@ -105,6 +108,7 @@ class SwarmClock(_Background):
         self._stop_thread(timeout)
 
     def _measure(self) -> None:
+        self._stepped_from = _wall_minus_monotonic()
         try:
             self.measure()
         except Exception as e:
@@ -112,9 +116,13 @@ class SwarmClock(_Background):
 
     def _run(self) -> None:
         wait = self.first
-        while not self._stopping.wait(wait):
-            self._measure()
-            wait = min(2 * wait, self.period)
+        due = time.monotonic() + wait
+        while not self._stopping.wait(min(TICK, max(0.0, due - time.monotonic()))):
+            stepped = abs(_wall_minus_monotonic() - self._stepped_from) >= SAY_AT
+            if stepped or time.monotonic() >= due:  # the clock was set (NTP's step), or slept (a laptop's lid)
+                self._measure()
+                wait = self.first if stepped else min(2 * wait, self.period)
+                due = time.monotonic() + wait
 
     def _say(self, offset: float, nodes: int) -> None:
         """A line when the correction first reaches `SAY_AT`, when it moves that much since, and when it is back
@@ -129,6 +137,11 @@ class SwarmClock(_Background):
             logger.warning("this machine's clock is %.2f s %s the swarm's (the median of %d other nodes'): rounds "
                            "follow the swarm's clock; set this one right (NTP: timedatectl set-ntp true)",
                            abs(offset), way, nodes)  # fmt: skip
+
+
+def _wall_minus_monotonic() -> float:
+    """Steady while nobody sets this machine's clock and it does not sleep (the monotonic clock stops meanwhile)."""
+    return time.time() - time.monotonic()
 
 
 def swarm_offset(offsets: tuple[float, ...]) -> float:
