@@ -26,7 +26,7 @@ from typing import Annotated, Any, ClassVar, Generic, TypeVar
 
 import hivemind
 from hivemind.utils import MPFuture
-from hivemind.utils.timed_storage import ValueWithExpiration, get_dht_time
+from hivemind.utils.timed_storage import MAX_DHT_TIME_DISCREPANCY_SECONDS, ValueWithExpiration, get_dht_time
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator, model_validator
 
 from .addresses import AddressError, parse_peer_multiaddr
@@ -111,6 +111,9 @@ class Announcement(_Record):
     step_seconds: float | None = Field(default=None, ge=0)
     exchange_seconds: float | None = Field(default=None, ge=0)
     config: str | None = Field(default=None, pattern=r"^[0-9a-f]{16}$")  # config_digest of the config it trains on
+    # seconds its rounds add to its machine's clock to follow the swarm's (dht.clock; its operator's to set right)
+    clock: float | None = Field(default=None, ge=-MAX_DHT_TIME_DISCREPANCY_SECONDS, le=MAX_DHT_TIME_DISCREPANCY_SECONDS,
+                                allow_inf_nan=False)  # fmt: skip
 
     @field_validator("addresses")
     @classmethod

@@ -426,6 +426,7 @@ class VolunteerPeer:
             step_seconds=seen.step_seconds,
             exchange_seconds=seen.exchange_seconds,
             config=self.config_digest,
+            clock=round(self.clock.offset, 3),
         )
 
     def roster(self) -> list[Seen]:

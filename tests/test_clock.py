@@ -103,6 +103,9 @@ def test_a_peer_whose_clock_is_off_by_more_than_a_round_still_exchanges_every_ro
         )
         peers = [murmur(*argv, "--out-dir", str(tmp_path / name), "--duration", "20", env=env_of(tag, skew))
                  for name, skew in (("on-time", 0.0), ("ahead", 2.0))]  # fmt: skip
+        time.sleep(10)  # the operator sees how far off each peer's clock is
+        status = subprocess.run([sys.executable, "-m", "murmur.peer.cli", "status", *argv[1:], "--json"],
+                                capture_output=True, text=True, env=env_of(tag), timeout=60)  # fmt: skip
         outs = [peer.communicate(timeout=120)[0] for peer in peers]
         assert [peer.returncode for peer in peers] == [0, 0], outs
     reports = [json.loads((tmp_path / name / "report.json").read_text()) for name in ("on-time", "ahead")]
@@ -110,3 +113,7 @@ def test_a_peer_whose_clock_is_off_by_more_than_a_round_still_exchanges_every_ro
         assert report["exchanges_ok"] >= 0.6 * report["rounds"] >= 0.6 * 4, report  # (rounds grow on a busy machine)
     assert "this machine's clock is 2.00 s ahead of the swarm's" in outs[1]
     assert "this machine's clock" not in outs[0]  # its own is the swarm's
+    assert status.returncode == 0, status.stderr
+    clocks = {p["peer_id"]: p["clock"] for p in json.loads(status.stdout)["peers"]}
+    assert clocks[reports[1]["peer_id"]] == pytest.approx(-2.0, abs=0.1), status.stdout
+    assert clocks[reports[0]["peer_id"]] == pytest.approx(0.0, abs=0.1), status.stdout

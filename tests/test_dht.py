@@ -263,6 +263,9 @@ def test_announcement_round_trips_through_msgpack() -> None:
         dict(version=0),
         dict(client_mode="no"),
         dict(colour="blue"),
+        dict(clock=3.5),  # further off than hivemind lets a node start
+        dict(clock=-math.inf),
+        dict(clock=math.nan),
     ],
 )
 def test_announcement_rejects(changes: dict[str, Any]) -> None:

@@ -312,18 +312,22 @@ def test_status_names_the_creator_whose_config_it_did_not_find(capsys) -> None:
         stop_node(boot)
 
 
-def test_status_table_marks_client_mode_peers() -> None:
-    def peer(peer_id: str, client_mode: bool) -> PeerStatus:
+def test_status_table_marks_client_mode_peers_and_clocks_off_the_swarm_s() -> None:
+    def peer(peer_id: str, client_mode: bool, clock: float | None = None) -> PeerStatus:
         return PeerStatus(
             peer_id=peer_id, state="ready", outer_step=1, inner_steps=20, samples=320, loss=3.0,
-            samples_per_second=10.0, version=1, client_mode=client_mode, last_seen=2.0,
+            samples_per_second=10.0, version=1, client_mode=client_mode, last_seen=2.0, clock=clock,
         )  # fmt: skip
 
-    status = RunStatus(run="r", config=None, created_by=None, peers=[peer("a" * 12, False), peer("b" * 12, True)])
-    console = Console(record=True, width=160)
+    peers = [peer("a" * 12, False, 0.1), peer("b" * 12, True), peer("c" * 12, False, -2.04)]
+    status = RunStatus(run="r", config=None, created_by=None, peers=peers)
+    console = Console(record=True, width=200)
     console.print(render_status(status))
-    rows = {line.split()[0]: line for line in console.export_text().splitlines() if line.strip()[:1] in "ab"}
+    text = console.export_text()
+    rows = {line.split()[0]: line for line in text.splitlines() if line.strip()[:1] in "abc"}
     assert "(client)" in rows["b" * 8] and "(client)" not in rows["a" * 8]
+    assert "(clock 2.0 s ahead)" in rows["c" * 8] and "clock" not in rows["a" * 8] + rows["b" * 8]
+    assert "clock: its machine's clock is that far off the swarm's" in text
     assert config_summary(status) == "run 'r': no config record on the DHT"
     signed = "run 'r': no config record signed by its creator QmBoot (--creator) on the DHT"  # the reader trusts it
     assert config_summary(status, creator="QmBoot") == signed

@@ -18,6 +18,7 @@ from rich.console import Group, RenderableType
 from rich.table import Table
 from rich.text import Text
 
+from murmur.dht.clock import SAY_AT
 from murmur.dht.records import RunRecords, config_digest
 from murmur.peer.sketch import consensus_estimate
 
@@ -48,6 +49,7 @@ class PeerStatus:
     # it trains on another config than the run's record now holds (its creator published a new one since the peer
     # started): it averages only with peers of its own config
     other_config: bool = False
+    clock: float | None = None  # seconds its rounds add to its machine's clock to follow the swarm's (dht.clock)
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -91,7 +93,7 @@ def read_status(records: RunRecords, creator: str | None = None) -> RunStatus:
                 bytes_sent=m.bytes_sent if m else None, bytes_received=m.bytes_received if m else None,
                 samples_per_second=a.samples_per_second, version=a.version, client_mode=a.client_mode,
                 last_seen=max(0.0, now - (expiration - records.announce_ttl)), config=a.config,
-                other_config=digest is not None and a.config != digest,
+                other_config=digest is not None and a.config != digest, clock=a.clock,
             )
         )  # fmt: skip
     sketches = [m.sketch for peer_id, m in metrics.items() if peer_id in announced and m.sketch]
@@ -128,6 +130,8 @@ def render_status(status: RunStatus, creator: str | None = None) -> RenderableTy
                "client: never dialled")  # fmt: skip
     if any(p.other_config for p in status.peers):
         caption += ", other config: trains on another config than the run's now, and averages only with its like"
+    if any(_clock_off(p) for p in status.peers):
+        caption += ", clock: its machine's clock is that far off the swarm's (its rounds follow the swarm's)"
 
     table = Table(
         title=title, caption=caption, title_justify="left", caption_justify="left", box=box.SIMPLE_HEAD,
@@ -139,12 +143,17 @@ def render_status(status: RunStatus, creator: str | None = None) -> RenderableTy
         table.add_column(column, justify="right")
     for p in status.peers:
         state = p.state + (" (client)" if p.client_mode else "") + (" (other config)" if p.other_config else "")
+        state += f" (clock {abs(p.clock):.1f} s {'behind' if p.clock > 0 else 'ahead'})" if _clock_off(p) else ""
         table.add_row(
             p.peer_id[-8:], state, str(p.outer_step), _or_dash(p.inner_steps), _or_dash(p.samples),
             "—" if p.loss is None else f"{p.loss:.3f}", f"{p.samples_per_second:.1f}", str(p.version),
             f"{p.last_seen:.0f}s",
         )  # fmt: skip
     return Group(Text(config_summary(status, creator)), table)
+
+
+def _clock_off(peer: PeerStatus) -> bool:
+    return peer.clock is not None and abs(peer.clock) >= SAY_AT  # what the peer itself says in a line
 
 
 def _or_dash(value: int | None) -> str:
