@@ -10,6 +10,7 @@ import subprocess
 import sys
 import time
 import uuid
+from dataclasses import replace
 from pathlib import Path
 
 import pytest
@@ -113,6 +114,14 @@ def test_the_board_adds_each_new_metrics_record_once_and_counts_exchanges_per_mi
     board.record(status(peer("b", 12, 2)), now=108.0)  # a's announcement expired: gone from the table
     snap = board.snapshot(now=108.0)
     assert [p["peer_id"] for p in snap["peers"]] == ["b"] and "a" in snap["series"]["peers"]
+
+
+def test_the_table_marks_a_peer_whose_clock_is_off_as_murmur_status_does() -> None:
+    board = Board("r", period=2.0)
+    board.record(status(replace(peer("a", 10, 3), clock=1.5), replace(peer("b", 9, 2), clock=0.01)), now=100.0)
+    labels = {p["peer_id"]: p["label"] for p in board.snapshot(now=101.0)["peers"]}
+    assert labels == {"a": "training (clock 1.5 s behind)", "b": "training"}
+    assert "cell(p.label)" in dashboard.page("dashboard.js")  # the page shows the label it is given
 
 
 def test_a_run_without_the_creator_s_config_says_whose_config_is_missing() -> None:

@@ -26,7 +26,7 @@ from importlib import resources
 from typing import Any
 
 from murmur.dht.errors import one_line
-from murmur.peer.ops.status import PeerStatus, RunNotFound, RunStatus, missing_config, read_status
+from murmur.peer.ops.status import PeerStatus, RunNotFound, RunStatus, missing_config, read_status, state_label
 
 logger = logging.getLogger("murmur.dashboard")
 
@@ -143,7 +143,8 @@ class Board:
 
 def _peer_row(p: PeerStatus) -> dict[str, Any]:
     return {
-        "peer_id": p.peer_id, "state": p.state, "client_mode": p.client_mode, "outer_step": p.outer_step,
+        "peer_id": p.peer_id, "state": p.state, "label": state_label(p), "client_mode": p.client_mode,
+        "outer_step": p.outer_step, "clock": p.clock,
         "inner_steps": p.inner_steps, "loss": p.loss, "samples_per_second": p.samples_per_second,
         "exchanges_ok": p.exchanges_ok, "exchanges_failed": p.exchanges_failed, "bytes_sent": p.bytes_sent,
         "bytes_received": p.bytes_received, "last_seen": p.last_seen, "other_config": p.other_config,

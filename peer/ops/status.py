@@ -142,14 +142,19 @@ def render_status(status: RunStatus, creator: str | None = None) -> RenderableTy
     for column in ("outer step", "inner step", "samples", "loss", "samples/s", "ver", "seen"):
         table.add_column(column, justify="right")
     for p in status.peers:
-        state = p.state + (" (client)" if p.client_mode else "") + (" (other config)" if p.other_config else "")
-        state += f" (clock {abs(p.clock):.1f} s {'behind' if p.clock > 0 else 'ahead'})" if _clock_off(p) else ""
+        state = state_label(p)
         table.add_row(
             p.peer_id[-8:], state, str(p.outer_step), _or_dash(p.inner_steps), _or_dash(p.samples),
             "—" if p.loss is None else f"{p.loss:.3f}", f"{p.samples_per_second:.1f}", str(p.version),
             f"{p.last_seen:.0f}s",
         )  # fmt: skip
     return Group(Text(config_summary(status, creator)), table)
+
+
+def state_label(p: PeerStatus) -> str:
+    """Its state, marked where it is a client, on another config, or its machine's clock is off (status, dashboard)."""
+    state = p.state + (" (client)" if p.client_mode else "") + (" (other config)" if p.other_config else "")
+    return state + (f" (clock {abs(p.clock):.1f} s {'behind' if p.clock > 0 else 'ahead'})" if _clock_off(p) else "")
 
 
 def _clock_off(peer: PeerStatus) -> bool:

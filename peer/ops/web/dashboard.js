@@ -159,7 +159,7 @@ function renderPeers(state, colors) {
     swatch.style.background = colors[p.peer_id] || "#999";
     id.prepend(swatch);
     tr.append(
-      id, cell(p.state + (p.client_mode ? " (client)" : "") + (p.other_config ? " (other config)" : "")),
+      id, cell(p.label),
       cell(String(p.outer_step)),
       cell(p.inner_steps === null ? "—" : String(p.inner_steps)), cell(fmtNumber(p.loss, 4)),
       cell(fmtNumber(p.samples_per_second)), cell(p.exchanges_ok === null ? "—" : String(p.exchanges_ok)),
