@@ -41,7 +41,7 @@ __all__ = ["MAX_SKEW", "ClockReading", "SwarmClock", "swarm_offset"]
 logger = logging.getLogger(__name__)
 
 TICK = 2.0  # seconds between looks at whether this machine's clock was set or slept, which calls for a measurement
-SAY_AT = 0.25  # seconds of correction (and of change in it) worth a line: a tenth of the built-in model's round
+SAY_AT = 0.25  # seconds of correction (and of change in it) worth a line: an eighth of the shortest round (2 s)
 
 
 @dataclass(frozen=True)
