@@ -468,9 +468,10 @@ def _reader_left() -> bool:
 
 
 def _restartable(error: BaseException) -> bool:
-    """An expected error that a new start cures (the peer's network died under it): `--restart` restarts it."""
+    """An expected error that a new start cures (the peer's network died under it, a round's unexpected error):
+    `--restart` restarts it."""
     runner = sys.modules.get("murmur.peer.runner")
-    return runner is not None and isinstance(error, runner.NetworkLost)
+    return runner is not None and isinstance(error, runner.Restartable)
 
 
 def _supervised_join(args: argparse.Namespace) -> int:

@@ -85,8 +85,10 @@ class Journal:
         sketch = self._sketch(anchor)
         return sketch if all(map(math.isfinite, sketch)) else None
 
-    def report(self, peer, started: float, rounds: int, initial_loss: float, finished: int = 0) -> PeerReport:
-        """The peer's report, written with its final model to the out dir (never a model that is not finite)."""
+    def report(self, peer, started: float, rounds: int, initial_loss: float, finished: int = 0, *,
+               model: bool = True) -> PeerReport:  # fmt: skip
+        """The peer's report, written with its final model to the out dir (never a model that is not finite; none
+        without `model`: a state left half-updated, whose final model stays as it was)."""
         stats, traffic, trainer = peer.averager.stats, peer.averager.transport.traffic, peer.trainer
         extra = peer.finisher.transport.traffic if peer.finisher is not None else None
         wall = time.monotonic() - started
@@ -102,7 +104,8 @@ class Journal:
         if self.out_dir is not None:
             self.out_dir.mkdir(parents=True, exist_ok=True)
             try:
-                self.save_model(trainer, peer.options.run_id)
+                if model:
+                    self.save_model(trainer, peer.options.run_id)
             except OSError:  # a full disk: the report (a few lines, not a model's size) is kept all the same
                 with contextlib.suppress(OSError):
                     self._write_report(report)

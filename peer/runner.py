@@ -18,6 +18,7 @@ outer steps past it.
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import functools
 import gc
 import logging
@@ -65,7 +66,11 @@ class PeerError(RuntimeError):
     """A peer could not start or join; str(e) is one line."""
 
 
-class NetworkLost(PeerError):
+class Restartable(PeerError):
+    """A failure that a new start may cure, its work saved first: `murmur join --restart` restarts the peer."""
+
+
+class NetworkLost(Restartable):
     """The peer's DHT worker or p2pd died under it: a new start cures it (`murmur join --restart` restarts it)."""
 
 
@@ -234,6 +239,7 @@ class VolunteerPeer:
                                metrics_interval=options.metrics_interval)  # fmt: skip
         self.evaluated = (time.time(), 0)  # when, and after how many samples, the held-out loss was last measured
         self.verdict = RunVerdict()  # why the run must stop with an error, if it must
+        self.unsaved = False  # a round's outer step failed half-way: nothing more of this state is saved or served
         directory = options.checkpoints
         self.writer = CheckpointWriter(directory) if directory is not None else None
         self.lock: FolderLock | None = None  # its folders, held while it runs (`create` takes them)
@@ -539,15 +545,29 @@ class VolunteerPeer:
             loss, steps = phase
             waiting = time.monotonic()
             offer = trainer.outer.offer(overlap=options.overlap)
-            result, overlapped, computing, finite = self._exchange(self.averager, offer, stop, train=options.overlap)
-            steps += overlapped
-            blocked = time.monotonic() - waiting - computing  # no compute while gathering and exchanging
-            if finite:
-                self.verdict.finite_round()
-            self.verdict.check_layout(self.averager, rounds + 1)
-            step = self._ended(self.averager, result, blocked if options.overlap else None)
-            trainer.finish_round(offer, result, alone=step == Step.ALONE)
-            self.sharing.publish(trainer)
+            applying = False  # the round's outer step under way: the state may hold half of it
+            try:
+                try:
+                    result, overlapped, computing, finite = self._exchange(self.averager, offer, stop,
+                                                                           train=options.overlap)  # fmt: skip
+                except Exception:  # nothing applied: the round's work stays pending, as in a round without a group
+                    applying = True  # (an overlapped offer hands its residual back to the model)
+                    trainer.finish_round(offer, None)
+                    applying = False
+                    raise
+                steps += overlapped
+                blocked = time.monotonic() - waiting - computing  # no compute while gathering and exchanging
+                if finite:
+                    self.verdict.finite_round()
+                self.verdict.check_layout(self.averager, rounds + 1)
+                step = self._ended(self.averager, result, blocked if options.overlap else None)
+                applying = True
+                trainer.finish_round(offer, result, alone=step == Step.ALONE)
+                applying = False
+                self.sharing.publish(trainer)
+            except Exception as e:  # the averager's, the DHT's, the outer step's: the run stops with one line
+                self._round_failed(e, rounds + 1, applying=applying)
+                break
             elapsed = max(1e-9, time.monotonic() - round_start)
             self.samples_per_second = trainer.config.batch_size * steps / elapsed
             rounds += 1
@@ -569,14 +589,17 @@ class VolunteerPeer:
         lonely = self.engine.lonely  # (finish rounds count their own)
         finished = self.finish(stop) if not stop.is_set() and self.verdict.failure is None else 0
         failed = self.verdict.failure is not None  # (a finish that failed too: its work so far is saved all the same)
-        if trainer.steps > saved_steps or finished:  # a clean stop keeps every step since the last checkpoint,
-            # a round that a stop cut short included (the model holds its inner steps; the next round goes on)
+        # a clean stop keeps every step since the last checkpoint, a round that a stop cut short included (the model
+        # holds its inner steps; the next round goes on); an outer step that failed half-way left no model to keep
+        if not self.unsaved and (trainer.steps > saved_steps or finished):
             self.checkpoint(final=True, lonely=0 if self.finisher is not None else lonely)  # (finish flushed it)
         if self.writer is not None:  # written before the final model: on a nearly full disk the two took each other's
             self.writer.flush()  # room at once, and both failed where one fitted (and the report with them)
-        report = self.journal.report(self, started, rounds, initial_loss, finished)
+        report = self.journal.report(self, started, rounds, initial_loss, finished, model=not self.unsaved)
         if failed:  # the work so far is saved; the error is one line
-            raise (NetworkLost if self.verdict.restartable else PeerError)(self.verdict.failure)
+            verdict = self.verdict
+            kind = NetworkLost if verdict.network else Restartable if verdict.restartable else PeerError
+            raise kind(verdict.failure)
         return report
 
     def _evaluate(self) -> float:
@@ -629,8 +652,32 @@ class VolunteerPeer:
                 logger.debug("the training stream stopped", exc_info=e)
                 self.verdict.failure = str(e)
                 break
+            except Exception:  # the exchange still reads the offer: it ends (within its deadline) before the caller
+                with contextlib.suppress(Exception):  # hands the offer's residual back
+                    future.result()
+                raise
             computing += time.monotonic() - started
         return future.result(), steps, computing, finite
+
+    def _round_failed(self, error: Exception, round_: int, *, applying: bool) -> None:
+        """An error in a round's exchange or outer step (the averager's, the DHT's, the outer optimizer's) becomes the
+        run's failure, one line (its traceback under -v), which a new start may cure (`Restartable`). Before its outer
+        step, nothing of the round was applied: the model as it stands is checkpointed, written as the final model and
+        reported. During it (`applying`), the state may hold half a step: it is neither saved nor served to joiners,
+        the last checkpoint stays the newest, and only the report is written."""
+        logger.debug("round %d failed", round_, exc_info=error)  # its traceback, under -v
+        if (lost := node_lost(self.dht)) is not None:
+            self.verdict.network_lost(lost)
+        else:  # an unexpected error (it escaped before, and `--restart` restarted the peer): a new start may cure it
+            where = "outer step" if applying else "exchange"
+            self.verdict.crashed(f"round {round_}'s {where} failed: {one_line(error)}")
+        if applying:
+            self.unsaved = True
+            self.sharing.withdraw()
+            self.verdict.failure += (": the model it left half-updated was not saved (the checkpoints before it are "
+                                     "kept: --resume goes on from the last)")  # fmt: skip
+        else:
+            self.verdict.failure += " (the model as it stood is kept)"
 
     def _ended(self, averager: GroupAverager, result: GroupResult | None, waited: float | None = None) -> Step:
         """Tell the engine how the round went: who averaged with us, whom the averager planned in vain, and (if

@@ -148,6 +148,10 @@ class StateSharing:
         now: the donor takes the snapshot when a joiner asks, once per publication."""
         self.donor.publish(partial(training_state, trainer))
 
+    def withdraw(self) -> None:
+        """Serve no state from now on (one left half-updated by a failed outer step)."""
+        self.donor.publish(None)
+
     async def donors(self, min_step: int = 1) -> list[str]:
         """Live peers at outer step `min_step` or later that speak our version and accept connections."""
         peers = await self.records.a_peers()

@@ -7,9 +7,10 @@ theirs or its builder built other initial weights, and a peer whose DHT worker o
 it (it trained alone, unheard, in silence).
 `RunVerdict` is told about each round and, once one of them has gone on for a bounded number of
 rounds, holds the one line (`failure`) the peer stops with: its work is checkpointed, its report
-written, and the command exits non-zero. Only the lost network is `restartable`: a new start cures
-it, so `murmur join --restart` restarts such a peer, and nothing else here. `all_finite` guards what a
-peer writes: never a model that is not finite.
+written, and the command exits non-zero. The lost network is `restartable`: a new start cures it,
+so `murmur join --restart` restarts such a peer; so is an unexpected error in a round (`crashed`),
+which a new start may cure, as it did when such an error escaped the peer. Nothing else here is.
+`all_finite` guards what a peer writes: never a model that is not finite.
 """
 
 from __future__ import annotations
@@ -33,6 +34,7 @@ class RunVerdict:
         self.layout_rounds = layout_rounds  # rounds before "no peer has this layout" stops the peer
         self.failure: str | None = None
         self.restartable = False  # whether a new start of the peer cures the failure
+        self.network = False  # whether the failure is the peer's lost network
         self._non_finite = 0
 
     def non_finite(self, reason: str) -> None:
@@ -57,4 +59,10 @@ class RunVerdict:
         """The peer's own DHT node is gone (`dht.node.node_lost`): `why` says which part."""
         self.failure = (f"this peer lost its network: {why} (the OOM killer, or a kill), so it could reach no peer "
                         "and no peer could reach it")  # fmt: skip
+        self.restartable = self.network = True
+
+    def crashed(self, line: str) -> None:
+        """An unexpected error in a round (the averager's, the outer step's): `line` says what; a new start may cure
+        it."""
+        self.failure = line
         self.restartable = True

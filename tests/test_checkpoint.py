@@ -1,6 +1,7 @@
 """Checkpoints as safetensors: a bit-exact round trip and resume, atomic writes, one-line errors for corrupt
 files, fallback, pruning among files that verify, and format-1 `.pt` files still read (and never unpickled)."""
 
+import argparse
 import contextlib
 import dataclasses
 import gc
@@ -26,7 +27,7 @@ from murmur.averaging.group import GroupAverager, GroupResult
 from murmur.averaging.mixing import group_mean, local_round
 from murmur.dht.node import NodeConfig, start_node, stop_node, visible_addresses
 from murmur.dht.records import RunRecord, RunRecords
-from murmur.peer import checkpoint, tensorfile
+from murmur.peer import checkpoint, cli, tensorfile
 from murmur.peer.anchorfile import ANCHOR, save_anchor
 from murmur.peer.checkpoint import (
     CheckpointError,
@@ -41,8 +42,18 @@ from murmur.peer.config import TrainConfig
 from murmur.peer.data import DataConfig, load_corpus
 from murmur.peer.metrics import PeerReport
 from murmur.peer.model import build_model
+from murmur.peer.outer import OuterOptimizer
 from murmur.peer.rundir import LOCK, FolderLock, check_fresh, earlier_run
-from murmur.peer.runner import PeerError, PeerOptions, checkpoint_state, config_changes, restore_state, run_peer
+from murmur.peer.runner import (
+    PeerError,
+    PeerOptions,
+    Restartable,
+    checkpoint_state,
+    config_changes,
+    restore_state,
+    run_peer,
+)
+from murmur.peer.supervise import CRASH_EXIT
 from murmur.peer.trainer import Trainer
 from murmur.peer.workload import custom
 from tests.diskfull import tiny_disk
@@ -893,6 +904,79 @@ def test_a_finish_round_that_fails_keeps_the_final_checkpoint_model_and_report(t
     [saved] = (tmp_path / "checkpoints").glob("ckpt-*")
     assert saved.name == f"ckpt-{report.steps:08d}.safetensors"
     assert int(tensorfile.read_metadata(tmp_path / "anchor.safetensors")["murmur.step"]) == report.steps
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("overlap", [False, True])
+def test_a_training_round_whose_exchange_fails_keeps_the_final_checkpoint_model_and_report(tmp_path, monkeypatch,
+                                                                                           overlap):  # fmt: skip
+    """An error in a training round's exchange (the averager's, the DHT's) escaped the peer's run before its final
+    checkpoint, final model and report were written: the work since its last checkpoint was lost, and the command
+    ended in a traceback. Nothing of the round was applied, so the model as it stands is kept (an overlapped offer,
+    which moved the residual into the model and held the round's update in its place, hands it back). Injected here
+    into the second round's exchange of a peer alone, the rest real."""
+    average, calls = GroupAverager.average, []
+
+    async def failing(self, offer, plan):
+        calls.append(self.phase)
+        if len(calls) == 2:
+            raise RuntimeError("injected\nfault")
+        return await average(self, offer, plan)
+
+    monkeypatch.setattr(GroupAverager, "average", failing)
+    config = TrainConfig(inner_steps=2, batch_size=4, eval_batches=1)
+    with published(config) as node:
+        options = PeerOptions(run_id=RUN, node=node, duration=60.0, out_dir=tmp_path, verbose=False, overlap=overlap,
+                              checkpoint_interval=3600)  # no checkpoint but the final one  # fmt: skip
+        with pytest.raises(Restartable, match=r"^round 2's exchange failed: injected fault \(the model as it stood is "
+                                              r"kept\)$") as failed:  # fmt: skip
+            run_peer(options, threading.Event())
+    assert failed.type is Restartable
+
+    def join(args):
+        raise failed.value
+
+    # one line, and the code that `murmur join --restart` restarts, as it did the traceback's
+    assert cli._run(join, argparse.Namespace(command="join")) == CRASH_EXIT
+    report = PeerReport.model_validate_json((tmp_path / "report.json").read_text())
+    assert calls == ["training", "training"] and report.rounds == 1 and report.steps > 0
+    [saved] = (tmp_path / "checkpoints").glob("ckpt-*")
+    assert saved.name == f"ckpt-{report.steps:08d}.safetensors"
+    assert int(tensorfile.read_metadata(tmp_path / "anchor.safetensors")["murmur.step"]) == report.steps
+    # a peer alone never exchanged: nothing was left out of an exchange, and no round's update is held as its residual
+    residuals = load_checkpoint(saved, run_id=RUN)["trainer"]["outer"]["error_feedback"]
+    assert residuals and not any(r.any() for r in residuals.values())
+
+
+@pytest.mark.slow
+def test_a_training_round_whose_outer_step_fails_saves_no_half_updated_model(tmp_path, monkeypatch):
+    """An error in a round's outer step escaped the peer's run with a traceback and no report. The step may have
+    changed part of the state when it failed: that state is neither checkpointed nor written as the final model, the
+    checkpoints before it stay the newest, and the report is written. Injected into the third round's outer step,
+    after it changed one anchor tensor, the rest real."""
+    apply, calls = OuterOptimizer.apply, []
+
+    def failing(self, offer, result, *, alone=False):
+        calls.append(alone)
+        if len(calls) == 3:
+            next(iter(self.anchor.values())).add_(1.0)  # half a step
+            raise RuntimeError("injected fault")
+        return apply(self, offer, result, alone=alone)
+
+    monkeypatch.setattr(OuterOptimizer, "apply", failing)
+    config = TrainConfig(inner_steps=2, batch_size=4, eval_batches=1)
+    with published(config) as node:
+        options = PeerOptions(run_id=RUN, node=node, duration=60.0, out_dir=tmp_path, verbose=False,
+                              checkpoint_interval=0)  # a checkpoint every round  # fmt: skip
+        with pytest.raises(Restartable, match=r"^round 3's outer step failed: injected fault: the model it left "
+                                              r"half-updated was not saved \(the checkpoints before it are kept: "
+                                              r"--resume goes on from the last\)$"):  # fmt: skip
+            run_peer(options, threading.Event())
+    report = PeerReport.model_validate_json((tmp_path / "report.json").read_text())
+    assert len(calls) == 3 and report.rounds == 2
+    newest = sorted((tmp_path / "checkpoints").glob("ckpt-*"))[-1]  # round 2's (or round 1's, if round 2's was due
+    assert 0 < int(newest.name.removeprefix("ckpt-")[:8]) < report.steps  # while that was being written)
+    assert not (tmp_path / ANCHOR).exists()
 
 
 @pytest.mark.slow
