@@ -117,6 +117,40 @@ def test_a_first_round_sets_its_appointment_after_its_first_step():
     assert engine.announced.appointment == engine.appointment.key and engine.announced.step_seconds == 0.1
 
 
+def test_a_step_the_machine_slept_through_sets_neither_its_pace_nor_the_swarms():
+    """A `murmur join` peer stopped with SIGSTOP for 90 s (a paused VM, Ctrl-Z) in the middle of an inner step
+    measured that step at 90 s: its mean step time went from about 0.1 s to 4.6 s, so on waking it took one step a
+    round for ten rounds (three of them exchanged), and it announced that pace: beside one other peer, the median of
+    their two paces (2.35 s a step) set rounds of H x 2.35 s for both. Here beside peer a, on rounds of 1 s (before:
+    a round of 22.6 s, after one of a single step)."""
+    engine = RoundEngine("me", CONFIG)  # H = 10
+    roster = [seen("a", Appointment(seconds=1.0, slot=0).key, 0.1)]
+
+    def one_round(now: float, slept: float = 0.0) -> tuple[Appointment, int, float]:
+        """A round from `now` of steps of 0.1 s, the first `slept` seconds longer, and a group with a unless it
+        slept: its appointment, its steps, and when it ended."""
+        appointment = engine.begin(now, roster)
+        durations = iter([0.1 + slept] + [0.1] * 1000)
+        t, steps, last = now, 0, None
+        while engine.step_fits(t, last):
+            last = next(durations)
+            t, steps = t + last, steps + 1
+        t = max(t, appointment.at)
+        engine.gather(t, roster)
+        engine.ended(t, *((None, []) if slept else (2, ["a"])))  # (a waking peer's group has gone)
+        return appointment, steps, t + 0.2
+
+    now = 3.0
+    for _ in range(3):
+        appointment, before, now = one_round(now)
+        assert appointment.seconds == 1.0 and before >= 7
+    _, _, now = one_round(now, slept=90.0)
+    for _ in range(2):  # (the first round after it starts late in its slot)
+        appointment, steps, now = one_round(now)
+        assert engine.announced.step_seconds < 0.2 and appointment.seconds == 1.0
+    assert steps >= before - 1  # (before: 1)
+
+
 def _train_round(engine: RoundEngine, begin_roster, gather_roster, step: float, members: int = 3) -> Appointment:
     """One round of `engine` on a virtual clock: begin from `begin_roster`, inner steps of `step` seconds until
     the appointment, a gather that reads `gather_roster` (a function of the appointment's key), a group."""
