@@ -2,7 +2,8 @@
 
 `bench_vs_hivemind.py` runs every peer in its own network namespace so the bytes each one puts on
 its link can be read from the kernel's interface counters instead of being estimated, and so a
-`tbf` qdisc can cap each link (this kernel has no netem). The layout:
+`tbf` qdisc can cap each link (this kernel has no netem: `wanlab.py` adds latency, jitter and loss). The
+layout:
 
     <prefix>-hub   a bridge `br0` with address 10.77.0.254: the bootstrap nodes live here
     <prefix>-pK    `eth0` with address 10.77.0.(K+1), a veth pair whose other end `vpK` is on the bridge

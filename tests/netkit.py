@@ -1,8 +1,9 @@
 """What the network-namespace tests share: a lab of namespaces (root only), and this file's roles run inside them.
 
-A test opens a `scripts/netlab.py` lab (its own prefix, every namespace deleted at the end), and runs
+A test opens a `scripts/netlab.py` lab (rates), or a `scripts/wanlab.py` one (latency, jitter, loss and rates: this
+kernel has no netem), each with its own prefix and every namespace deleted at the end, and runs
 `python tests/netkit.py ROLE ...` in a peer's namespace: real p2pd daemons on real links, which a `tbf` qdisc
-can slow and `ip link set ... down` can cut. Without root the test is skipped.
+(or the WanLab's switch) can slow and `ip link set ... down` can cut. Without root the test is skipped.
 
     donor HOST SECONDS       a StateDonor of `state()` on HOST; prints its multiaddr, serves for SECONDS
     joiner HOST              imports, then reads the donor's MADDR from stdin (so it starts beside the donor), and
@@ -32,17 +33,40 @@ STATE_SHAPE = (192, 1024)  # 768 KiB of float32: three chunks of `config()`'s 25
 @contextmanager
 def netlab(prefix: str, peers: int, rate_mbit: float | None = None) -> Iterator:
     """A NetLab of `peers` namespaces (each link at `rate_mbit` both ways), deleted at the end; skips without root."""
+    netlab_module = _script("netlab")
+    with _opened(netlab_module.NetLab(f"{prefix}{os.getpid()}", peers, rate_mbit), netlab_module.namespaces) as lab:
+        yield lab
+
+
+@contextmanager
+def wanlab(prefix: str, links: list) -> Iterator:
+    """A `scripts/wanlab.py` WanLab, one namespace per `wanlab.Link` (latency, jitter, loss, rates), deleted at the
+    end; skips without root."""
+    wan = _script("wanlab")
+    with _opened(wan.WanLab(f"{prefix}{os.getpid()}", links), _script("netlab").namespaces) as lab:
+        yield lab
+
+
+def link(**settings):
+    """A `scripts/wanlab.py` Link (its module is not importable as a package)."""
+    return _script("wanlab").Link(**settings)
+
+
+def _script(name: str):
     if os.geteuid() != 0:
         pytest.skip("network namespaces need root")
     sys.path.insert(0, str(SCRIPTS))
     try:
-        from netlab import NetLab, namespaces
+        return __import__(name)
     finally:
         sys.path.remove(str(SCRIPTS))
-    lab = NetLab(f"{prefix}{os.getpid()}", peers, rate_mbit)
+
+
+@contextmanager
+def _opened(lab, namespaces) -> Iterator:
     try:
         lab.open()
-    except RuntimeError as e:
+    except (RuntimeError, OSError) as e:
         pytest.skip(f"cannot build network namespaces here: {e}")
     try:
         yield lab
