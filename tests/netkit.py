@@ -9,6 +9,10 @@ kernel has no netem), each with its own prefix and every namespace deleted at th
     joiner HOST              imports, then reads the donor's MADDR from stdin (so it starts beside the donor), and
                              downloads that state through it; prints "verified" once the first chunk is in, then one
                              JSON line: seconds, chunks reused, or the error
+    leader HOST              a GroupAverager (`pair_averager()`) on HOST; prints its multiaddr, reads its member's
+                             peer id from stdin, leads one round with it; prints one JSON line: ok, seconds, error
+    member HOST              reads the leader's MADDR from stdin, prints its own peer id, joins the leader's round;
+                             the same JSON line
 """
 
 from __future__ import annotations
@@ -151,6 +155,60 @@ async def joiner(host: str) -> None:
         await p2p.shutdown()
 
 
+PAIR_SHAPES = {"delta/w": (1024, 512), "anchor/w": (1024, 512)}  # dense: 1 MB a payload, each way
+PAIR_MODES = {"delta/w": "mean", "anchor/w": "diff"}
+
+
+def pair_averager(p2p):
+    """A GroupAverager whose payload (1 MB) takes seconds over a far, lossy link, with a 3-s message timeout (10
+    round trips at 300 ms) and a 40-s bound on the exchange."""
+    from murmur.averaging.compression import LowRankCompressor, LowRankConfig
+    from murmur.averaging.group import GroupAverager, GroupConfig
+    from murmur.averaging.transport import P2PTransport
+
+    compressor = LowRankCompressor(LowRankConfig(mean_codec="dense", diff_codec="dense"))
+    config = GroupConfig(exchange_timeout=40.0, message_timeout=3.0)
+    return GroupAverager(P2PTransport(p2p, "murmur/netkit/group"), compressor, shapes=PAIR_SHAPES, modes=PAIR_MODES,
+                         run_id="netkit", config=config, seed=0)  # fmt: skip
+
+
+async def pair(host: str, lead: bool) -> None:
+    import torch
+
+    from murmur.averaging.group import GroupPlan, Offer
+
+    maddr = None if lead else sys.stdin.readline().strip()
+    p2p = await _p2p(host, [] if lead else [maddr])
+    averager = pair_averager(p2p)
+    await averager.start()
+    averager.expect("7@1")
+    if lead:
+        print(next(f"{a}/p2p/{p2p.peer_id.to_base58()}" for a in await p2p.get_visible_maddrs() if host in str(a)),
+              flush=True)  # fmt: skip
+        member = sys.stdin.readline().strip()
+    else:
+        print(p2p.peer_id.to_base58(), flush=True)
+    now = asyncio.get_running_loop().time()
+    at = {"key": "7@1", "deadline": now + 10.0, "not_before": now}
+    me = p2p.peer_id.to_base58()
+    plan = (GroupPlan(candidates=(me,), planned=(member,), **at) if lead
+            else GroupPlan(candidates=(maddr.rsplit("/", 1)[1], me), planned=(), **at))  # fmt: skip
+    generator = torch.Generator().manual_seed(len(host))
+    offer = Offer(step=0, tensors={n: torch.randn(s, generator=generator) for n, s in PAIR_SHAPES.items()},
+                  modes=dict(PAIR_MODES))  # fmt: skip
+    started = time.monotonic()
+    try:
+        result = await averager.average(offer, plan)
+        print(json.dumps({"ok": result is not None, "seconds": time.monotonic() - started,
+                          "error": averager.stats.last_error}), flush=True)  # fmt: skip
+    finally:
+        await averager.stop()
+        await p2p.shutdown()
+
+
 if __name__ == "__main__":
     role, host, *seconds = sys.argv[1:]
-    asyncio.run(donor(host, float(seconds[0])) if role == "donor" else joiner(host))
+    if role in ("leader", "member"):
+        asyncio.run(pair(host, role == "leader"))
+    else:
+        asyncio.run(donor(host, float(seconds[0])) if role == "donor" else joiner(host))
