@@ -93,24 +93,27 @@ def test_a_peer_whose_clock_is_off_by_more_than_a_round_still_exchanges_every_ro
     """Before the swarm's clock, a peer 2 s ahead of its partner (rounds of 2 s) exchanged in none of 23 rounds, and
     said nothing about why; one 5 s ahead got hivemind's own error, prefixed by 'DHT node ... failed to start'."""
     tag = f"clock-{uuid.uuid4()}"
-    with bootstrap(tag, "--inner-steps", "10") as argv:
+    with bootstrap(tag, "--inner-steps", "10", "--finish-rounds", "0") as argv:
         refused = murmur(*argv, "--out-dir", str(tmp_path / "far"), env=env_of(tag, 5.0))
-        out, _ = refused.communicate(timeout=60)
-        assert refused.returncode != 0
-        assert out.strip().splitlines()[-1] == (
-            "murmur join: error: this machine's clock is 5.0 s ahead of the bootstrap node's, more than the 3 s "
-            "hivemind allows: set it right (NTP: timedatectl set-ntp true) and join again"
-        )
-        peers = [murmur(*argv, "--out-dir", str(tmp_path / name), "--duration", "20", env=env_of(tag, skew))
+        peers = [murmur(*argv, "--out-dir", str(tmp_path / name), "--duration", "12", env=env_of(tag, skew))
                  for name, skew in (("on-time", 0.0), ("ahead", 2.0))]  # fmt: skip
-        time.sleep(10)  # the operator sees how far off each peer's clock is
-        status = subprocess.run([sys.executable, "-m", "murmur.peer.cli", "status", *argv[1:], "--json"],
-                                capture_output=True, text=True, env=env_of(tag), timeout=60)  # fmt: skip
+        time.sleep(3)
+        for _ in range(5):  # the operator sees how far off each peer's clock is, once both announce
+            status = subprocess.run([sys.executable, "-m", "murmur.peer.cli", "status", *argv[1:], "--json"],
+                                    capture_output=True, text=True, env=env_of(tag), timeout=60)  # fmt: skip
+            if status.returncode == 0 and len(json.loads(status.stdout)["peers"]) == 2:
+                break
+        out, _ = refused.communicate(timeout=60)
         outs = [peer.communicate(timeout=120)[0] for peer in peers]
         assert [peer.returncode for peer in peers] == [0, 0], outs
+    assert refused.returncode != 0
+    assert out.strip().splitlines()[-1] == (
+        "murmur join: error: this machine's clock is 5.0 s ahead of the bootstrap node's, more than the 3 s "
+        "hivemind allows: set it right (NTP: timedatectl set-ntp true) and join again"
+    )
     reports = [json.loads((tmp_path / name / "report.json").read_text()) for name in ("on-time", "ahead")]
     for report in reports:
-        assert report["exchanges_ok"] >= 0.6 * report["rounds"] >= 0.6 * 4, report  # (rounds grow on a busy machine)
+        assert report["exchanges_ok"] >= 0.6 * report["rounds"] >= 0.6 * 3, report  # (rounds grow on a busy machine)
     assert "this machine's clock is 2.00 s ahead of the swarm's" in outs[1]
     assert "this machine's clock" not in outs[0]  # its own is the swarm's
     assert status.returncode == 0, status.stderr

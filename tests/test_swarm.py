@@ -108,7 +108,7 @@ def test_three_real_peers_average_in_one_group_and_agree(three_nodes, loop):
 def test_simulate_command_trains_a_swarm_and_reaps_everything(tmp_path):
     report_path = tmp_path / "report.json"
     cmd = [
-        sys.executable, "-m", "murmur.peer.cli", "simulate", "--peers", "2", "--duration", "20",
+        sys.executable, "-m", "murmur.peer.cli", "simulate", "--peers", "2", "--duration", "15",
         "--report", str(report_path), "--out-dir", str(tmp_path / "runs"), "--inner-steps", "10",
         "--finish-rounds", "2",
     ]  # fmt: skip
