@@ -4,6 +4,7 @@ a traceback, a run with the default instead, or a failure at the end of a run of
 from __future__ import annotations
 
 import importlib.util
+import json
 import sys
 from pathlib import Path
 
@@ -29,6 +30,8 @@ SCRIPTS = Path(__file__).resolve().parent.parent / "scripts"
         ("bench_vs_hivemind.py", ["--budget", "nan"], "argument --budget: must be a positive number, got nan"),
         ("gpu_check.py", ["--batch-size", "0"], "argument --batch-size: must be at least 1, got 0"),
         ("check_big_swarm.py", ["--train-seconds", "-5"], "argument --train-seconds: must be a positive number"),
+        ("bench_wan.py", ["--duration", "5"], "argument --duration: must be at least 10, got 5"),
+        ("bench_wan.py", ["--scenarios", "moon"], "argument --scenarios: invalid choice: 'moon'"),
     ],
 )
 def test_a_bad_flag_is_one_line_before_anything_runs(script, flags, error, tmp_path, monkeypatch, capsys) -> None:
@@ -51,6 +54,7 @@ def test_a_bad_flag_is_one_line_before_anything_runs(script, flags, error, tmp_p
         ("bench_churn.py", "runs/churn-quick"),
         ("bench_model_scale.py", "runs/model-scale-quick/bench_model_scale.json"),
         ("bench_vs_hivemind.py", "runs/vs-hivemind-quick"),
+        ("bench_wan.py", "runs/wan-quick"),
     ],
 )
 def test_a_quick_run_never_writes_over_the_committed_results(script, quick, tmp_path, monkeypatch) -> None:
@@ -75,3 +79,21 @@ def load(script: str, monkeypatch: pytest.MonkeyPatch):
     monkeypatch.setitem(sys.modules, spec.name, module)  # its dataclasses look themselves up there
     spec.loader.exec_module(module)
     return module
+
+
+def test_bench_wan_sums_what_its_peers_wrote(tmp_path, monkeypatch) -> None:
+    """bench_wan.py's figures come from each peer's report.json and metrics.jsonl (a scenario's run needs root)."""
+    module = load("bench_wan.py", monkeypatch)
+    for k, (rounds, ok, lengths) in enumerate([(10, 9, ("2.0", "2.38")), (8, 4, ("2.0",)), (12, 11, ("2.83",))], 1):
+        folder = tmp_path / f"p{k}"
+        folder.mkdir()
+        report = {"rounds": rounds, "exchanges_ok": ok, "exchanges_failed": 1, "exchanges_declined": 0,
+                  "samples": 1000 * k, "wall_seconds": 10.0, "final_eval_loss": 2.0 + k / 10}  # fmt: skip
+        (folder / "report.json").write_text(json.dumps(report))
+        lines = [{"round": i, "appointment": f"{seconds}@{i}"} for i, seconds in enumerate(lengths)] + [{"round": 9}]
+        (folder / "metrics.jsonl").write_text("".join(json.dumps(line) + "\n" for line in lines))
+    summary = module.summary(tmp_path)
+    assert summary["rounds"] == [10, 8, 12] and summary["exchanges_ok"] == [9, 4, 11]
+    assert summary["exchanging"] == round(24 / 30, 3) and summary["samples_per_second"] == 600.0
+    assert (summary["round_seconds_first"], summary["round_seconds_last"]) == (2.0, 2.83)
+    assert sum(summary["exchanges_failed"]) == 3 and summary["final_eval_loss"] == [2.1, 2.2, 2.3]
