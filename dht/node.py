@@ -65,10 +65,21 @@ def _not_shutdown_noise(record: logging.LogRecord) -> bool:
 
 
 logging.getLogger("hivemind.p2p.p2p_daemon").addFilter(_not_shutdown_noise)
+logger = logging.getLogger(__name__)
 
 
 class NodeError(RuntimeError):
     """A DHT node could not be started. ``str(e)`` is one line."""
+
+
+class _Unreachable(NodeError):
+    """p2pd could not connect to any initial peer: refused, or cut off by a lossy link (a new start may succeed)."""
+
+
+# a start whose p2pd could not connect to any initial peer is tried again after each of these pauses: over a link that
+# loses 5% of its packets each way, the first connection failed now and then (one start of 15 in a bench_wan.py run),
+# and a bootstrap node that is restarting, or a volunteer started a moment before it, is up seconds later
+START_RETRIES = (2.0, 4.0)
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -178,6 +189,21 @@ P2PD_GO_ENV = {"GOGC": "50", "GOMEMLIMIT": "128MiB"}
 
 
 def _start(config: NodeConfig, validators: list) -> hivemind.DHT:
+    """`_started`, tried again after each of `START_RETRIES` while no initial peer could be reached (within the
+    config's `startup_timeout` in all)."""
+    deadline = time.monotonic() + config.startup_timeout
+    for pause in START_RETRIES:
+        try:
+            return _started(config, validators)
+        except _Unreachable as e:
+            if time.monotonic() + pause >= deadline:
+                raise
+            logger.info("%s; trying again in %g s", str(e).split(": check", 1)[0], pause)
+            time.sleep(pause)
+    return _started(config, validators)
+
+
+def _started(config: NodeConfig, validators: list) -> hivemind.DHT:
     _start_shm_manager()
     for name, value in P2PD_GO_ENV.items():
         os.environ.setdefault(name, value)
@@ -214,7 +240,7 @@ def _start(config: NodeConfig, validators: list) -> hivemind.DHT:
     except Exception as e:
         reason = one_line(e)
         if "failed to connect to bootstrap peers" in reason:
-            raise NodeError(_unreachable(config)) from None
+            raise _Unreachable(_unreachable(config)) from None
         if skew := _clock_refused(reason):
             raise NodeError(skew) from None
         raise NodeError(f"DHT node on {config.host_maddr} failed to start: {reason}") from e

@@ -12,6 +12,7 @@ import signal
 import socket
 import subprocess
 import sys
+import threading
 import time
 import uuid
 from collections.abc import Callable, Iterator
@@ -49,6 +50,7 @@ from murmur.dht import (
     validate_run_id,
     visible_addresses,
 )
+from murmur.dht.node import known_nodes
 
 T = TypeVar("T")
 PEER = "QmNnooDu7bfjPFoTZYxMNLWUQJyrVwtbZg5gBMjTezGAJN"
@@ -757,6 +759,26 @@ def test_unreachable_initial_peer_is_a_node_error(tmp_path: Path) -> None:
             assert str(caught.value).startswith(f"could not reach the initial peer {address}")
             assert "\n" not in str(caught.value)
     assert descendants() <= before
+
+
+@pytest.mark.slow
+def test_a_node_started_a_moment_before_its_bootstrap_node_joins_it_once_it_is_up(tmp_path: Path) -> None:
+    """A volunteer started just before the bootstrap node (or while it restarts), or whose first connection a lossy
+    link cut: p2pd's connection to the initial peer failed once and the join ended with 'could not reach'."""
+    key = ensure_identity(tmp_path / "boot.key")
+    port = closed_port()
+    address = f"/ip4/127.0.0.1/tcp/{port}/p2p/{peer_id_of(key)}"
+    nodes: list[Any] = []
+    late = threading.Timer(1.0, lambda: nodes.append(start_node(NodeConfig(port=port, identity_path=str(key)))))
+    late.start()
+    try:
+        nodes.append(start_node(NodeConfig(initial_peers=(address,))))
+        late.join()
+        assert len(nodes) == 2 and known_nodes(nodes[1]) >= 1  # it knows the bootstrap node
+    finally:
+        late.join()
+        for node in nodes:
+            stop_node(node)
 
 
 @pytest.mark.slow
