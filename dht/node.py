@@ -79,7 +79,7 @@ class _Unreachable(NodeError):
 # a start whose p2pd could not connect to any initial peer is tried again after each of these pauses: over a link that
 # loses 5% of its packets each way, the first connection failed now and then (one start of 15 in a bench_wan.py run),
 # and a bootstrap node that is restarting, or a volunteer started a moment before it, is up seconds later
-START_RETRIES = (2.0, 4.0)
+START_RETRIES = (1.0, 2.0)
 
 
 @dataclass(frozen=True, kw_only=True)
