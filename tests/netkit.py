@@ -20,6 +20,7 @@ from __future__ import annotations
 import asyncio
 import json
 import os
+import signal
 import subprocess
 import sys
 import time
@@ -84,6 +85,31 @@ def start(lab, peer: int, *args: str) -> subprocess.Popen:
     command = lab.wrap(peer, [sys.executable, __file__, *args])
     return subprocess.Popen(command, stdin=subprocess.PIPE, stdout=subprocess.PIPE, stderr=subprocess.PIPE,
                             text=True, start_new_session=True)  # fmt: skip
+
+
+def download(lab, outage: float = 0.0) -> dict:
+    """This file's joiner (in `lab`'s namespace 1) downloads its donor's (namespace 0) state; with `outage`, the
+    joiner's link is down that long once its first chunk is in (a NetLab's `link`). The joiner's JSON line."""
+    donor, joiner = start(lab, 0, "donor", lab.host(0), "60"), start(lab, 1, "joiner", lab.host(1))
+    try:
+        maddr = donor.stdout.readline()
+        assert maddr.strip(), donor.communicate(timeout=10)[1][-2000:]
+        joiner.stdin.write(maddr)
+        joiner.stdin.flush()
+        if outage and joiner.stdout.readline().strip() == "verified":
+            lab.link(1, up=False)
+            time.sleep(outage)  # the outage itself, not a wait for an event
+            lab.link(1, up=True)
+        joiner.stdin.close()
+        joiner.wait(timeout=60)
+        out = joiner.stdout.read()  # (through the reader that read the first line, and may hold more)
+        result = json.loads(out.strip().splitlines()[-1]) if out.strip() else {"error": joiner.stderr.read()[-2000:]}
+    finally:
+        for proc in (donor, joiner):
+            if proc.poll() is None:
+                os.killpg(proc.pid, signal.SIGKILL)
+                proc.wait()
+    return result
 
 
 def config():

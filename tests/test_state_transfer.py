@@ -2,14 +2,10 @@
 
 import asyncio
 import io
-import json
 import logging
 import math
-import os
 import random
-import signal
 import threading
-import time
 from collections import Counter
 from dataclasses import replace
 
@@ -42,7 +38,7 @@ from murmur.peer.runner import PeerOptions, VolunteerPeer
 from murmur.peer.state import AHEAD, StateSharing, apply_training_state, catch_up, expected_layout, training_state
 from murmur.peer.trainer import Trainer, warmup_lr
 from murmur.peer.workload import builtin
-from tests.netkit import netlab, start
+from tests.netkit import download, netlab
 
 CONFIG = TransferConfig(
     chunk_size=1024, message_timeout=0.3, find_timeout=2.0, stall_timeout=1.0, max_state_bytes=8 << 20
@@ -900,25 +896,4 @@ def download_in_namespaces(outage: float = 0.0) -> dict:
     """tests/netkit.py's joiner downloads its donor's state over 1 Mbit/s links; with `outage`, the joiner's link is
     down that long once its first chunk is in. The joiner's JSON line."""
     with netlab("mst", peers=2, rate_mbit=1) as lab:
-        donor, joiner = start(lab, 0, "donor", lab.host(0), "60"), start(lab, 1, "joiner", lab.host(1))
-        try:
-            maddr = donor.stdout.readline()
-            assert maddr.strip(), donor.communicate(timeout=10)[1][-2000:]
-            joiner.stdin.write(maddr)
-            joiner.stdin.flush()
-            if outage and joiner.stdout.readline().strip() == "verified":
-                lab.link(1, up=False)
-                time.sleep(outage)  # the outage itself, not a wait for an event
-                lab.link(1, up=True)
-            joiner.stdin.close()
-            joiner.wait(timeout=60)
-            out = joiner.stdout.read()  # (through the reader that read the first line, and may hold more)
-            result = (
-                json.loads(out.strip().splitlines()[-1]) if out.strip() else {"error": joiner.stderr.read()[-2000:]}
-            )
-        finally:
-            for proc in (donor, joiner):
-                if proc.poll() is None:
-                    os.killpg(proc.pid, signal.SIGKILL)
-                    proc.wait()
-    return result
+        return download(lab, outage)

@@ -11,7 +11,7 @@ import sys
 
 import pytest
 
-from tests.netkit import link, start, wanlab
+from tests.netkit import download, link, start, wanlab
 
 pytestmark = pytest.mark.slow
 
@@ -41,20 +41,7 @@ def test_a_joiner_downloads_the_state_over_150_ms_and_2_percent_loss():
     clean links, 4.0 s at 300 ms)."""
     far = link(delay_ms=37.5, jitter_ms=10, loss=0.01)
     with wanlab("wdl", [far, far]) as lab:
-        donor, joiner = start(lab, 0, "donor", lab.host(0), "60"), start(lab, 1, "joiner", lab.host(1))
-        try:
-            maddr = donor.stdout.readline()
-            assert maddr.strip(), donor.communicate(timeout=10)[1][-2000:]
-            joiner.stdin.write(maddr)
-            joiner.stdin.close()
-            joiner.wait(timeout=60)
-            lines = joiner.stdout.read().strip().splitlines()
-            result = json.loads(lines[-1]) if lines else {"error": joiner.stderr.read()[-2000:]}
-        finally:
-            for proc in (donor, joiner):
-                if proc.poll() is None:
-                    os.killpg(proc.pid, signal.SIGKILL)
-                    proc.wait()
+        result = download(lab)
     assert "error" not in result, result["error"]
     assert result["same"]
     assert result["seconds"] < 30, result
