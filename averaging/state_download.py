@@ -20,8 +20,9 @@
    others. A donor is dropped for a stall only once its bytes stop coming for `message_timeout`: on a slow
    link a chunk may take far longer than that to arrive whole. The round fails when every donor in it has;
    the donors that only fell silent (a timeout, a lost stream: this peer's own link may have gone down) are
-   asked again, the verified chunks kept, once no other donor is left. The whole download fails when nothing
-   has arrived from anyone for `stall_timeout`, or at `TransferConfig.ceiling` of the state's size.
+   asked again, the verified chunks kept, whenever no other donor is left. The whole download fails when no
+   chunk has verified and fewer than `MIN_PROGRESS` bytes of one have arrived from any donor for `stall_timeout`
+   (this side's own requests do not count), or at `TransferConfig.ceiling` of the state's size.
 4. Check. With every chunk in, the whole payload's sha256 and every value's finiteness are checked (on a
    worker thread), and the tensors returned are views of the buffer. Nothing is returned before; a payload
    that fails is dropped, with its donors.
@@ -61,7 +62,7 @@ from murmur.averaging.state_transfer import (
     recv_message,
     send_message,
 )
-from murmur.averaging.transport import Stream, Transport
+from murmur.averaging.transport import MIN_PROGRESS, Stream, Transport
 from murmur.averaging.wire import TensorSpec, WireError
 from murmur.dht.errors import one_line
 
@@ -125,13 +126,12 @@ class StateDownloader:
         self.restarts = 0  # times another payload forced the chunks held so far to be dropped
         self.errors: list[str] = []  # one line per donor that failed
         self._silent: list[str] = []  # donors that failed by falling silent (a timeout, a lost stream): asked again
-        self._asked_again: set[str] = set()  # ... once: a donor that falls silent twice is not asked a third time
         self.outvoted: list[str] = []  # donors that offered another payload than the one taken
         self.fetched: dict[str, int] = {}  # verified chunks of the payload held (or last returned), by donor
         self._buffer: torch.Tensor | None = None  # (total_bytes,) uint8: the payload, filled as chunks verify
         self._verified: set[int] = set()
         self._verified_bytes = 0
-        self._last_progress = 0.0  # event-loop time a chunk last verified, or bytes last arrived
+        self._last_progress = 0.0  # event-loop time a chunk last verified, or a donor's bytes last arrived
         self._tick = asyncio.Event()  # set when a chunk verifies or a worker ends
 
     async def download(self, donors: Sequence[str]) -> tuple[StateSnapshot, tuple[str, ...]]:
@@ -155,7 +155,6 @@ class StateDownloader:
                     break
                 await asyncio.sleep(min(config.message_timeout, max(0.0, until - loop.time())))
                 order, self._silent = self._silent, []
-                self._asked_again.update(order)
                 continue
             sessions = await self._find(order, min(until, loop.time() + config.find_timeout))
             if not sessions:
@@ -281,7 +280,12 @@ class StateDownloader:
         workers = [asyncio.create_task(self._worker(session, work)) for session in sessions]
         for worker in workers:
             worker.add_done_callback(lambda _: tick.set())
-        moved = sum(session.stream.moved() for session in sessions)
+        # a donor's bytes, not this side's GETs: a donor that answers a manifest and then sends nothing, asked
+        # again and again, must not look like progress
+        arrived = sum(session.stream.arrived() for session in sessions)
+        # donors that just sent their manifests get a message timeout to start sending chunks, even where the find
+        # took them past `stall_timeout` (a link back from an outage: TCP retransmits after a backed-off pause)
+        grace = loop.time() + self.config.message_timeout
         try:
             while True:
                 tick.clear()
@@ -292,14 +296,16 @@ class StateDownloader:
                         worker.result()  # a worker's own bug surfaces here; a donor's failure is in self.errors
                     return None
                 now = loop.time()
-                if (now_moved := sum(session.stream.moved() for session in sessions)) != moved:
-                    moved, self._last_progress = now_moved, now  # chunks still arriving over a slow link: no stall
+                if (now_arrived := sum(session.stream.arrived() for session in sessions)) - arrived >= MIN_PROGRESS:
+                    # chunks still arriving over a slow link: no stall (a donor that trickles a few bytes to hold
+                    # the download is one)
+                    arrived, self._last_progress = now_arrived, now
                 if now >= until:
                     raise StateTransferError(self._too_long())
-                if now >= self._last_progress + stall:
+                if now >= (stalled := max(self._last_progress + stall, grace)):
                     raise StateTransferError(f"stalled: nothing arrived from any donor in {stall:g} s")
                 with contextlib.suppress(TimeoutError):  # woken to look at the bytes arriving meanwhile
-                    await asyncio.wait_for(tick.wait(), min(until, self._last_progress + stall, now + stall / 4) - now)
+                    await asyncio.wait_for(tick.wait(), min(until, stalled, now + stall / 4) - now)
         finally:
             for worker in workers:
                 worker.cancel()
@@ -377,7 +383,8 @@ class StateDownloader:
 
     def _fell_silent(self, donor: str) -> None:
         """A donor that sent nothing more, or whose stream was lost (this peer's link may have gone down, not the
-        donor wrong): asked again once no other donor is left, while the download is not stalled; once only (one
-        that answers but never sends, or trickles its chunks, would otherwise hold the download to its ceiling)."""
-        if donor not in self._silent and donor not in self._asked_again:
+        donor wrong): asked again whenever no other donor is left, until nothing has arrived from anyone for
+        `stall_timeout` (only a donor's own bytes count: one that answers but never sends holds the download that
+        long, no longer; one that trickles its chunks is dropped as a stall and is no silent donor)."""
+        if donor not in self._silent:
             self._silent.append(donor)

@@ -167,6 +167,11 @@ class Stream(ABC):
         the transport sees its parts (`while_moving` tells a slow link from a stalled one by it)."""
         return self.sent + self.received
 
+    def arrived(self) -> int:
+        """Bytes that have arrived on this stream so far, a frame in part too where the transport sees its parts:
+        what the remote has sent, not what this side's own requests moved."""
+        return self.received
+
 
 Handler = Callable[[str, Stream], Awaitable[None]]
 
@@ -232,6 +237,9 @@ class P2PStream(Stream):
         except (AttributeError, RuntimeError):
             buffered = 0
         return self._written - buffered + self._arrived
+
+    def arrived(self) -> int:
+        return self._arrived
 
     async def _send(self, data: bytes) -> None:
         try:
