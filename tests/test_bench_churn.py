@@ -40,8 +40,9 @@ def test_quick_churn_bench_writes_every_field_and_reaps_everything(tmp_path):
     # loop relaunching `murmur join --resume`, which test_checkpoint runs on a real peer): a phase less to wait for
     # (not shorter phases: at 22 s the new peer, joining at 12 s, was still starting at the end, and once did not
     # stop within the grace)
-    cmd = [sys.executable, str(SCRIPT), "--quick", "--restart", "warm", "--out", str(tmp_path),
-           "--runs", str(tmp_path / "runs")]  # fmt: skip
+    # 2 peers, phases of 24 s, a kill every 5 s (at 5, 10 with a newcomer, 15): the newcomer has 14 s to start
+    cmd = [sys.executable, str(SCRIPT), "--quick", "--restart", "warm", "--peers", "2", "--duration", "24",
+           "--kill-every", "5", "--out", str(tmp_path), "--runs", str(tmp_path / "runs")]  # fmt: skip
     done = subprocess.run(cmd, capture_output=True, text=True, timeout=400, env=env)
     assert done.returncode == 0, done.stdout[-2000:] + done.stderr[-2000:]
     result = json.loads((tmp_path / "bench_churn.json").read_text())

@@ -70,7 +70,7 @@ def test_without_root_the_shaped_scenario_is_skipped_with_a_message_and_bytes_co
 def test_quick_kill_scenario_trains_both_stacks_measures_bytes_and_reaps_everything(tmp_path):
     tag = f"bench-vs-hivemind-{uuid.uuid4()}"
     env = {**os.environ, "MURMUR_TEST_TAG": tag, "PYTHONPATH": str(SCRIPTS.parent)}
-    cmd = [sys.executable, str(SCRIPTS / "bench_vs_hivemind.py"), "--quick", "--scenarios", "kill",
+    cmd = [sys.executable, str(SCRIPTS / "bench_vs_hivemind.py"), "--quick", "--scenarios", "kill", "--budget", "10",
            "--out", str(tmp_path), "--runs", str(tmp_path / "runs")]  # fmt: skip
     proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=env)
     out, err = proc.communicate(timeout=360)
