@@ -29,6 +29,10 @@ alone, for ever (seen in real two-peer swarms); on the grid, both retry at the s
   missed one appointment (its first round is slow) stays out of a swarm whose peers all trust each other,
   for `memory` seconds. An id that never comes costs at most `faults_proven` planned slots per `memory`,
   and none once its host is barred.
+* A proven peer barred by its faults (its machine slept, or its link was down, through our groups) is planned at
+  its retry appointments by every peer, the period doubling with each fault beyond `faults_proven`: it is back
+  within a few rounds of waking, and a partner that keeps missing costs ever fewer slots. Not one on our
+  cool-down (`shun`).
 * A peer with no trusted peer at an appointment (a newcomer: everybody is new to it) plans among the peers
   it may retry (`retryable`), since the alternative is a lonely round: those not barred, and barred ones
   (by their own faults or their host's) at their retry appointments.
@@ -37,6 +41,7 @@ alone, for ever (seen in real two-peer swarms); on the grid, both retry at the s
 from __future__ import annotations
 
 import collections
+import math
 from collections.abc import Iterable
 from dataclasses import dataclass
 from typing import Generic, TypeVar
@@ -98,6 +103,7 @@ class Standing:
         self._proven: collections.OrderedDict[str, float] = collections.OrderedDict()  # peer -> last exchange
         self._faults: _Bounded[str] = _Bounded(config.max_peers)
         self._address_faults: _Bounded[str] = _Bounded(config.max_peers)
+        self._shunned: collections.OrderedDict[str, float] = collections.OrderedDict()  # peer -> last shunned
 
     def observe(self, now: float, peers: Iterable[str]) -> None:
         """The roster at `now`: peers seen for the first time start their probation; peers gone from it are
@@ -132,6 +138,10 @@ class Standing:
         """`peer` is on our cool-down (it sent bad messages): barred from our plans at once, proven or not."""
         for _ in range(self.config.faults_proven):
             self._faults.add(peer, now, self.config.memory)
+        self._shunned.pop(peer, None)
+        self._shunned[peer] = now
+        while len(self._shunned) > self.config.max_peers:
+            self._shunned.popitem(last=False)
 
     def proven(self, now: float, peer: str) -> bool:
         last = self._proven.get(peer)
@@ -168,15 +178,23 @@ class Standing:
     def trusted(
         self, now: float, peer: str, address: str | None, round_seconds: float, slot: int | None = None
     ) -> bool:
-        """Plannable: not barred, and proven or past its probation. Given the appointment's `slot`, an unproven
-        peer barred by fewer than `faults_proven` faults of its own (not by its host's) is plannable at its
-        retry appointments."""
+        """Plannable: not barred, and proven or past its probation. Given the appointment's `slot`, a barred peer
+        is plannable at its retry appointments if it is proven (a partner whose machine slept, or whose link was
+        down, through a few of our groups: barred for the memory's 300 s, it averaged with nobody that trusted
+        others for 5 minutes after each sleep), or unproven and barred by fewer than `faults_proven` faults of its
+        own (not by its host's); never while shunned (on our cool-down)."""
         c = self.config
         proven = self.proven(now, peer)
-        if self.barred(now, peer, address):  # retried: unproven, barred by a few faults of its own, at a retry slot
+        if self.barred(now, peer, address):
             faults = self._faults.recent(peer, now, c.memory)
-            retried = slot is not None and not proven and not self._host_barred(now, address)
-            if not (retried and len(faults) < c.faults_proven and self._retry(faults, c.faults_unproven, slot)):
+            if slot is None or now - self._shunned.get(peer, -math.inf) < c.memory:
+                return False
+            if proven:  # on the grid of retries, ever more rarely as it misses them too
+                if not self._retry(faults, c.faults_proven, slot):
+                    return False
+            elif self._host_barred(now, address) or len(faults) >= c.faults_proven:
+                return False
+            elif not self._retry(faults, c.faults_unproven, slot):
                 return False
         if proven:
             return True
@@ -186,4 +204,10 @@ class Standing:
     @property
     def size(self) -> int:
         """Entries held over all tables (for tests of the bound)."""
-        return len(self._first) + len(self._proven) + len(self._faults.items) + len(self._address_faults.items)
+        return (
+            len(self._first)
+            + len(self._proven)
+            + len(self._faults.items)
+            + len(self._address_faults.items)
+            + len(self._shunned)
+        )

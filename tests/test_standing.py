@@ -234,3 +234,23 @@ def test_two_new_peers_that_missed_each_other_meet_again_rounds_later_not_after_
         retried = later.slot % 2 == 0 and host is None
         assert set(plan.candidates + plan.planned) == ({"c", "d", "b"} if retried else {"c", "d"}), (i, later.slot)
         friend.ended(later.at + 0.5, 2, partners=["d"])
+
+
+def test_a_partner_that_slept_through_our_groups_is_retried_on_the_grid_not_barred_for_the_memory():
+    """A proven partner whose machine slept through three of our groups was barred for the memory's 300 s: a peer
+    that trusted others never planned it again until then (5 minutes of averaging lost after each sleep). It is
+    planned at its retry appointments now, every second slot at the bar and ever more rarely beyond; an exchange
+    forgives it; a partner on our cool-down is never retried."""
+    s = Standing(dataclasses.replace(CONFIG, memory=600.0))
+    s.observe(0.0, ["sleeper", "friend", "cheat"])
+    s.exchanged(1.0, ["sleeper", "friend", "cheat"])
+    for t in (11.0, 21.0, 31.0):
+        s.fault(t, "sleeper")
+    assert s.barred(31.0, "sleeper") and not s.trusted(32.0, "sleeper", None, R)  # (no slot: no retry)
+    assert [s.trusted(32.0, "sleeper", None, R, slot) for slot in range(5, 9)] == [False, True, False, True]
+    s.fault(41.0, "sleeper")  # it missed a retry too: every fourth slot
+    assert [s.trusted(42.0, "sleeper", None, R, slot) for slot in range(5, 13)] == [False, False, False, True] * 2
+    s.exchanged(51.0, ["sleeper"])
+    assert s.trusted(52.0, "sleeper", None, R) and not s.barred(52.0, "sleeper")
+    s.shun(60.0, "cheat")
+    assert not any(s.trusted(61.0, "cheat", None, R, slot) for slot in range(1, 65))
