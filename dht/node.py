@@ -181,11 +181,23 @@ def _keep_in_touch(dht: hivemind.DHT, config: NodeConfig) -> hivemind.DHT:
     return dht
 
 
-# The Go runtime of the node's p2pd (it inherits the DHT worker's environment, forked from this process): a
-# flood of streams carrying junk made its heap grow from about 90 to 210 MB (GOGC=100 lets the heap reach twice
-# what is live before a collection); collecting at half that and softly below a limit bounds it. A value the
-# user set in the environment wins.
-P2PD_GO_ENV = {"GOGC": "50", "GOMEMLIMIT": "128MiB"}
+# The environment of the node's p2pd (it inherits the DHT worker's, forked from this process). A value the user
+# set in the environment wins.
+# * The Go runtime: a flood of streams carrying junk made its heap grow from about 90 to 210 MB (GOGC=100 lets the
+#   heap reach twice what is live before a collection); collecting at half that and softly below a limit bounds it.
+# * No SO_REUSEPORT on dials: with it, a dial leaves from the node's listening port, so two nodes that dial each
+#   other at once (two peers that start together, each finding the other in the DHT) make one TCP connection by
+#   simultaneous open, on which both begin the handshake as its initiator: "failed to negotiate security protocol:
+#   ... noise: message is too short", and libp2p's dial backoff then refused every dial between them for 5 s and
+#   more. Over 150 ms round trips, the peers of bench_wan.py lost their first rounds to it; on loopback the dials
+#   are too quick to cross.
+P2PD_GO_ENV = {"GOGC": "50", "GOMEMLIMIT": "128MiB", "LIBP2P_TCP_REUSEPORT": "false"}
+
+
+def p2pd_environment() -> None:
+    """Set `P2PD_GO_ENV` in this process's environment, for the p2pd daemons it starts, where the user has not."""
+    for name, value in P2PD_GO_ENV.items():
+        os.environ.setdefault(name, value)
 
 
 def _start(config: NodeConfig, validators: list) -> hivemind.DHT:
@@ -205,8 +217,7 @@ def _start(config: NodeConfig, validators: list) -> hivemind.DHT:
 
 def _started(config: NodeConfig, validators: list) -> hivemind.DHT:
     _start_shm_manager()
-    for name, value in P2PD_GO_ENV.items():
-        os.environ.setdefault(name, value)
+    p2pd_environment()
     dht = hivemind.DHT(
         initial_peers=list(config.initial_peers) or None,
         start=False,

@@ -13,6 +13,8 @@ kernel has no netem), each with its own prefix and every namespace deleted at th
                              peer id from stdin, leads one round with it; prints one JSON line: ok, seconds, error
     member HOST              reads the leader's MADDR from stdin, prints its own peer id, joins the leader's round;
                              the same JSON line
+    dialer HOST              a p2pd as a peer's node runs it; prints its multiaddr, reads "MADDR AT" from stdin,
+                             connects to that other dialer at Unix time AT; one JSON line: ok, error
 """
 
 from __future__ import annotations
@@ -232,9 +234,30 @@ async def pair(host: str, lead: bool) -> None:
         await p2p.shutdown()
 
 
+async def dialer(host: str) -> None:
+    from murmur.averaging.transport import P2PTransport
+    from murmur.dht.node import p2pd_environment
+
+    p2pd_environment()  # as a peer's node runs its p2pd
+    p2p = await _p2p(host)
+    print(next(f"{a}/p2p/{p2p.peer_id.to_base58()}" for a in await p2p.get_visible_maddrs() if host in str(a)),
+          flush=True)  # fmt: skip
+    other, at = sys.stdin.readline().split()
+    await asyncio.sleep(max(0.0, float(at) - time.time()))
+    try:
+        await P2PTransport(p2p, PROTOCOL).connect(other.rsplit("/", 1)[1], [other])
+        print(json.dumps({"ok": True}), flush=True)
+    except ConnectionError as e:
+        print(json.dumps({"ok": False, "error": str(e)}), flush=True)
+    finally:
+        await p2p.shutdown()
+
+
 if __name__ == "__main__":
     role, host, *seconds = sys.argv[1:]
-    if role in ("leader", "member"):
+    if role == "dialer":
+        asyncio.run(dialer(host))
+    elif role in ("leader", "member"):
         asyncio.run(pair(host, role == "leader"))
     else:
         asyncio.run(donor(host, float(seconds[0])) if role == "donor" else joiner(host))

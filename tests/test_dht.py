@@ -823,10 +823,13 @@ def test_stop_node_leaves_no_processes_or_sockets() -> None:
     assert descendants() <= before
 
 
-def test_every_node_s_p2pd_runs_with_a_bounded_go_heap(swarm: list[Any]) -> None:
-    """A flood of junk streams grew p2pd's Go heap by 120 MB at Go's defaults: each node's p2pd gets
-    `P2PD_GO_ENV` (or what the user set in the environment instead)."""
+def test_every_node_s_p2pd_runs_with_a_bounded_go_heap_and_dials_from_ports_of_its_own(swarm: list[Any]) -> None:
+    """A flood of junk streams grew p2pd's Go heap by 120 MB at Go's defaults, and dials from the listening port
+    (SO_REUSEPORT) crossed into one broken connection (tests/test_wan.py): each node's p2pd gets `P2PD_GO_ENV` (or
+    what the user set in the environment instead)."""
     from murmur.dht.node import P2PD_GO_ENV
+
+    assert P2PD_GO_ENV["LIBP2P_TCP_REUSEPORT"] == "false"
 
     for node in swarm:
         daemons = [p for p in psutil.Process(node.pid).children(recursive=True) if p.name() == "p2pd"]
