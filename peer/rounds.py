@@ -192,6 +192,28 @@ class RoundEngine:
             self._paced = self._roster
         key = self.appointment.key
         seen = [s for s in self._roster if s.appointment == key and self._same_kind(s) and s.peer != self.peer]
+        group, clients = self._group(now, seen)
+        me = group.index(self.peer)
+        leaders = [p for p in group if p not in clients] if self.client else group[: me + 1]
+        plan = Plan(self.appointment, tuple(leaders), tuple(group[me + 1 :]),
+                    self.appointment.deadline(self.config.schedule))  # fmt: skip
+        self._log("gather", now, self._roster, plan)
+        return plan
+
+    def expected(self, now: float, roster: Iterable[Seen]) -> tuple[str, ...]:
+        """The peers this peer expects in its group at its appointment, from `roster` as it stands, taking every
+        peer of its kind to be headed there too (at a round's start the roster may still show their last one):
+        a hint for the driver to connect to them ahead, since a first contact over a long link takes several round
+        trips, more than a join window. Changes nothing (a replayed trace decides the same)."""
+        if self.appointment is None or self.phase not in (Phase.TRAINING, Phase.GATHERING):
+            return ()
+        seen = [s for s in roster if s.state in (Phase.TRAINING, Phase.GATHERING) and s.peer != self.peer]
+        group, _ = self._group(now, seen)
+        return tuple(p for p in group if p != self.peer)
+
+    def _group(self, now: float, seen: list[Seen]) -> tuple[list[str], set[str]]:
+        """The group planned at the appointment among the peers `seen` there whose announcements this peer trusts
+        (see `gather`), client-mode peers last; and those client-mode peers."""
         standing = self.standing
         seconds, slot = self.appointment.seconds, self.appointment.slot
         trusted = [s for s in seen if standing.trusted(now, s.peer, s.address, seconds, slot)]
@@ -199,12 +221,7 @@ class RoundEngine:
         clients = {s.peer for s in seen if s.client} | ({self.peer} if self.client else set())
         group = group_of(self.appointment, self.peer, [s.peer for s in seen], self.config.schedule.group_size)
         group.sort(key=lambda p: p in clients)  # client-mode peers last: they cannot lead
-        me = group.index(self.peer)
-        leaders = [p for p in group if p not in clients] if self.client else group[: me + 1]
-        plan = Plan(self.appointment, tuple(leaders), tuple(group[me + 1 :]),
-                    self.appointment.deadline(self.config.schedule))  # fmt: skip
-        self._log("gather", now, self._roster, plan)
-        return plan
+        return group, clients
 
     def ended(self, now: float, members: int | None, partners: Iterable[str] = (), missed: Iterable[str] = (),
               shunned: Iterable[str] = (), waited: float | None = None) -> Step:  # fmt: skip

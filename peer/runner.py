@@ -61,6 +61,12 @@ from murmur.peer.workload import WorkloadSource, WorkloadSpec
 
 logger = logging.getLogger("murmur.peer")
 
+# the peers of a round's expected group a peer connects to ahead (`VolunteerPeer._connect_ahead`), and how often
+# to the same one: p2pd keeps a connection once made, and connecting to a connected peer costs a message to it
+CONNECT_AHEAD_MOST = 16
+CONNECT_AHEAD_EVERY = 30.0
+CONNECT_AHEAD_TIMEOUT = 10.0
+
 
 class PeerError(RuntimeError):
     """A peer could not start or join; str(e) is one line."""
@@ -246,6 +252,7 @@ class VolunteerPeer:
         self._training = threading.Lock()  # held by `run`: one at a time, and `close` waits for it
         self._trainer: int | None = None  # the thread `run` trains on
         self._closing = threading.Event()  # `close` from another thread: `run` stops as on its own stop
+        self._connected_ahead: dict[str, float] = {}  # peer -> when this peer last connected to it ahead
 
     @classmethod
     def create(cls, options: PeerOptions) -> VolunteerPeer:
@@ -617,6 +624,7 @@ class VolunteerPeer:
         if until is not None and (appointment.at if appointment is not None else self.clock.now()) > until:
             return None
         self._announce()
+        self._connect_ahead()
         total, steps = 0.0, 0
         fits = engine.step_fits(self.clock.now())
         while fits and not stop.is_set():
@@ -627,7 +635,26 @@ class VolunteerPeer:
             fits = engine.step_fits(self.clock.now(), time.perf_counter() - started)
             if engine.appointment != known or steps == 1:  # its first step: the roster now shows its pace
                 self._announce()
+                self._connect_ahead()
         return total / max(steps, 1), steps
+
+    def _connect_ahead(self) -> None:
+        """Connect, in the background, to the peers the round's group is expected to hold (`RoundEngine.expected`)
+        that this peer has not connected to ahead in the last `CONNECT_AHEAD_EVERY` seconds: at the appointment a
+        member's first contact with its leader took some 0.9 s at 150 ms, 2 s or more at 300 ms with loss, past
+        the leader's join window ("the group was sealed without you"), and a newcomer, or a whole swarm over
+        home links, lost its first rounds so. Never waits; a failure is the exchange's to meet."""
+        now, live = time.monotonic(), self.watch.peers
+        if len(self._connected_ahead) > 4 * CONNECT_AHEAD_MOST:  # bounded: only the recent ones matter
+            self._connected_ahead = {p: t for p, t in self._connected_ahead.items() if now - t < CONNECT_AHEAD_EVERY}
+        for peer in self.engine.expected(self.clock.now(), self.roster())[:CONNECT_AHEAD_MOST]:
+            announced = live.get(peer)
+            if announced is None or announced.client_mode or not announced.addresses:
+                continue
+            if now - self._connected_ahead.get(peer, -math.inf) < CONNECT_AHEAD_EVERY:
+                continue
+            self._connected_ahead[peer] = now
+            self.loop.submit(_connect(self.averager.transport, peer, announced.addresses))
 
     def _exchange(self, averager: GroupAverager, offer, stop: _Stopping, *,
                   train: bool = False) -> tuple[GroupResult | None, int, float, bool]:  # fmt: skip
@@ -788,6 +815,14 @@ def _with_remembered_peers(options: PeerOptions) -> NodeConfig:
     if added:
         logger.info("joining through %d live peers the last checkpoint remembers as well", len(added))
     return replace(node, initial_peers=(*node.initial_peers, *added))
+
+
+async def _connect(transport, peer: str, addresses: list[str]) -> None:
+    """`transport.connect`, bounded; a failure only logged (the exchange dials again and says why)."""
+    try:
+        await asyncio.wait_for(transport.connect(peer, addresses), CONNECT_AHEAD_TIMEOUT)
+    except (TimeoutError, ConnectionError) as e:
+        logger.debug("could not connect ahead to %s: %s", peer[-8:], one_line(e))
 
 
 async def _average(averager: GroupAverager, offer, plan: Plan, group_size: int,

@@ -106,6 +106,26 @@ def test_the_engine_plans_only_trusted_peers_and_a_newcomer_plans_among_all():
     assert set(mixed.candidates + mixed.planned) & set(sybils)
 
 
+def test_the_group_a_round_expects_is_the_one_it_plans_at_its_appointment_and_asking_changes_nothing():
+    """`RoundEngine.expected`, which the runner connects to ahead of the appointment: at the round's start the
+    roster still shows the peers' last appointment, so every training or gathering peer counts as headed to this
+    one; the group is the one `gather` plans there (here: 20 peers, groups of 8), finishing and done peers left
+    out, and the engine decides afterwards as if it had never been asked."""
+    config = RoundConfig(inner_steps=10, round_seconds=R, shortest_round=0.0)
+    engine, twin = RoundEngine("me", config), RoundEngine("me", config)
+    peers = [f"p{i:02d}" for i in range(20)]
+    assert engine.expected(0.0, [_seen(p, None) for p in peers]) == ()  # no appointment yet
+    for e in (engine, twin):
+        e.begin(0.0, [_seen(p, None) for p in peers])
+    appointment = engine.appointment
+    others = [Seen("f", "finishing", None, 0.1, None, False), Seen("d", "done", None, 0.1, None, False)]
+    expected = engine.expected(appointment.at - 5.0, [_seen(p, "10.0@0") for p in peers] + others)
+    plan = engine.gather(appointment.at, [_seen(p, appointment.key) for p in peers] + others)
+    assert set(expected) == set(plan.candidates + plan.planned) - {"me"} and 2 <= len(expected) <= 7
+    assert twin.gather(appointment.at, [_seen(p, appointment.key) for p in peers] + others) == plan
+    assert engine.trace == twin.trace
+
+
 def test_the_engine_drops_a_peer_that_missed_and_plans_a_partner_it_just_met():
     config = RoundConfig(inner_steps=10, round_seconds=R, shortest_round=0.0)
     engine = RoundEngine("me", config)

@@ -27,6 +27,7 @@ from murmur.peer.metrics import consensus_distance, read_metrics
 from murmur.peer.ops.report import PANEL_TITLES, build_chart, load_logs
 from murmur.peer.sim.simulate import SimulationConfig, simulate
 from tests.groupkit import APPOINTMENT, plans
+from tests.test_dht import closed_port
 
 pytestmark = pytest.mark.slow
 
@@ -103,6 +104,32 @@ def test_three_real_peers_average_in_one_group_and_agree(three_nodes, loop):
     assert start > 0.05 and consensus_distance(states) == 0.0
     assert stats == [(2, 0)] * 3
     assert sent[1] < sent[0] / 3  # agreeing states do not travel
+
+
+def test_a_transport_connects_ahead_to_a_peer_it_never_met_and_says_so_in_one_line_where_it_cannot():
+    """`Transport.connect`, which a peer calls for its round's expected group ahead of the appointment (a first
+    contact takes several round trips: past a join window over long links): a connection p2pd then holds."""
+    from hivemind.p2p import P2P
+
+    async def main():
+        a, b = [await P2P.create(host_maddrs=["/ip4/127.0.0.1/tcp/0"], nat_port_map=False) for _ in range(2)]
+        try:
+            theirs = [f"{m}/p2p/{b.peer_id.to_base58()}" for m in await b.get_visible_maddrs()]
+            before = {p.peer_id for p in await a.list_peers()}
+            await P2PTransport(a, "murmur/test/connect").connect(b.peer_id.to_base58(), theirs)
+            after = {p.peer_id for p in await a.list_peers()}
+            dead = f"/ip4/127.0.0.1/tcp/{closed_port()}/p2p/{b.peer_id.to_base58()}"
+            await b.shutdown()
+            with pytest.raises(ConnectionError) as caught:
+                await P2PTransport(a, "murmur/test/connect").connect(b.peer_id.to_base58(), [dead])
+            return before, after, str(caught.value)
+        finally:
+            await a.shutdown()
+            await b.shutdown()
+
+    before, after, error = asyncio.run(main())
+    assert len(before) == 0 and len(after) == 1
+    assert error.startswith("cannot connect to ") and "\n" not in error.strip()
 
 
 def test_simulate_command_trains_a_swarm_and_reaps_everything(tmp_path):
