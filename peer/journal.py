@@ -44,6 +44,7 @@ class Journal:
         never waited on), the progress line."""
         stats, traffic, trainer = peer.averager.stats, peer.averager.transport.traffic, peer.trainer
         partner = result.partner if result else None
+        plan = peer.engine.plan
         self.peers_alive = max(1, len(peer.watch.peers))  # the last read of the run's announcements (never waits)
         if (said := self.company.update(self.peers_alive - 1)) is not None:
             peer._log(*said)
@@ -55,6 +56,10 @@ class Journal:
                 exchanges_unreachable=stats.unreachable, peer=peer.peer_id, peers=self.peers_alive,
                 bytes_sent=traffic.bytes_sent, bytes_received=traffic.bytes_received, blocked=round(blocked, 3),
                 overlapped=overlapped, appointment=peer.engine.appointment.key if peer.engine.appointment else None,
+                # whom the round planned to average with, and whom the averager planned in vain (the last 8
+                # characters of each id): why a round went without a group, read afterwards
+                planned=_short(p for p in plan.candidates + plan.planned if p != peer.peer_id) if plan else [],
+                missed=_short(peer.averager.missed),
             )  # fmt: skip
         if time.monotonic() - self._metrics_at >= self.metrics_interval:
             self._metrics_at = time.monotonic()
@@ -153,3 +158,7 @@ def _log_failure(future) -> None:
     """A background DHT store's outcome: a failure is logged, never raised into the training loop."""
     if not future.cancelled() and future.exception() is not None:
         logger.warning("could not publish metrics: %s", one_line(future.exception()))
+
+
+def _short(peers) -> list[str]:
+    return [p[-8:] for p in peers]

@@ -130,6 +130,7 @@ class RoundEngine:
         self.client = client
         self.phase = Phase.TRAINING
         self.appointment: Appointment | None = None
+        self.plan: Plan | None = None  # the last plan `gather` made (what a peer's metrics line records)
         self.steps = 0  # inner steps this round
         self.rounds = 0  # rounds ended (training and finishing)
         self.lonely = 0  # lonely rounds in a row
@@ -198,6 +199,7 @@ class RoundEngine:
         plan = Plan(self.appointment, tuple(leaders), tuple(group[me + 1 :]),
                     self.appointment.deadline(self.config.schedule))  # fmt: skip
         self._log("gather", now, self._roster, plan)
+        self.plan = plan
         return plan
 
     def expected(self, now: float, roster: Iterable[Seen]) -> tuple[str, ...]:

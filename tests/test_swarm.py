@@ -165,6 +165,11 @@ def test_simulate_command_trains_a_swarm_and_reaps_everything(tmp_path):
     # by default a peer waits for its exchanges (`PeerOptions.overlap` off): no step overlapped one
     assert all(r["overlapped"] == 0 for records in logs.values() for r in records)
     assert all(r["run"] == "sim" for records in logs.values() for r in records)  # each line names its run
+    # ... and whom its round planned to average with, and whom it planned in vain (the last 8 characters of ids)
+    for records in logs.values():
+        assert all(isinstance(r["planned"], list) and isinstance(r["missed"], list) for r in records)
+        grouped = [r for r in records if r["partner"]]
+        assert grouped and all(set(r["partner"].split(",")) & set(r["planned"]) for r in grouped), records
     chart = build_chart(logs)
     assert tuple(panel.title for panel in chart.panels) == PANEL_TITLES
     by_time, by_samples, traffic, alive = chart.panels
