@@ -15,6 +15,7 @@ its ``p2pd`` and itself.
 
 from __future__ import annotations
 
+import contextlib
 import errno
 import fcntl
 import functools
@@ -337,9 +338,15 @@ def _guard_worker() -> None:
 
 
 def _die_with(parent: int) -> None:
-    """Once `parent` is gone (killed without a chance to stop us): kill this worker's p2pd, then the worker."""
+    """Once `parent` is gone (killed without a chance to stop us): kill this worker's p2pd, then the worker. Its
+    output goes nowhere first: between its p2pd's death and its own, hivemind's loop in it logged "[ERROR] ...
+    Connection reset by peer" into the terminal it shares with the peer's supervisor, before `--restart`'s line."""
     while os.getppid() == parent:
         time.sleep(_ORPHAN_POLL)
+    with contextlib.suppress(OSError):
+        silent = os.open(os.devnull, os.O_WRONLY)
+        os.dup2(silent, 1)
+        os.dup2(silent, 2)
     try:
         children = psutil.Process().children(recursive=True)
     except psutil.Error:
