@@ -219,10 +219,17 @@ class RoundEngine:
         standing = self.standing
         seconds, slot = self.appointment.seconds, self.appointment.slot
         trusted = [s for s in seen if standing.trusted(now, s.peer, s.address, seconds, slot)]
+        # a barred peer planned at its retry appointment never leads a group this peer plans with peers it does
+        # not bar: peers that barred it after different numbers of faults retry it at different slots, and one
+        # that planned it first joined it in vain while its partners led without it, each alone; as a member it
+        # costs the leader at most the window
+        retried = {s.peer for s in trusted if standing.barred(now, s.peer, s.address)}
+        if len(retried) == len(trusted):  # no peer but retried ones (two peers that barred each other meet
+            retried = set()  # on the grid only if both rank them alike)
         seen = trusted or [s for s in seen if standing.retryable(now, s.peer, s.address, slot)]
         clients = {s.peer for s in seen if s.client} | ({self.peer} if self.client else set())
         group = group_of(self.appointment, self.peer, [s.peer for s in seen], self.config.schedule.group_size)
-        group.sort(key=lambda p: p in clients)  # client-mode peers last: they cannot lead
+        group.sort(key=lambda p: (p in clients, p in retried))  # client-mode peers last (they cannot lead)
         return group, clients
 
     def ended(self, now: float, members: int | None, partners: Iterable[str] = (), missed: Iterable[str] = (),

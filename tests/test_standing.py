@@ -274,3 +274,49 @@ def test_a_partner_that_slept_through_our_groups_is_retried_on_the_grid_not_barr
     assert s.trusted(52.0, "sleeper", None, R) and not s.barred(52.0, "sleeper")
     s.shun(60.0, "cheat")
     assert not any(s.trusted(61.0, "cheat", None, R, slot) for slot in range(1, 65))
+
+
+def test_a_retried_peer_never_leads_a_group_planned_with_peers_not_barred_so_near_partners_agree():
+    """Two near peers a and b, proven to each other, and a far peer c that both barred after different numbers
+    of faults (a four, b three), so that a retries it every fourth slot and b every second. Ranked by the hash
+    alone, at a slot where only one of them retried c and c came first, that one joined c in vain while the
+    other led (or waited) without it: both lonely (bench_wan's far peer, the near peers' rounds without a group).
+    A retried peer is now a member of such a group, never its leader: a and b plan the same leader at every
+    slot. Two peers with nobody but retried ones keep the hash's order (their retries meet, above)."""
+    config = RoundConfig(inner_steps=10, round_seconds=R, shortest_round=0.0,
+                         standing=dataclasses.replace(CONFIG, memory=600.0))  # fmt: skip
+    a, b = RoundEngine("a", config), RoundEngine("b", config)
+    for engine, near, faults in ((a, "b", 4), (b, "a", 3)):
+        engine.begin(0.0, [_seen(near, None), _seen("c", None)])
+        engine.ended(5.0, 3, partners=[near, "c"])
+        for k in range(faults):
+            engine.standing.fault(6.0 + k, "c")
+    led_by_c = 0
+    t = 20.0
+    for _ in range(24):
+        plans = []
+        for engine, near in ((a, "b"), (b, "a")):
+            nxt = engine.begin(t, [_seen(near, None), _seen("c", None)])
+            plan = engine.gather(nxt.at, [_seen(near, nxt.key), _seen("c", nxt.key)])
+            group = plan.candidates + plan.planned
+            plans.append(group)
+            engine.ended(nxt.at + 0.5, 2, partners=[near])
+        led_by_c += plans[0][0] == "c" or plans[1][0] == "c"
+        assert plans[0][0] == plans[1][0] in ("a", "b"), (nxt.slot, plans)  # one leader, never c
+        assert ("c" in plans[0]) == (nxt.slot % 4 == 0) and ("c" in plans[1]) == (nxt.slot % 2 == 0)
+        t = nxt.at + 1
+    assert led_by_c == 0
+    lone = RoundEngine("x", config)  # nobody but a retried peer: the hash's order, as its partner ranks them
+    lone.begin(0.0, [_seen("y", None)])
+    lone.ended(5.0, 2, partners=["y"])
+    for k in range(3):
+        lone.standing.fault(6.0 + k, "y")
+    ranks = []
+    for _ in range(8):
+        nxt = lone.begin(t, [_seen("y", None)])
+        plan = lone.gather(nxt.at, [_seen("y", nxt.key)])
+        if nxt.slot % 2 == 0:
+            ranks.append(plan.candidates[0])
+        lone.ended(nxt.at + 0.5, None)
+        t = nxt.at + 1
+    assert "y" in ranks and "x" in ranks  # y led some of its retries
