@@ -191,8 +191,14 @@ class RoundEngine:
         if self.phase != Phase.FINISHING:
             self.phase = Phase.GATHERING
             self._paced = self._roster
+        # a peer still shown at the grid's previous appointment is taken to be headed here too: its announcement
+        # of this one may not have reached the roster this peer read (a DHT replica across a slow link holds every
+        # store and read up to a second), and two peers that read the swarm a slot apart planned different groups
+        # (each alone, or one waiting for the other while it led); one truly still in its last exchange declines
+        # at once, or is waited for no longer than the window
         key = self.appointment.key
-        seen = [s for s in self._roster if s.appointment == key and self._same_kind(s) and s.peer != self.peer]
+        keys = (key, Appointment(self.appointment.seconds, self.appointment.slot - 1).key)
+        seen = [s for s in self._roster if s.appointment in keys and self._same_kind(s) and s.peer != self.peer]
         group, clients = self._group(now, seen)
         me = group.index(self.peer)
         leaders = [p for p in group if p not in clients] if self.client else group[: me + 1]

@@ -227,6 +227,24 @@ def test_the_plan_groups_peers_of_the_same_appointment_and_kind_and_client_peers
     assert "e" not in client.gather(4.9, [*roster, seen("me", key)]).candidates
 
 
+def test_a_peer_the_roster_still_shows_at_the_previous_appointment_is_planned_so_both_views_agree():
+    """bench_wan's far scenario: a DHT replica across a slow link held every store and read there up to a second,
+    so at an appointment one near peer's roster still showed its partner at the appointment before, while the
+    partner's showed it at this one. The first planned alone and sealed at once, the second joined it in vain or
+    waited for it as its leader: both lonely, rounds on end. A peer shown one slot behind is planned now (the
+    same group in both views); one two slots behind, on another grid or of another kind, is not."""
+    now = Appointment(seconds=1.0, slot=5)
+    stale, fresh = RoundEngine("a", CONFIG), RoundEngine("b", CONFIG)
+    stale.begin(4.0, [seen("b", "1.0@4")])
+    fresh.begin(4.0, [seen("a", now.key)])
+    assert stale.appointment == fresh.appointment == now
+    mine = stale.gather(5.0, [seen("b", "1.0@4"), seen("c", "1.0@3"), seen("d", "2.0@2"),
+                              seen("e", "1.0@4", state="finishing")])  # fmt: skip
+    theirs = fresh.gather(5.0, [seen("a", now.key)])
+    assert set(mine.candidates + mine.planned) == set(theirs.candidates + theirs.planned) == {"a", "b"}
+    assert mine.candidates[0] == theirs.candidates[0]  # one leader
+
+
 def test_lonely_rounds_keep_the_work_pending_then_step_alone_and_the_finish_stops_when_nobody_is_left():
     engine = RoundEngine("me", CONFIG)
     outcomes = [engine.ended(float(t), None) for t in range(4)]
