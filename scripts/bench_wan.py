@@ -152,7 +152,7 @@ def main() -> None:
     print(f"{'scenario':<9} {'rounds':>10} {'exchanged':>10} {'failed':>7} {'exchanging':>10} {'vs clean':>8} "
           f"{'samples/s':>9} {'vs clean':>8} {'round s':>11}")  # fmt: skip
     for name, r in results.items():
-        lengths = f"{r['round_seconds_first']:g}->{r['round_seconds_last']:g}"
+        lengths = f"{r['round_seconds_first']:.3g}->{r['round_seconds_last']:.3g}"
         print(f"{name:<9} {'/'.join(map(str, r['rounds'])):>10} {'/'.join(map(str, r['exchanges_ok'])):>10} "
               f"{sum(r['exchanges_failed']):>7} {r['exchanging']:>10.3f} {r['exchanging_ratio']:>8.3f} "
               f"{r['samples_per_second']:>9.1f} {r['samples_per_second_ratio']:>8.3f} {lengths:>11}")  # fmt: skip
