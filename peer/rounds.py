@@ -191,14 +191,17 @@ class RoundEngine:
         if self.phase != Phase.FINISHING:
             self.phase = Phase.GATHERING
             self._paced = self._roster
-        # a peer still shown at the grid's previous appointment is taken to be headed here too: its announcement
-        # of this one may not have reached the roster this peer read (a DHT replica across a slow link holds every
-        # store and read up to a second), and two peers that read the swarm a slot apart planned different groups
-        # (each alone, or one waiting for the other while it led); one truly still in its last exchange declines
-        # at once, or is waited for no longer than the window
-        key = self.appointment.key
-        keys = (key, Appointment(self.appointment.seconds, self.appointment.slot - 1).key)
-        seen = [s for s in self._roster if s.appointment in keys and self._same_kind(s) and s.peer != self.peer]
+        # a training peer still shown at the grid's previous appointment, whose exchanges end in time for this one
+        # (its announced exchange time leaves it the shortest training phase), is taken to be headed here too: its
+        # announcement of this one may not have reached the roster this peer read (a DHT replica across a slow
+        # link holds stores and reads up to a second or more), and two peers that read the swarm a slot apart
+        # planned different groups (each alone, or one waiting for the other while it led); one truly still in its
+        # last exchange declines at once, or is waited for no longer than the window
+        key, appointment = self.appointment.key, self.appointment
+        behind = Appointment(appointment.seconds, appointment.slot - 1).key if self.phase != Phase.FINISHING else key
+        longest = (1.0 - self.config.schedule.min_phase) * appointment.seconds  # an exchange that still makes it here
+        seen = [s for s in self._roster if self._same_kind(s) and s.peer != self.peer and (
+            s.appointment == key or (s.appointment == behind and (s.exchange_seconds or 0.0) <= longest))]  # fmt: skip
         group, clients = self._group(now, seen)
         me = group.index(self.peer)
         leaders = [p for p in group if p not in clients] if self.client else group[: me + 1]

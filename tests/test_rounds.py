@@ -232,14 +232,15 @@ def test_a_peer_the_roster_still_shows_at_the_previous_appointment_is_planned_so
     so at an appointment one near peer's roster still showed its partner at the appointment before, while the
     partner's showed it at this one. The first planned alone and sealed at once, the second joined it in vain or
     waited for it as its leader: both lonely, rounds on end. A peer shown one slot behind is planned now (the
-    same group in both views); one two slots behind, on another grid or of another kind, is not."""
+    same group in both views); one two slots behind, on another grid or of another kind is not, nor one whose
+    exchanges take longer than a round less its shortest training phase (it heads for the slot after)."""
     now = Appointment(seconds=1.0, slot=5)
     stale, fresh = RoundEngine("a", CONFIG), RoundEngine("b", CONFIG)
     stale.begin(4.0, [seen("b", "1.0@4")])
     fresh.begin(4.0, [seen("a", now.key)])
     assert stale.appointment == fresh.appointment == now
-    mine = stale.gather(5.0, [seen("b", "1.0@4"), seen("c", "1.0@3"), seen("d", "2.0@2"),
-                              seen("e", "1.0@4", state="finishing")])  # fmt: skip
+    mine = stale.gather(5.0, [seen("b", "1.0@4", exchange=0.3), seen("c", "1.0@3"), seen("d", "2.0@2"),
+                              seen("e", "1.0@4", state="finishing"), seen("f", "1.0@4", exchange=0.7)])  # fmt: skip
     theirs = fresh.gather(5.0, [seen("a", now.key)])
     assert set(mine.candidates + mine.planned) == set(theirs.candidates + theirs.planned) == {"a", "b"}
     assert mine.candidates[0] == theirs.candidates[0]  # one leader
