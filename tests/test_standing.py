@@ -280,9 +280,9 @@ def test_a_retried_peer_never_leads_a_group_planned_with_peers_not_barred_so_nea
     """Two near peers a and b, proven to each other, and a far peer c that both barred after different numbers
     of faults (a four, b three), so that a retries it every fourth slot and b every second. Ranked by the hash
     alone, at a slot where only one of them retried c and c came first, that one joined c in vain while the
-    other led (or waited) without it: both lonely (bench_wan's far peer, the near peers' rounds without a group).
-    A retried peer is now a member of such a group, never its leader: a and b plan the same leader at every
-    slot. Two peers with nobody but retried ones keep the hash's order (their retries meet, above)."""
+    other led (or waited) without it: both lonely (found by reading, not seen in a run). A retried peer is now a
+    member of such a group, never its leader: a and b plan the same leader at every slot. Two peers with nobody
+    but retried ones keep the hash's order (their retries meet, above)."""
     config = RoundConfig(inner_steps=10, round_seconds=R, shortest_round=0.0,
                          standing=dataclasses.replace(CONFIG, memory=600.0))  # fmt: skip
     a, b = RoundEngine("a", config), RoundEngine("b", config)
@@ -291,7 +291,6 @@ def test_a_retried_peer_never_leads_a_group_planned_with_peers_not_barred_so_nea
         engine.ended(5.0, 3, partners=[near, "c"])
         for k in range(faults):
             engine.standing.fault(6.0 + k, "c")
-    led_by_c = 0
     t = 20.0
     for _ in range(24):
         plans = []
@@ -301,11 +300,9 @@ def test_a_retried_peer_never_leads_a_group_planned_with_peers_not_barred_so_nea
             group = plan.candidates + plan.planned
             plans.append(group)
             engine.ended(nxt.at + 0.5, 2, partners=[near])
-        led_by_c += plans[0][0] == "c" or plans[1][0] == "c"
         assert plans[0][0] == plans[1][0] in ("a", "b"), (nxt.slot, plans)  # one leader, never c
         assert ("c" in plans[0]) == (nxt.slot % 4 == 0) and ("c" in plans[1]) == (nxt.slot % 2 == 0)
         t = nxt.at + 1
-    assert led_by_c == 0
     lone = RoundEngine("x", config)  # nobody but a retried peer: the hash's order, as its partner ranks them
     lone.begin(0.0, [_seen("y", None)])
     lone.ended(5.0, 2, partners=["y"])
