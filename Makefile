@@ -35,11 +35,14 @@ lint: install
 	$(VENV)/bin/ruff check .
 	$(VENV)/bin/ruff format --check .
 
+# the tests that may share the two cores run two at a time (pytest-xdist); those marked slow but not concurrent
+# (real peers training against round deadlines) then run one by one, as they would alone on a volunteer's machine
 test: lint browser
-	$(PY) -m pytest -q -p no:cacheprovider
+	$(PY) -m pytest -q -p no:cacheprovider -n 2 --dist worksteal -m "not slow or concurrent"
+	$(PY) -m pytest -q -p no:cacheprovider -m "slow and not concurrent"
 
 test-fast: install
-	$(PY) -m pytest -q -m "not slow"
+	$(PY) -m pytest -q -n 2 --dist worksteal -m "not slow"
 
 format: install
 	$(VENV)/bin/ruff format .

@@ -11,6 +11,7 @@ import pytest
 
 
 @pytest.mark.slow
+@pytest.mark.concurrent  # memory is counted per process, and no time of its own is judged against a bound
 @pytest.mark.timeout(300)
 def test_the_smallest_model_s_row_is_measured_and_its_targets_judged(tmp_path: Path):
     out = tmp_path / "scale.json"

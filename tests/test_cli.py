@@ -198,7 +198,8 @@ def numeric_flags():
                 yield name, action.option_strings[-1], action.type
 
 
-@pytest.mark.parametrize(("command", "flag", "kind"), list(numeric_flags()), ids=lambda x: str(x))
+# ids by command, flag and parser name: a parser's repr holds its address, which differs between xdist's processes
+@pytest.mark.parametrize(("command", "flag", "kind"), list(numeric_flags()), ids=lambda x: getattr(x, "__name__", x))
 def test_every_numeric_flag_is_range_checked_and_named_alone(command, flag, kind, capsys):
     assert kind not in (int, float)  # a bare int or float would take -5, nan and inf
     base = {"join": JOIN, "status": ["status", "--initial-peers", PEER, "--run", "r"]}.get(command, [command])

@@ -206,6 +206,7 @@ def test_a_stopped_simulation_reports_what_its_peers_did_and_reaps_everything(tm
 
 
 @pytest.mark.slow
+@pytest.mark.concurrent  # one peer, no partner, and minutes to spare for each wait
 def test_a_killed_simulation_stops_its_peers_cleanly(tmp_path):
     """`kill -9` of `murmur simulate`: its peers (in sessions of their own) used to train on, orphaned, until the
     shared end; now each is told to stop as its launcher dies, and stops cleanly: its report and final model are
