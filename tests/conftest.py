@@ -12,6 +12,11 @@ os.environ.setdefault("GOLOG_LOG_LEVEL", "error")
 # hivemind's default "file_system" sharing starts a torch_shm_manager child of this process; the
 # reaper below would kill it, and freeing shared memory afterwards aborts pytest
 os.environ.setdefault("HIVEMIND_MEMORY_SHARING_STRATEGY", "file_descriptor")
+if os.environ.get("PYTEST_XDIST_WORKER"):
+    # two test processes on two cores (`make test`'s first part): torch's kernels take a thread each, as a peer's do.
+    # With a thread per core in each, their OpenMP threads spun against each other: a virtual swarm's test took 96 s
+    # beside another instead of 14 s alone. (Read by torch as it loads: no test module has imported it yet.)
+    os.environ.setdefault("OMP_NUM_THREADS", "1")
 
 
 def reap_descendants(timeout: float = 5.0) -> list[int]:

@@ -12,6 +12,7 @@ ATTACKS = ["scaled", "nan", "replay", "anchor", "withhold"]
 
 
 @pytest.mark.slow
+@pytest.mark.concurrent  # virtual time, and mostly waiting: 32 CPU-seconds in 48 s alone, a core's worth or less
 @pytest.mark.timeout(900)  # about 2 minutes on an idle box
 def test_quick_attack_benchmark_meets_its_targets(tmp_path: Path):
     done = subprocess.run(
