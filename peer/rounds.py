@@ -228,11 +228,13 @@ class RoundEngine:
         standing = self.standing
         seconds, slot = self.appointment.seconds, self.appointment.slot
         trusted = [s for s in seen if standing.trusted(now, s.peer, s.address, seconds, slot)]
-        # a barred peer planned at its retry appointment never leads a group this peer plans with peers it does
-        # not bar: peers that barred it after different numbers of faults retry it at different slots, and one
-        # that planned it first joined it in vain while its partners led without it, each alone; as a member it
-        # costs the leader at most the window
-        retried = {s.peer for s in trusted if standing.barred(now, s.peer, s.address)}
+        # a proven partner barred by its faults and planned at its retry appointment never leads a group this peer
+        # plans with peers it does not bar: peers that barred it after different numbers of faults retry it at
+        # different slots, and one that planned it first joined it in vain while its partners led without it,
+        # each alone; as a member it costs the leader at most the window. An id never exchanged with (a newcomer
+        # that missed us, and we it) keeps the hash's rank: it trusts nobody yet and ranks its plan by the hash,
+        # and demoted here it led in vain at every retry its hash put first, while the pair averaged without it
+        retried = {s.peer for s in trusted if standing.barred(now, s.peer, s.address) and standing.proven(now, s.peer)}
         if len(retried) == len(trusted):  # no peer but retried ones (two peers that barred each other meet
             retried = set()  # on the grid only if both rank them alike)
         seen = trusted or [s for s in seen if standing.retryable(now, s.peer, s.address, slot)]

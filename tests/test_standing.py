@@ -317,3 +317,37 @@ def test_a_retried_peer_never_leads_a_group_planned_with_peers_not_barred_so_nea
         lone.ended(nxt.at + 0.5, None)
         t = nxt.at + 1
     assert "y" in ranks and "x" in ranks  # y led some of its retries
+
+
+def test_a_newcomer_that_missed_a_proven_pair_and_the_pair_plan_one_leader_at_their_common_retries():
+    """A newcomer n missed both peers of a proven pair a-b in its first round, and they missed it: each side barred
+    the other (one fault of an id never exchanged with), and retries it every second slot. n trusts nobody and
+    ranks its plan by the hash alone; a ranked n, a retried peer, after b, so at a common retry where n came first
+    by the hash, n led and waited for a and b while they averaged without it, both sides ran up faults and their
+    retries grew rarer: a newcomer lonely for 90 s in a suite run (tests/test_churn.py). An id this peer never
+    exchanged with is ranked by the hash, as it ranks itself; only a proven partner retried is never a leader."""
+    config = RoundConfig(inner_steps=10, round_seconds=R, shortest_round=0.0,
+                         standing=dataclasses.replace(CONFIG, memory=600.0))  # fmt: skip
+    a, n = RoundEngine("a", config), RoundEngine("n", config)
+    a.begin(0.0, [_seen("b", None), _seen("n", None)])
+    a.ended(5.0, 2, partners=["b"])
+    n.begin(0.0, [_seen("a", None), _seen("b", None)])
+    n.ended(5.0, None)
+    a.standing.fault(6.0, "n")
+    for peer in ("a", "b"):
+        n.standing.fault(6.0, peer)
+    t, led = 20.0, set()
+    for _ in range(16):
+        plans = {}
+        for engine, others in ((a, ("b", "n")), (n, ("a", "b"))):
+            nxt = engine.begin(t, [_seen(p, None) for p in others])
+            plan = engine.gather(nxt.at, [_seen(p, nxt.key) for p in others])
+            plans[engine.peer] = plan.candidates + plan.planned
+            engine.ended(nxt.at + 0.5, None)
+        both = "n" in plans["a"] and "a" in plans["n"]
+        assert both == (nxt.slot % 2 == 0), (nxt.slot, plans)  # their retries meet on every second slot
+        if both:
+            assert plans["a"][0] == plans["n"][0], (nxt.slot, plans)  # one leader
+            led.add(plans["a"][0])
+        t = nxt.at + 1
+    assert "n" in led  # the newcomer led some of them, as the hash has it
