@@ -2,9 +2,10 @@
 
 ``RosterWatch`` reads the run's live announcements on a thread of its own, for a loop that must not wait.
 
-With ``keep_config`` it also keeps the run's config record alive: on its first beat and then every
-third of ``config_ttl`` it stores again the identical record it reads, so the config outlives the
-node that created it, and a node that joins later finds a copy among the live peers.
+With ``keep_config`` it also keeps the run's config record alive: once a third of ``config_ttl`` has run out
+since the record was last stored (checked on its first beat and when due), it stores again the identical record
+it reads, so the config outlives the node that created it, and a node that joins later finds a copy among the
+live peers. While the creator's keeper stores it every third of the ttl, no peer does.
 
 ``ConfigKeeper`` is the creator's side (``murmur bootstrap``, the Python API's ``Swarm``): it stores
 the run's record once, failing loudly if it cannot, then again every third of ``config_ttl``.
@@ -17,6 +18,8 @@ import threading
 import time
 from collections.abc import Callable
 from types import TracebackType
+
+from hivemind.utils.timed_storage import get_dht_time
 
 from .errors import one_line
 from .records import Announcement, RunRecord, RunRecords
@@ -148,9 +151,18 @@ class Heartbeat(_Background):
             self._poked.clear()
 
     def _republish_config(self) -> None:
+        """Store the config again once a third of its ttl has run out since it was last stored. A peer stored the
+        copy it read at its first beat: one read just before the creator published a new config and stored just
+        after it expired later than the new one, and joiners took the old config (seen in a suite run)."""
         try:
-            record = self.records.fetch_config()
-            if record is not None and self.records.publish_config(record):
+            found = self.records.fetch_config_with_expiration()
+            if found is None:
+                return
+            record, expires = found
+            fresh = expires - get_dht_time() - 2 * self.records.config_ttl / 3  # seconds until a third has run out
+            if fresh > 0:
+                self._config_due = time.monotonic() + fresh
+            elif self.records.publish_config(record):
                 self._config_due = time.monotonic() + self.records.config_ttl / 3
         except Exception as e:
             logger.warning("could not republish the run config: %s", one_line(e))

@@ -289,6 +289,16 @@ class RunRecords:
     def _fetch_config(self) -> _Request[RunRecord | None]:
         return self._get(self.config_key, self._config)
 
+    def fetch_config_with_expiration(self) -> tuple[RunRecord, float] | None:
+        """``fetch_config()`` with the DHT time the record found expires (it was last stored ``config_ttl`` before,
+        by its creator or by a peer that keeps it)."""
+
+        def finish(found: ValueWithExpiration | None) -> tuple[RunRecord, float] | None:
+            record = self._config(found)
+            return None if record is None else (record, found.expiration_time)
+
+        return self._get(self.config_key, finish).wait()
+
     def _publish_metrics(self, m: Metrics) -> _Request[bool]:
         return self._store(self.metrics_key, m.model_dump(mode="json"), self.metrics_ttl, subkey=m.peer_id)
 

@@ -649,6 +649,33 @@ def test_config_and_metrics_round_trip(swarm: list[Any]) -> None:
 
 
 @pytest.mark.slow
+def test_a_peer_keeps_the_config_alive_only_once_a_third_of_its_ttl_has_run_out(swarm: list[Any]) -> None:
+    """A peer stored the config it read at its first beat: a copy read just before the creator published a new
+    config and stored just after it expired later than the new one, and joiners took the old config (a suite run,
+    tests/test_api.py). It now stores the record again only once a third of its ttl has run out since its last
+    store: never while the creator's keeper stores it every third."""
+    boot, a, b = swarm
+    run = new_run()
+    creator, peer = RunRecords(a, run, config_ttl=60.0), RunRecords(b, run, config_ttl=60.0)
+    record = RunRecord(run_id=run, config={"lr": 0.7, "inner_steps": 50, "model": "tiny"}, created_by=PEER)
+    assert creator.publish_config(record)
+    first = wait_for(peer.fetch_config_with_expiration, lambda found: found is not None)
+    keeper = Heartbeat(peer, lambda: live_announcement(b), keep_config=True)
+    keeper._republish_config()  # the first beat's: fresh from its creator, left alone
+    assert peer.fetch_config_with_expiration() == first
+    assert keeper._config_due - time.monotonic() == pytest.approx(first[1] - get_dht_time() - 40.0, abs=1.0)
+    run = new_run()  # a config stored 50 s ago, as far as its ttl goes: the creator is gone
+    old, peer = RunRecords(a, run, config_ttl=10.0), RunRecords(b, run, config_ttl=60.0)
+    record = record.model_copy(update={"run_id": run})
+    assert old.publish_config(record)
+    stored = wait_for(peer.fetch_config_with_expiration, lambda found: found is not None)
+    keeper = Heartbeat(peer, lambda: live_announcement(b), keep_config=True)
+    keeper._republish_config()
+    kept = wait_for(peer.fetch_config_with_expiration, lambda found: found[1] > stored[1] + 40)  # stored again
+    assert kept[0] == record and keeper._config_due - time.monotonic() == pytest.approx(20.0, abs=1.0)
+
+
+@pytest.mark.slow
 def test_async_twins_on_a_real_node(swarm: list[Any]) -> None:
     boot, a, b = swarm
     run = new_run()
