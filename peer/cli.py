@@ -253,9 +253,21 @@ def _join(args: argparse.Namespace) -> int:
         report = run_peer(options, stop.event, on_start=started)
     print(
         f"peer {report.peer_id[-8:]}: {report.steps} steps, eval loss {report.initial_eval_loss:.3f} -> "
-        f"{report.final_eval_loss:.3f}, exchanges {report.exchanges_ok} ok / {report.exchanges_failed} failed"
+        f"{report.final_eval_loss:.3f}{_final_model(report)}, exchanges {report.exchanges_ok} ok / "
+        f"{report.exchanges_failed} failed"
     )
     return 0
+
+
+def _final_model(report) -> str:
+    """The final model's held-out loss where it is not the one just printed: a stop that cut a round short leaves
+    the model the peer holds with the round's inner steps, anchor.safetensors without them."""
+    final = report.final_model_eval_loss
+    return (
+        f" (the final model written: {final:.3f})"
+        if final is not None and f"{final:.3f}" != f"{report.final_eval_loss:.3f}"
+        else ""
+    )
 
 
 def _simulate(args: argparse.Namespace) -> int:

@@ -11,7 +11,7 @@ import math
 import os
 import sysconfig
 import zlib
-from collections.abc import Iterator
+from collections.abc import Iterator, Mapping
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -149,15 +149,21 @@ def eval_batches(data: Tensor, *, batch_size: int, block_size: int, n_batches: i
 
 
 @torch.no_grad()
-def evaluate(model: nn.Module, eval_set: list[tuple[Tensor, ...]]) -> float:
-    """Mean loss over `eval_set`, computed in eval() mode; the model's previous mode is restored."""
+def evaluate(model: nn.Module, eval_set: list[tuple[Tensor, ...]], params: Mapping[str, Tensor] | None = None) -> float:
+    """Mean loss over `eval_set`, computed in eval() mode; the model's previous mode is restored. With `params`
+    (by `named_parameters()` name), the model is run with those values in place of its own, which stay as they
+    are (`torch.func.functional_call`)."""
     if not eval_set:
         raise ValueError("evaluate needs a non-empty eval_set")
     was_training = model.training
     device = next(model.parameters()).device
+
+    def run(*inputs: Tensor) -> Tensor:
+        return model(*inputs) if params is None else torch.func.functional_call(model, params, inputs)
+
     model.eval()
     try:
-        losses = [loss_of(model(*(t.to(device) for t in batch))).item() for batch in eval_set]
+        losses = [loss_of(run(*(t.to(device) for t in batch))).item() for batch in eval_set]
     finally:
         model.train(was_training)
     return sum(losses) / len(losses)

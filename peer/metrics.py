@@ -33,7 +33,8 @@ class PeerReport(BaseModel):
     rounds: int = Field(ge=0)
     samples: int = Field(ge=0)
     initial_eval_loss: float
-    final_eval_loss: float
+    final_eval_loss: float  # of the model the peer held at its end (mid-round: with the round's inner steps)
+    final_model_eval_loss: float | None = None  # of anchor.safetensors, the final model it wrote (None: none)
     exchanges_ok: int = Field(ge=0)
     exchanges_failed: int = Field(ge=0)
     exchanges_declined: int = Field(ge=0)

@@ -307,6 +307,13 @@ class Trainer:
         took during that exchange if it trained through it), in fp32."""
         return evaluate(self.model, self.eval_set)
 
+    def evaluate_anchor(self) -> float:
+        """Held-out loss of the anchor, the model a peer writes as its final one (`anchor.safetensors`), with the
+        model's own buffers (mid-round, the model itself holds the round's inner steps as well). The model's parameters
+        stay as they are; an anchor held off the card is copied onto it for this."""
+        params = dict(self.model.named_parameters())
+        return evaluate(self.model, self.eval_set, {n: a.to(params[n]) for n, a in self.outer.anchor.items()})
+
     def state_dict(self) -> dict[str, Any]:
         """Model, inner and outer optimizer state and counters (model tensors are the live ones: save first)."""
         return {

@@ -22,8 +22,10 @@ process group (`peer.sim.simulate.stop_processes`). From the peers' metrics logs
 `bench_churn.json`: swarm samples/s (rounds logged in the window × samples per round ÷ duration),
 exchanges ok and failed, the longest a peer was blocked in one round (the `blocked` field: time
 spent looking for and exchanging with a partner), the final eval loss and the consensus distance
-of the live peers, the peers that died without being killed, and each new peer's time from launch
-to its first exchange.
+of the live peers' final models (`anchor.safetensors`: the SIGTERM lands mid-round, where the model a
+peer holds has the round's inner steps too, and its loss, `held_model_eval_loss_mean`, moves with the
+moment of the stop by up to 8%), the peers that died without being killed, and each new peer's time
+from launch to its first exchange.
 
     .venv/bin/python scripts/bench_churn.py --quick     # 3 peers, 30 s a phase: about 3 minutes (runs/churn-quick)
     .venv/bin/python scripts/bench_churn.py             # 6 peers, 180 s a phase, a kill every 20 s
@@ -248,7 +250,8 @@ class Phase:
         reported = [s for s in live if (s.folder / "report.json").exists() and (s.folder / ANCHOR).exists()]
         reports = [PeerReport.model_validate_json((s.folder / "report.json").read_text()) for s in reported]
         anchors = [read_anchor(s.folder / ANCHOR) for s in reported]
-        losses = [r.final_eval_loss for r in reports]
+        losses = [r.final_model_eval_loss for r in reports]  # anchor.safetensors': a SIGTERM cuts a round short
+        held = [r.final_eval_loss for r in reports]  # the models held then, with the round's steps so far
         swarm_lonely = sum(1 for k, n in collections.Counter(lonely).items() if k and 2 <= n == logged[k])
         return {
             "restart": self.restart if self.churn else None,
@@ -270,6 +273,7 @@ class Phase:
             "cpu_seconds_per_round": round(cpu_seconds / max(1, rounds), 3),
             "final_eval_loss_mean": round(sum(losses) / len(losses), 4),
             "final_eval_loss_worst": round(max(losses), 4),
+            "held_model_eval_loss_mean": round(sum(held) / len(held), 4),
             "consensus_distance": consensus_distance(anchors),
             "crashed_without_kill": len(self.crashed),
             "crashes": self.crashed,

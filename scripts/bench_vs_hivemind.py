@@ -28,9 +28,10 @@ What is measured, per stack and scenario, over the budget window (it starts once
 logged progress: a hivemind peer its first step, a Murmur peer its first round):
 
 * samples/s across the swarm: samples trained by all peers inside the window / window length;
-* held-out loss at equal wall-clock: at the end of the window every live peer gets SIGTERM,
-  finishes the step (hivemind) or round (Murmur) in flight, and evaluates its model on the shared
-  held-out batches; mean and worst over the surviving peers;
+* held-out loss at equal wall-clock: at the end of the window every live peer gets SIGTERM (a
+  hivemind peer finishes the step in flight, a Murmur peer stops mid-round) and evaluates the model
+  it holds on the shared held-out batches (a Murmur peer's report: `final_eval_loss`, not its final
+  model's); mean and worst over the surviving peers;
 * bytes on the wire per peer: as root every peer runs in its own network namespace (in all three
   scenarios, with a qdisc only in the shaped one) and the bytes are the kernel's counters of its
   veth, every frame it sent or received inside the window: training traffic, DHT, bootstrap and
@@ -95,7 +96,7 @@ class BenchConfig:
     train: TrainConfig = field(default_factory=TrainConfig)
     namespaces: bool = True  # as root, every peer in its own network namespace (interface byte counters)
     startup_grace: float = 180.0
-    stop_grace: float = 40.0  # SIGTERM to SIGKILL: a Murmur peer finishes its round first
+    stop_grace: float = 40.0  # SIGTERM to SIGKILL: a peer evaluates and writes its final model first
     overlap: bool = False  # True: Murmur peers train through their exchanges (`murmur join --overlap`)
 
     def __post_init__(self) -> None:
@@ -113,7 +114,7 @@ class Trace:
 
     points: list[tuple[float, int, float]]
     final_loss: float | None
-    eval_samples: int = 0  # samples the peer had trained when it was evaluated (it finishes its step or round)
+    eval_samples: int = 0  # samples the peer had trained when it was evaluated (hivemind's finishes its step)
     rounds: list[tuple[float, int]] = field(default_factory=list)  # (wall time, rounds or hivemind epochs so far)
 
     def rounds_within(self, start: float, end: float) -> int:

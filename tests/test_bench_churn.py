@@ -52,7 +52,7 @@ def test_quick_churn_bench_writes_every_field_and_reaps_everything(tmp_path):
         assert p["rounds"] > 0 and p["samples_per_second"] > 0 and p["exchanges_ok"] > 0
         assert p["exchanges_failed"] >= 0 and p["partners_unreachable"] >= 0
         assert 0 < p["max_blocked_seconds"] <= result["config"]["exchange_timeout"] + 3  # a gather, an exchange
-        assert p["final_eval_loss_mean"] <= p["final_eval_loss_worst"] < 6
+        assert p["final_eval_loss_mean"] <= p["final_eval_loss_worst"] < 6 and 0 < p["held_model_eval_loss_mean"] < 6
         assert 0 <= p["consensus_distance"] < 1
         assert p["crashed_without_kill"] == 0, p["crashes"]
         assert p["cpu_seconds"] > 0 and 0 < p["cpu_seconds_per_round"] < 60

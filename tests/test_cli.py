@@ -12,9 +12,11 @@ import torch
 
 from murmur.averaging.group import GroupConfig
 from murmur.dht.node import NodeConfig
+from murmur.peer import cli
 from murmur.peer.cli import join_flags, main
 from murmur.peer.config import ConfigError, TrainConfig
 from murmur.peer.flags import DEVICES, JOIN_DEFAULTS, build_parser
+from murmur.peer.metrics import PeerReport
 from murmur.peer.model import DEFAULT_MODEL, MODELS
 from murmur.peer.runner import PeerOptions
 
@@ -457,3 +459,14 @@ def test_a_reader_that_stops_reading_is_no_error(tmp_path):
         os.close(write)
     assert (done.returncode, done.stderr) == (141, "")
     assert (tmp_path / "report.png").is_file()  # the work was done: only its line found no reader
+
+
+def test_a_joins_last_line_gives_the_final_models_loss_where_it_is_not_the_held_ones() -> None:
+    """Stopped mid-round, a peer holds its anchor plus the round's steps so far; anchor.safetensors is the anchor."""
+    report = PeerReport(peer_id="Qm" + "x" * 44, steps=10, rounds=2, samples=160, initial_eval_loss=5.335,
+                        final_eval_loss=1.6444, final_model_eval_loss=1.5243, exchanges_ok=1, exchanges_failed=0,
+                        exchanges_declined=0, rounds_alone=0, bytes_sent=0, bytes_received=0, compute_utilization=0.5,
+                        wall_seconds=1.0)  # fmt: skip
+    assert cli._final_model(report) == " (the final model written: 1.524)"
+    assert cli._final_model(report.model_copy(update={"final_model_eval_loss": 1.64441})) == ""  # printed the same
+    assert cli._final_model(report.model_copy(update={"final_model_eval_loss": None})) == ""  # none written

@@ -312,3 +312,22 @@ def test_evaluate_restores_mode_and_matches_manual_mean():
         manual = sum(model(x, y)[1].item() for x, y in eval_set) / len(eval_set)
     assert evaluate(model, eval_set) == pytest.approx(manual) and not model.training
     assert loss == pytest.approx(manual)  # dropout was off during evaluation
+
+
+def test_evaluate_with_other_parameters_leaves_the_model_as_it_is():
+    """`evaluate(..., params)`: the held-out loss of the model with those values (tied weights included), its own
+    kept (a peer evaluates its anchor, the final model it writes, without losing the inner steps of its round)."""
+    torch.manual_seed(0)
+    model = GPT(GPTConfig(n_layer=1, n_head=2, n_embd=32, block_size=16))
+    eval_set = eval_batches(DATA, batch_size=2, block_size=16, n_batches=3)
+    other = {n: p.detach() + 0.05 * torch.randn_like(p) for n, p in model.named_parameters()}
+    own = {n: p.detach().clone() for n, p in model.state_dict().items()}
+    twin = GPT(GPTConfig(n_layer=1, n_head=2, n_embd=32, block_size=16))
+    twin.load_state_dict(model.state_dict())
+    with torch.no_grad():
+        for n, p in twin.named_parameters():
+            p.copy_(other[n])
+    loss = evaluate(model, eval_set, other)
+    assert loss == pytest.approx(evaluate(twin, eval_set), rel=1e-6)
+    assert abs(loss / evaluate(model, eval_set) - 1) > 1e-3
+    assert all(torch.equal(own[n], p) for n, p in model.state_dict().items())

@@ -276,12 +276,13 @@ def test_a_partner_that_slept_through_our_groups_is_retried_on_the_grid_not_barr
     assert not any(s.trusted(61.0, "cheat", None, R, slot) for slot in range(1, 65))
 
 
-def test_a_retried_peer_never_leads_a_group_planned_with_peers_not_barred_so_near_partners_agree():
-    """Two near peers a and b, proven to each other, and a far peer c that both barred after different numbers
-    of faults (a four, b three), so that a retries it every fourth slot and b every second. Ranked by the hash
-    alone, at a slot where only one of them retried c and c came first, that one joined c in vain while the
-    other led (or waited) without it: both lonely (found by reading, not seen in a run). A retried peer is now a
-    member of such a group, never its leader: a and b plan the same leader at every slot. Two peers with nobody
+def test_a_retried_partner_never_leads_a_group_planned_with_peers_not_barred_so_near_partners_agree():
+    """Two near peers a and b, proven to each other, and a far peer c, a proven partner too, that both barred
+    after different numbers of faults (a four, b three), so that a retries it every fourth slot and b every
+    second. Ranked by the hash alone, at a slot where only one of them retried c and c came first, that one joined
+    c in vain while the other led (or waited) without it: both lonely (found by reading, not seen in a run). A
+    proven partner retried is now a member of such a group, never its leader (an id never exchanged with keeps the
+    hash's rank: below, the newcomer's test): a and b plan the same leader at every slot. Two peers with nobody
     but retried ones keep the hash's order (their retries meet, above)."""
     config = RoundConfig(inner_steps=10, round_seconds=R, shortest_round=0.0,
                          standing=dataclasses.replace(CONFIG, memory=600.0))  # fmt: skip
