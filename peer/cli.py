@@ -289,8 +289,9 @@ def _simulate(args: argparse.Namespace) -> int:
     print(f"  the peers' logs are in {report.out_dir} (murmur report {shlex.quote(report.out_dir)} plots them)")
     for p in report.peers:
         print(
-            f"  peer {p.peer_id[-8:]}: eval loss {p.initial_eval_loss:.3f} -> {p.final_eval_loss:.3f}, "
-            f"{p.exchanges_ok} exchanges ok, {p.exchanges_failed} failed, {p.bytes_sent / 1e6:.2f} MB sent"
+            f"  peer {p.peer_id[-8:]}: eval loss {p.initial_eval_loss:.3f} -> {p.final_eval_loss:.3f}"
+            f"{_final_model(p)}, {p.exchanges_ok} exchanges ok, {p.exchanges_failed} failed, "
+            f"{p.bytes_sent / 1e6:.2f} MB sent"
         )
     if report.consensus_distance is not None:
         print(f"  consensus distance {report.consensus_distance:.4f}")
