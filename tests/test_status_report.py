@@ -194,6 +194,23 @@ def test_report_draws_the_held_out_loss_each_peer_measured_at_its_stop(tmp_path:
     assert final_evaluations(tmp_path / "peer-0", load_logs(tmp_path / "peer-0"))["peer-0"]["eval_loss"] == 2.5
 
 
+def test_report_draws_the_final_model_of_a_peer_stopped_mid_round_after_its_last_round(tmp_path: Path) -> None:
+    """A peer stopped mid-round held its anchor plus the round's steps so far, whose held-out loss (a peer's steps
+    not yet averaged) stood up to 9% above the curve of its anchors: the chart ended on a jump no model it kept
+    had. Its final model's loss is drawn, after the last round's samples."""
+    from murmur.peer.ops.report import final_evaluations
+
+    for i in range(2):
+        write_log(tmp_path / f"peer-{i}", lines=4, start=100.0, seed=i)  # the last round after 1280 samples
+    (tmp_path / "peer-0" / "report.json").write_text(
+        json.dumps({"samples": 1400, "final_eval_loss": 2.9, "final_model_eval_loss": 2.6}))  # fmt: skip
+    (tmp_path / "peer-1" / "report.json").write_text(  # stopped at a round's end: one model, the report's samples
+        json.dumps({"samples": 1280, "final_eval_loss": 2.7, "final_model_eval_loss": 2.7}))  # fmt: skip
+    finals = final_evaluations(tmp_path, load_logs(tmp_path))
+    assert finals == {"peer-0": {"t": 106.0, "samples": 1280, "eval_loss": 2.6},
+                      "peer-1": {"t": 106.0, "samples": 1280, "eval_loss": 2.7}}  # fmt: skip
+
+
 def test_peers_alive_counts_each_peer_from_first_to_last_record() -> None:
     times, counts = alive_over_time([(0.0, 10.0), (3.0, 5.0), (5.0, 12.0)])
     assert list(zip(times, counts, strict=True)) == [(0.0, 1), (3.0, 2), (5.0, 3), (5.0, 2), (10.0, 1), (12.0, 0)]

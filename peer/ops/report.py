@@ -50,8 +50,11 @@ def load_logs(run_dir: Path) -> dict[str, list[dict]]:
 def final_evaluations(run_dir: Path, logs: dict[str, list[dict]]) -> dict[str, dict]:
     """Each peer's held-out loss at its stop, from the `report.json` beside its log (the metrics log has only the
     evaluations of its rounds, every --eval-every): {"t", "samples", "eval_loss"}, at the time of the log's last
-    record (the report says after how many samples, not when). A report of fewer samples than the log's last
-    record is of an earlier life of the peer, and left out, as is one that does not read."""
+    record (the report says after how many samples, not when). It is the final model's (`final_model_eval_loss`,
+    its anchor, as every evaluation of a round's end is), after the last round's samples, where the peer stopped
+    mid-round: the model it held then (`final_eval_loss`, after the report's samples) had that round's steps too,
+    and its loss, a peer's steps not yet averaged, stood up to 9% above the curve. A report of fewer samples than
+    the log's last record is of an earlier life of the peer, and left out, as is one that does not read."""
     folders = {next(iter(logs)): run_dir} if (run_dir / "metrics.jsonl").exists() else {n: run_dir / n for n in logs}
     finals = {}
     for name, folder in folders.items():
@@ -62,7 +65,11 @@ def final_evaluations(run_dir: Path, logs: dict[str, list[dict]]) -> dict[str, d
         last = logs[name][-1]
         if (isinstance(report, dict) and _is_number(report.get("final_eval_loss")) and _is_number(report.get("samples"))
                 and report["samples"] >= (last["samples"] if _is_number(last.get("samples")) else 0)):  # fmt: skip
-            finals[name] = {"t": last["t"], "samples": report["samples"], "eval_loss": report["final_eval_loss"]}
+            final = report.get("final_model_eval_loss")  # (none in a report of an older murmur)
+            if _is_number(final) and final != report["final_eval_loss"] and _is_number(last.get("samples")):
+                finals[name] = {"t": last["t"], "samples": last["samples"], "eval_loss": final}
+            else:
+                finals[name] = {"t": last["t"], "samples": report["samples"], "eval_loss": report["final_eval_loss"]}
     return finals
 
 
