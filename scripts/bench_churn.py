@@ -24,7 +24,7 @@ exchanges ok and failed, the longest a peer was blocked in one round (the `block
 spent looking for and exchanging with a partner), the final eval loss and the consensus distance
 of the live peers' final models (`anchor.safetensors`: the SIGTERM lands mid-round, where the model a
 peer holds has the round's inner steps too, and its loss, `held_model_eval_loss_mean`, moves with the
-moment of the stop by up to 8%), the peers that died without being killed, and each new peer's time
+moment of the stop by up to 9%), the peers that died without being killed, and each new peer's time
 from launch to its first exchange.
 
     .venv/bin/python scripts/bench_churn.py --quick     # 3 peers, 30 s a phase: about 3 minutes (runs/churn-quick)
@@ -250,7 +250,9 @@ class Phase:
         reported = [s for s in live if (s.folder / "report.json").exists() and (s.folder / ANCHOR).exists()]
         reports = [PeerReport.model_validate_json((s.folder / "report.json").read_text()) for s in reported]
         anchors = [read_anchor(s.folder / ANCHOR) for s in reported]
-        losses = [r.final_model_eval_loss for r in reports]  # anchor.safetensors': a SIGTERM cuts a round short
+        # anchor.safetensors': a SIGTERM cuts a round short (a peer whose anchor was not finite wrote none: the
+        # file is an earlier life's, and the model it held is taken)
+        losses = [r.final_eval_loss if r.final_model_eval_loss is None else r.final_model_eval_loss for r in reports]
         held = [r.final_eval_loss for r in reports]  # the models held then, with the round's steps so far
         swarm_lonely = sum(1 for k, n in collections.Counter(lonely).items() if k and 2 <= n == logged[k])
         return {
