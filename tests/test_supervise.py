@@ -35,9 +35,13 @@ SCRIPT = textwrap.dedent(
 
     def run(resume):
         n = len(starts.read_text().splitlines()) if starts.exists() else 0
+        action = plan[min(n, len(plan) - 1)]
+        stop = []
+        if action == "wait":  # its handlers in before the test, seeing it start, stops it
+            for signum in (signal.SIGTERM, FORWARDED):
+                signal.signal(signum, lambda *a: stop.append(1))
         with starts.open("a") as f:
             f.write(json.dumps({"pid": os.getpid(), "resume": resume, "pgid": os.getpgid(0)}) + "\\n")
-        action = plan[min(n, len(plan) - 1)]
         if action == "node-and-die":  # a peer with its DHT node, killed alone (the OOM killer): its p2pd is orphaned
             import psutil
             from murmur.dht.node import NodeConfig, _socket_paths, start_node
@@ -56,9 +60,6 @@ SCRIPT = textwrap.dedent(
         if action == "raise":
             raise RuntimeError("a bug in the peer")
         if action == "wait":  # like a peer: a clean stop on SIGTERM, or on the supervisor's forward of one
-            stop = []
-            for signum in (signal.SIGTERM, FORWARDED):
-                signal.signal(signum, lambda *a: stop.append(1))
             while not stop:
                 time.sleep(0.05)
             return 0
