@@ -36,3 +36,7 @@
 * ``standing``     ``Standing``: whose announcements plan our groups: proven by an exchange, or past a probation, and
   not barred by faults (declines, refusals, no-shows) counted per id and per announced host, in bounded memory. Pure
 """
+
+from murmur.dht import lazy_hivemind
+
+lazy_hivemind.install()  # before any of hivemind's modules (dht/lazy_hivemind.py)

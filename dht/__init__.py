@@ -21,10 +21,16 @@
   (hivemind's ping answers with a node's time), so that peers whose clocks differ by up to 3 s meet at their rounds
 * ``loop``       ``LoopThread``: the one sync/async bridge, an event loop (uvloop) on a background thread
 * ``errors``     ``one_line``: what an error says, on one line (every package's log lines and one-line messages)
+* ``lazy_hivemind`` hivemind's package root, run only when one of its own names is asked for (installed here,
+  first thing, and by ``murmur.averaging`` and ``murmur.peer``): a peer imports hivemind's DHT and p2p, not scipy
 """
 
 import importlib
 from typing import Any
+
+from . import lazy_hivemind
+
+lazy_hivemind.install()
 
 # each name from its module, imported when first asked for: a process that needs only `addresses` (a checkpoint,
 # an access policy) does not import hivemind, and scipy with it, 55 MB of memory it never uses

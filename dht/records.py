@@ -24,7 +24,7 @@ from dataclasses import dataclass, replace
 from enum import StrEnum
 from typing import Annotated, Any, ClassVar, Generic, TypeVar
 
-import hivemind
+from hivemind.dht import DHT
 from hivemind.utils import MPFuture
 from hivemind.utils.timed_storage import MAX_DHT_TIME_DISCREPANCY_SECONDS, ValueWithExpiration, get_dht_time
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator, model_validator
@@ -186,7 +186,7 @@ class _Request(Generic[T]):
     timeout: float
 
     def _send(self) -> MPFuture:
-        # hivemind.DHT writes requests to one multiprocessing pipe without a lock of its own, and the
+        # DHT writes requests to one multiprocessing pipe without a lock of its own, and the
         # heartbeat thread, the training thread and the event-loop thread all make requests
         with _PIPE_LOCK:
             return self.start()
@@ -231,7 +231,7 @@ class RunRecords:
 
     def __init__(
         self,
-        dht: hivemind.DHT,
+        dht: DHT,
         run_id: str,
         *,
         announce_ttl: float = 15.0,

@@ -27,3 +27,7 @@
 * ``flags``     every flag of the command line, range-checked, parsed without torch or hivemind
 * ``cli``       the ``murmur`` entry point: parse, build, run, close
 """
+
+from murmur.dht import lazy_hivemind
+
+lazy_hivemind.install()  # before any of hivemind's modules (dht/lazy_hivemind.py)

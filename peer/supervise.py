@@ -74,9 +74,10 @@ class RestartPolicy:
 
 def preload() -> None:
     """Import what a peer imports at start, so that every fork starts warm."""
-    import hivemind  # noqa: F401  (with scipy, through hivemind.averaging)
     import torch._dynamo  # noqa: F401  (every torch optimizer imports it on construction)
     import torch.optim  # noqa: F401
+
+    import murmur.peer.runner  # noqa: F401  (torch, and hivemind's DHT and p2p: dht/lazy_hivemind.py)
 
 
 def describe(status: int) -> str:

@@ -9,7 +9,8 @@ import pytest
 
 os.environ.setdefault("HIVEMIND_LOGLEVEL", "ERROR")
 os.environ.setdefault("GOLOG_LOG_LEVEL", "error")
-# hivemind's default "file_system" sharing starts a torch_shm_manager child of this process; the
+# hivemind's default "file_system" sharing starts a torch_shm_manager child of this process (murmur's nodes
+# choose "file_descriptor" themselves, dht/node.py, but a test may start hivemind's own); the
 # reaper below would kill it, and freeing shared memory afterwards aborts pytest
 os.environ.setdefault("HIVEMIND_MEMORY_SHARING_STRATEGY", "file_descriptor")
 if os.environ.get("PYTEST_XDIST_WORKER"):
