@@ -4,10 +4,16 @@ its futures' memory by file descriptor); code that asks hivemind's root for its 
 
 from __future__ import annotations
 
+import json
 import os
 import subprocess
 import sys
 import textwrap
+from pathlib import Path
+
+import pytest
+
+ROOT = Path(__file__).resolve().parent.parent
 
 
 def run(code: str) -> str:
@@ -88,3 +94,20 @@ def test_a_process_that_imported_hivemind_first_keeps_it_whole() -> None:
         print(is_light(), hivemind.DHT.__name__)
     """)
     assert out.splitlines()[-1] == "False DHT"
+
+
+@pytest.mark.slow
+@pytest.mark.concurrent
+def test_footprint_measures_a_real_peer(tmp_path) -> None:
+    out = tmp_path / "footprint.json"
+    done = subprocess.run([sys.executable, "scripts/footprint.py", "--peers", "1", "--seconds", "2", "--out", str(out)],
+                          capture_output=True, text=True, timeout=180, cwd=ROOT)  # fmt: skip
+    assert done.returncode == 0, done.stderr[-3000:]
+    result = json.loads(out.read_text())
+    assert result["processes_per_peer"] == {"dht worker": 1.0, "p2pd": 1.0, "peer": 1.0}  # no torch_shm_manager
+    assert 0 < result["per_peer_mb"]["uss_mb"] <= result["per_peer_mb"]["pss_mb"] <= result["per_peer_mb"]["rss_mb"]
+    assert len(result["start_seconds"]) == 1 and result["start_cpu_seconds"][0] > 0
+    assert "a peer: RSS" in done.stdout
+    bad = subprocess.run([sys.executable, "scripts/footprint.py", "--peers", "0"], capture_output=True, text=True,
+                         timeout=60, cwd=ROOT)  # fmt: skip
+    assert bad.returncode == 2 and "--peers" in bad.stderr.strip().splitlines()[-1]
