@@ -121,7 +121,7 @@ def load_policy(secret_file: Path | None, allow_peers: Iterable[str] | None) -> 
     allowed = None if allow_peers is None else frozenset(allow_peers)
     policy = AccessPolicy(secret=secret, allowed=allowed)
     if allowed:  # base58, as the policy checks; and a peer id, which takes a decoding
-        # imported here: murmur.dht imports hivemind (and scipy), 55 MB a process that only exchanges never needs
+        # imported here: a process that only exchanges never needs the DHT package (tests/test_bench_model_scale.py)
         from murmur.dht.addresses import AddressError, parse_peer_id
 
         for peer in sorted(allowed):

@@ -2,8 +2,8 @@
 
 A volunteer's peer can die without a clean stop: the kernel's OOM killer, a driver crash, a `kill -9`.
 Its checkpoint keeps the work; what is lost is the time to start again, and most of that is imports
-(torch, the `torch._dynamo` that every torch optimizer pulls in, hivemind with scipy): about 4 CPU-
-seconds of a ~5 s start on this machine's cores. The supervisor pays them once. It imports what a
+(torch, the `torch._dynamo` that every torch optimizer pulls in, hivemind's DHT, murmur's own modules): about
+4 CPU-seconds of a ~5 s start on this machine's cores. The supervisor pays them once. It imports what a
 peer needs, starts nothing (no thread, no event loop, no tensor op, so forking it is safe), and forks
 the peer; when the peer dies of a signal or an unexpected error it forks a new one that resumes from
 the newest checkpoint, in about a second.
