@@ -122,7 +122,7 @@ class _Stop:
 
     def _handle(self, signum, frame) -> None:
         sender = signum == FORWARDED
-        if not self._started and _importing(frame):  # the watcher exits in one line: an exception raised in an
+        if not self._started and _uninterruptible(frame):  # the watcher exits in one line: an exception raised in an
             return  # import can cross a C++ extension's init (torch's pybind11 code), which then aborts the process
         if signum == PARENT_GONE and self._started:  # the launcher or supervisor died: a clean stop, however
             self.event.set()  # many times it comes (once for each thread of this process)
@@ -145,10 +145,15 @@ class _Stop:
             os.close(read)
 
 
-def _importing(frame) -> bool:
-    """Whether the frame a signal handler interrupted runs inside an import."""
+def _uninterruptible(frame) -> bool:
+    """Whether the frame a signal handler interrupted runs inside an import, or inside the fork of a process (the
+    DHT worker): an exception raised in a fork's at-fork hook (logging's, which releases its lock) is printed
+    as "Exception ignored in: <function _releaseLock ...>" and lost, and the stop was then three lines."""
     while frame is not None:
-        if frame.f_code.co_filename.startswith("<frozen importlib"):
+        code = frame.f_code
+        if code.co_filename.startswith("<frozen importlib") or (
+            code.co_name == "_launch" and code.co_filename.endswith(os.path.join("multiprocessing", "popen_fork.py"))
+        ):
             return True
         frame = frame.f_back
     return False

@@ -5,6 +5,7 @@ import logging
 import os
 import subprocess
 import sys
+import textwrap
 from pathlib import Path
 
 import pytest
@@ -255,6 +256,28 @@ def test_a_stop_during_a_startup_import_exits_in_one_line_without_raising_inside
     done = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=30)
     assert "raised inside the import" not in done.stdout
     assert (done.returncode, done.stderr) == (130, "murmur join: interrupted\n")
+
+
+def test_a_stop_during_the_fork_of_a_startup_process_exits_in_one_line():
+    # A Ctrl-C that landed in an at-fork hook (logging's, in the parent, as the DHT worker forks) raised there, was
+    # printed as "Exception ignored in: <function _releaseLock ...>" with its traceback and lost: the stop was three
+    # lines (bad_input.py's case "Ctrl-C while a join forks its DHT worker"). The hook here stops itself.
+    code = textwrap.dedent("""
+        import multiprocessing, os, signal, time
+        from murmur.peer.cli import _Stop
+
+        def hook():
+            os.kill(os.getpid(), signal.SIGINT)
+            time.sleep(3)  # the handler runs here, inside the fork
+
+        with _Stop("join"):
+            os.register_at_fork(after_in_parent=hook)
+            multiprocessing.get_context("fork").Process(target=int).start()
+            time.sleep(3)
+        print("not stopped", flush=True)
+    """)
+    done = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=30)
+    assert (done.returncode, done.stderr, done.stdout) == (130, "murmur join: interrupted\n", "")
 
 
 def test_a_join_line_names_the_data_of_a_run_on_the_operators_data(tmp_path):
