@@ -1036,12 +1036,16 @@ def test_a_peer_in_a_process_of_its_own_freezes_its_heap_before_it_announces_its
     (this test's other peer, the default) freezes nothing."""
     config = TrainConfig(inner_steps=2, batch_size=4, eval_batches=1)
     with published(config) as node:
-        seen = []
+        seen, at_fork = [], []
         gc.unfreeze()  # whatever an earlier test froze in this process
+        # what was frozen as the DHT worker forked: the worker shares the peer's pages only as long as neither
+        # writes to them, and a collection in the peer writes to every header it walks
+        os.register_at_fork(before=lambda: at_fork.append(gc.get_freeze_count()) if seen is not None else None)
 
         def look(peer) -> None:  # called once the peer has announced itself
             model = peer.trainer.model
             seen.append((gc.get_freeze_count(), gc.is_tracked(model), any(o is model for o in gc.get_objects())))
+            at_fork.append("announced")
             stop.set()
 
         for own in (False, True):
@@ -1053,6 +1057,10 @@ def test_a_peer_in_a_process_of_its_own_freezes_its_heap_before_it_announces_its
                 gc.unfreeze()  # back to the collector: the rest of the suite runs in this process
         assert seen[0] == (0, True, True)  # not frozen: the collector still walks the model
         assert seen[1][0] > 50_000 and seen[1][1:] == (True, False)  # skipped by it
+        forks = at_fork[at_fork.index("announced") + 1 : at_fork.index("announced", at_fork.index("announced") + 1)]
+        assert at_fork[: at_fork.index("announced")] and set(at_fork[: at_fork.index("announced")]) == {0}
+        assert forks and min(forks) > 50_000, forks  # frozen before its DHT worker forked
+        seen = None  # the hook stays registered: it records nothing more
 
 
 @pytest.mark.slow
