@@ -21,8 +21,9 @@
   (hivemind's ping answers with a node's time), so that peers whose clocks differ by up to 3 s meet at their rounds
 * ``loop``       ``LoopThread``: the one sync/async bridge, an event loop (uvloop) on a background thread
 * ``errors``     ``one_line``: what an error says, on one line (every package's log lines and one-line messages)
-* ``lazy_hivemind`` hivemind's package root, run only when one of its own names is asked for (installed here,
-  first thing, and by ``murmur.averaging`` and ``murmur.peer``): a peer imports hivemind's DHT and p2p, not scipy
+* ``lazy_hivemind`` hivemind's package root as a lazy package, each of its names imported from its module when
+  first asked for (installed here, first thing, and by ``murmur.averaging`` and ``murmur.peer``): a peer imports
+  hivemind's DHT and p2p, not its averager, optimizer or scipy
 """
 
 import importlib

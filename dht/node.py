@@ -270,9 +270,10 @@ def _share_memory_by_descriptor() -> None:
     request. hivemind sets torch's "file_system" sharing as it imports (its HIVEMIND_MEMORY_SHARING_STRATEGY
     default), which starts a `torch_shm_manager` process beside every peer: 56 MB of its own memory here (it
     links libtorch), and a handshake that a Ctrl-C could make spin forever in C, holding the GIL (torch 2.13
-    retries an interrupted read without reading again). "file_descriptor" sharing sends each piece of memory
-    over the worker's pipe as a descriptor instead, as the test suite's own nodes always did (tests/conftest.py);
-    a DHT read took no longer (2.6 ms against 3.1 here)."""
+    retries an interrupted read without reading again). "file_descriptor" sharing hands the worker each piece
+    of memory as a descriptor instead (over a socket this process serves: multiprocessing's resource sharer), as
+    the test suite's own nodes always did (tests/conftest.py); a DHT read took no longer (2.6 ms against 3.1
+    here), nor did a flood make the swarm lonelier (docs/attack.md, stop 49's flood runs)."""
     import torch.multiprocessing
 
     torch.multiprocessing.set_sharing_strategy("file_descriptor")
