@@ -353,6 +353,9 @@ def add_flood(report: dict, quick: bool, pin: bool = False, late: bool = False) 
           f"{attacked['rounds']} (clean {clean['lonely_rounds']} of {clean['rounds']}; exchanging ratio "
           f"{flood['exchanging_ratio']:.3f}), met {flood['met']}", flush=True)  # fmt: skip
     print(f"{name}: RSS growth by process (MB) {flood['rss_growth_mb_by_process']}", flush=True)
+    print(f"{name}: CPU-s in the window: honest {clean['honest_cpu_seconds']} clean, {attacked['honest_cpu_seconds']} "
+          f"attacked; the attackers {attacked['attacker_cpu_seconds']} {attacked['attacker_cpu_seconds_by_process']}",
+          flush=True)  # fmt: skip
 
 
 def judge_all(report: dict, expected: int) -> None:
