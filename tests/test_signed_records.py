@@ -294,6 +294,51 @@ def test_a_sybil_stores_no_fake_peer_on_an_honest_replica_and_its_own_servers_an
 
 
 @pytest.mark.slow
+def test_the_flood_benchmarks_announcer_serves_its_fakes_from_its_own_node_and_no_honest_replica_keeps_one() -> None:
+    """One round of bench_attack's fake announcer (`scripts/flood.py`, in its DHT process): every fake validly
+    signed with its own key, spread over the next three appointments, on its own node, where a reader finds them
+    (below the cap on one answer); every other replica offered them and refused them; and the announcer's own
+    reader sees the honest announcements only."""
+    import asyncio
+
+    import hivemind
+    from cryptography.hazmat.primitives.asymmetric import rsa
+
+    from scripts import flood
+
+    run = "flood-run"
+    keys = {}
+    for _ in range(12):
+        key = rsa.generate_private_key(public_exponent=65537, key_size=1024)
+        keys[peer_id_of_public_key(_public_der(key))] = key
+    flood._FAKES[:] = list(keys)  # before the attacker's DHT process forks, as `flood._attack` does
+    nodes = []
+    try:
+        nodes.append(boot := start_node(NodeConfig(run_id=run)))
+        nodes.append(reader := start_node(NodeConfig(run_id=run, initial_peers=tuple(visible_addresses(boot)))))
+        nodes.append(attacker := hivemind.DHT(
+            initial_peers=visible_addresses(boot), host_maddrs=["/ip4/127.0.0.1/tcp/0"], nat_port_map=False,
+            node_id=DHTID.generate(source=f"{run}:peers"), start=True,
+            record_validators=[flood._forger(run, keys)]))  # fmt: skip
+        key, roster = f"{run}:peers", RunRecords(reader, run)
+        fields = {"step": 7, "appointment": "2.0@100", "config": None, "step_seconds": 0.1, "fake_host": "127.66.0.1"}
+        assert attacker.run_coroutine(partial(flood._announce, key, get_dht_time() + 15, fields)) == len(keys)
+        found = roster.peers()
+        assert set(found) == set(keys) and {a.step for a in found.values()} == {7}
+        assert {a.appointment for a in found.values()} == {"2.0@100", "2.0@101", "2.0@102"}
+        for honest in (boot, reader):
+            assert not set(keys) & honest.run_coroutine(partial(_held_subkeys, key))
+        assert all(node.run_coroutine(sybil.counts)["refused"] >= len(keys) for node in (boot, reader))
+        assert roster.announce(live_announcement(reader))
+        assert set(asyncio.run(flood._honest_peers(attacker, key, keys))) == {reader.peer_id.to_base58()}
+    finally:
+        flood._FAKES.clear()
+        for node in nodes:
+            stop_node(node)
+        gc.collect()
+
+
+@pytest.mark.slow
 def test_a_replica_that_answers_late_holds_a_store_or_a_roster_read_for_the_answer_cap_once_then_is_skipped():
     """A replica that answers 2.8 s late, inside hivemind's 3 s RPC timeout (a success to hivemind, so every
     announcement and every read waited for it again): a peer waits for it `ANSWER_SECONDS` once, and hivemind
