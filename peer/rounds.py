@@ -136,6 +136,7 @@ class RoundEngine:
         self.lonely = 0  # lonely rounds in a row
         self.finish_left = 0
         self._started = 0.0  # when the round began
+        self._arrived: float | None = None  # when this peer's first training round began (it announced itself)
         self._finish_grid = 1.0  # the finish rounds' length: a fraction of a training round, as the DHT allows
         self._finish_patience = 2  # lonely finish rounds in a row that end the finish
         self._step = _Mean(most=STEP_OUTLIER)  # this peer's seconds per inner step
@@ -159,6 +160,8 @@ class RoundEngine:
         self.phase = Phase.TRAINING
         self.steps = 0
         self._started = now
+        if self._arrived is None:
+            self._arrived = now
         self._observe(now, roster)
         seconds = self._seconds()
         self._pace = (self._step.value, self._exchange.value)  # what this round announces, from now to its end
@@ -247,7 +250,8 @@ class RoundEngine:
               shunned: Iterable[str] = (), waited: float | None = None) -> Step:  # fmt: skip
         """The round's exchange gave a group of `members` (this peer included), or nothing (None). `partners`
         averaged with this peer (now proven); `missed` are the planned peers that declined, refused, could not
-        be reached or never came (faults, counted against their ids and announced hosts); `shunned` the planned
+        be reached or never came (faults, counted against their ids and announced hosts, unless they cannot have
+        planned this peer yet: `_unknown_to_them`); `shunned` the planned
         peers on the averager's cool-down (barred from the plans at once). `waited`: the seconds of the
         exchange this peer spent computing nothing, if it trained through the rest (`PeerOptions.overlap`);
         None: all of it, from the appointment on. That is the exchange time its announcements give the pace
@@ -256,7 +260,7 @@ class RoundEngine:
         partners, missed, shunned = tuple(partners), tuple(missed), tuple(shunned)
         addresses = {s.peer: s.address for s in self._roster}
         self.standing.exchanged(now, partners, addresses)
-        for peer in missed:
+        for peer in () if self._unknown_to_them() else missed:
             self.standing.fault(now, peer, addresses.get(peer))
         for peer in shunned:
             self.standing.shun(now, peer)
@@ -278,6 +282,18 @@ class RoundEngine:
             self.phase = Phase.TRAINING
         self._log("ended", now, members, step, self.phase, partners, missed, shunned, waited)
         return step
+
+    def _unknown_to_them(self) -> bool:
+        """This training round's appointment came before the peers it planned could have planned it: a peer holds
+        an id on probation for `probation` rounds from its first roster read that shows it, which comes up to a
+        round after the id announced itself (reads are every 0.5 s only in the second before an appointment).
+        What this peer missed then says nothing of them: counted as faults, a newcomer's misses in its first
+        round or two (it planned a group, or led one, that they planned without it) barred every partner it had,
+        and on one host the host too, so that its first exchange came four or five rounds after its first (a
+        loopback swarm of three, stop 50); now it plans them all again the next round."""
+        a = self.appointment
+        return (self.phase == Phase.GATHERING and a is not None and self._arrived is not None
+                and a.at < self._arrived + (self.config.standing.probation + 1.0) * a.seconds)  # fmt: skip
 
     # -- the finish --------------------------------------------------------------------------------------
     def finish(self, now: float) -> bool:

@@ -90,6 +90,13 @@ def _seen(peer, key, address=None):
     return Seen(peer, "ready", key, 0.1, None, False, address)
 
 
+def _settled(engine: RoundEngine, since: float = -3 * R) -> RoundEngine:
+    """`engine` as a peer in the swarm since `since`: the rounds in which the others could not have planned it yet,
+    and what it missed was no fault (`RoundEngine._unknown_to_them`), are behind it."""
+    engine.begin(since, [])
+    return engine
+
+
 def test_the_engine_plans_only_trusted_peers_and_a_newcomer_plans_among_all():
     engine = RoundEngine("me", RoundConfig(inner_steps=10, round_seconds=R, shortest_round=0.0))
     honest = [f"honest{i}" for i in range(3)]
@@ -104,6 +111,27 @@ def test_the_engine_plans_only_trusted_peers_and_a_newcomer_plans_among_all():
     newcomer.begin(appointment.at - 5.0, [])
     mixed = newcomer.gather(appointment.at, roster)
     assert set(mixed.candidates + mixed.planned) & set(sybils)
+
+
+def test_what_a_newcomer_misses_before_the_others_can_have_planned_it_is_no_fault():
+    """The others hold a new id on probation for a round from their first read that shows it, up to a round after
+    it announced itself: at a newcomer's first appointment they planned without it, so whom it planned then and
+    missed are not faults (they barred every partner it had, and their host, and its first exchange came four or
+    five rounds in). From the appointment two rounds after its first round began, a miss is a fault again."""
+    config = RoundConfig(inner_steps=10, round_seconds=R, shortest_round=0.0, standing=CONFIG)
+    n = RoundEngine("n", config)
+    roster = [("a", "127.0.0.1"), ("b", "127.0.0.1")]
+    first = n.begin(0.0, [_seen(p, None, host) for p, host in roster])
+    assert first.at < 2 * R
+    plan = n.gather(first.at, [_seen(p, first.key, host) for p, host in roster])
+    n.ended(first.at + 1, None, missed=["a", "b"])
+    assert not any(n.standing.barred(first.at + 1, p, host) for p, host in roster)
+    later = n.begin(first.at + 1, [_seen(p, None, host) for p, host in roster])
+    assert later.at >= 2 * R
+    again = n.gather(later.at, [_seen(p, later.key, host) for p, host in roster])
+    assert set(again.candidates + again.planned) == set(plan.candidates + plan.planned) == {"n", "a", "b"}
+    n.ended(later.at + 1, None, missed=["a"])
+    assert n.standing.barred(later.at + 1, "a", "127.0.0.1") and not n.standing.barred(later.at + 1, "b", None)
 
 
 def test_the_group_a_round_expects_is_the_one_it_plans_at_its_appointment_and_asking_changes_nothing():
@@ -128,7 +156,7 @@ def test_the_group_a_round_expects_is_the_one_it_plans_at_its_appointment_and_as
 
 def test_the_engine_drops_a_peer_that_missed_and_plans_a_partner_it_just_met():
     config = RoundConfig(inner_steps=10, round_seconds=R, shortest_round=0.0)
-    engine = RoundEngine("me", config)
+    engine = _settled(RoundEngine("me", config))
     peers = [f"p{i}" for i in range(5)]
     appointment = engine.begin(0.0, [_seen(p, None) for p in peers])
     engine.gather(appointment.at, [_seen(p, appointment.key) for p in peers])
@@ -142,7 +170,7 @@ def test_the_engine_drops_a_peer_that_missed_and_plans_a_partner_it_just_met():
     for slot, planned in plans:
         assert ("p1" in planned) == (slot % 2 == 0)  # never exchanged with, and it missed: barred but retried
         assert {"p0", "late"} <= planned  # "late" is new to the roster, but proven by the exchange
-    assert engine.trace[2][0] == "ended" and engine.trace[2][5:] == (("p0", "late"), ("p1",), (), None)  # not waited
+    assert engine.trace[3][0] == "ended" and engine.trace[3][5:] == (("p0", "late"), ("p1",), (), None)  # not waited
 
 
 @pytest.mark.timeout(30)
@@ -203,7 +231,7 @@ def test_peers_that_barred_each_other_a_round_apart_meet_at_their_next_common_re
     """The livelock of retries timed from each fault (seen in a real two-peer swarm): b missed a's group in one
     round, a missed b's in the next; on the grid, both retry at the same slot and plan each other there."""
     config = RoundConfig(inner_steps=10, round_seconds=R, shortest_round=0.0, standing=CONFIG)
-    a, b = RoundEngine("a", config), RoundEngine("b", config)
+    a, b = _settled(RoundEngine("a", config)), _settled(RoundEngine("b", config))
     first = a.begin(0.0, [_seen("b", None)])
     b.begin(0.0, [_seen("a", None)])
     b.ended(first.at + 1, None, missed=["a"])
@@ -223,13 +251,13 @@ def test_peers_that_barred_each_other_a_round_apart_meet_at_their_next_common_re
     assert met and met % 2 == 0
 
 
-def test_two_new_peers_that_missed_each_other_meet_again_rounds_later_not_after_the_memory():
-    """Both unproven, each one fault from the other (one missed the other's group at their first appointment):
-    barred for the memory's 300 s, they would never average; a peer that trusts nobody retries them at the
-    retry slots instead. A peer with trusted partners retries an id barred by its own faults at the same slots,
-    and does not retry one whose host is barred (a flood of ids that never come stays out)."""
+def test_two_unproven_peers_that_missed_each_other_meet_again_rounds_later_not_after_the_memory():
+    """Both unproven, each one fault from the other (one missed the other's group at an appointment): barred for
+    the memory's 300 s, they would never average; a peer that trusts nobody retries them at the retry slots
+    instead. A peer with trusted partners retries an id barred by its own faults at the same slots, and does not
+    retry one whose host is barred (a flood of ids that never come stays out)."""
     config = RoundConfig(inner_steps=10, round_seconds=R, shortest_round=0.0, standing=CONFIG)
-    a, b = RoundEngine("a", config), RoundEngine("b", config)
+    a, b = _settled(RoundEngine("a", config)), _settled(RoundEngine("b", config))
     first = a.begin(0.0, [_seen("b", None)])
     b.begin(0.0, [_seen("a", None)])
     for engine, other in ((a, "b"), (b, "a")):
@@ -241,7 +269,7 @@ def test_two_new_peers_that_missed_each_other_meet_again_rounds_later_not_after_
         plans.append((nxt.slot, set(a.gather(nxt.at, [_seen("b", nxt.key, "127.0.0.1")]).candidates)))
         a.ended(nxt.at + 0.5, None)
     assert [planned for _, planned in plans] == [{"a", "b"} if slot % 2 == 0 else {"a"} for slot, _ in plans]
-    friend = RoundEngine("c", config)
+    friend = _settled(RoundEngine("c", config))
     friend.begin(0.0, [_seen("b", None), _seen("d", None)])
     friend.ended(5.0, 2, partners=["d"], missed=["b"])
     for i in range(4):
