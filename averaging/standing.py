@@ -10,10 +10,11 @@ engine's memory of each peer it has seen (pure: the caller passes the time; no I
   peer first saw it, and is not proven. It is not planned into our groups; it may still join them, or
   lead a group we are planned into by others' rosters.
 * **faults**: a planned leader that declined us, refused us access, or could not be reached, and a planned
-  member that never joined the group we led. An unproven peer is barred from our plans after `faults_unproven`
-  faults within `memory` seconds, a proven one after `faults_proven` (honest peers miss now and then), and
-  a host whose ids ran up `address_faults` faults bars every unproven id it announces: minting ids is free,
-  addresses are not.
+  member that never joined the group we led (the round engine counts none at appointments before the others
+  can have planned us: `peer.rounds.RoundEngine._unknown_to_them`). An unproven peer is barred from our plans
+  after `faults_unproven` faults within `memory` seconds, a proven one after `faults_proven` (honest peers miss
+  now and then), and a host whose ids ran up `address_faults` faults bars every unproven id it announces:
+  minting ids is free, addresses are not.
 
 Every table is bounded (`max_peers` entries, oldest dropped first), so a flood of fresh ids cannot grow
 memory.
