@@ -247,9 +247,28 @@ def test_a_reader_drops_one_nodes_answer_that_carries_more_of_a_runs_peers_than_
     assert not brief.skips("sybil", roster)
 
 
+def _sybil_swarm(run: str, validator, **attacker) -> tuple:
+    """(an honest bootstrap node of `run`, an honest reader, a Sybil): a DHT server whose node id is the roster
+    key's own, so that every read asks it, which keeps what it stores and signs with `validator`."""
+    import hivemind
+
+    nodes = []
+    try:
+        nodes.append(boot := start_node(NodeConfig(run_id=run)))
+        nodes.append(start_node(NodeConfig(run_id=run, initial_peers=tuple(visible_addresses(boot)))))
+        nodes.append(hivemind.DHT(
+            initial_peers=visible_addresses(boot), host_maddrs=["/ip4/127.0.0.1/tcp/0"], nat_port_map=False,
+            node_id=DHTID.generate(source=f"{run}:peers"), start=True, record_validators=[validator],
+            **attacker))  # fmt: skip
+        return tuple(nodes)
+    except BaseException:
+        for node in nodes:
+            stop_node(node)
+        raise
+
+
 @pytest.mark.slow
 def test_a_sybil_stores_no_fake_peer_on_an_honest_replica_and_its_own_servers_answer_is_capped(tmp_path) -> None:
-    import hivemind
     from cryptography.hazmat.primitives.asymmetric import rsa
 
     run = "sybil-run"
@@ -261,13 +280,7 @@ def test_a_sybil_stores_no_fake_peer_on_an_honest_replica_and_its_own_servers_an
     fake_ids = [pid for pid in keys if pid != own_id]
     nodes = []
     try:
-        nodes.append(boot := start_node(NodeConfig(run_id=run)))
-        nodes.append(reader := start_node(NodeConfig(run_id=run, initial_peers=tuple(visible_addresses(boot)))))
-        # a DHT server whose node id is the roster key's own, so every read asks it; it keeps what it stores
-        nodes.append(attacker := hivemind.DHT(
-            initial_peers=visible_addresses(boot), host_maddrs=["/ip4/127.0.0.1/tcp/0"], nat_port_map=False,
-            identity_path=identity, node_id=DHTID.generate(source=f"{run}:peers"), start=True,
-            record_validators=[_Sybil(run, keys)]))  # fmt: skip
+        nodes = boot, reader, attacker = _sybil_swarm(run, _Sybil(run, keys), identity_path=identity)
         records, roster = RunRecords(attacker, run), RunRecords(reader, run)
         for pid in fake_ids:  # each signed by its own key, so every signature check would pass
             assert not records.announce(announcement(pid, addresses=[f"/ip4/127.66.0.1/tcp/4000/p2p/{pid}"]))
@@ -301,7 +314,6 @@ def test_the_flood_benchmarks_announcer_serves_its_fakes_from_its_own_node_and_n
     reader sees the honest announcements only."""
     import asyncio
 
-    import hivemind
     from cryptography.hazmat.primitives.asymmetric import rsa
 
     from scripts import flood
@@ -314,12 +326,7 @@ def test_the_flood_benchmarks_announcer_serves_its_fakes_from_its_own_node_and_n
     flood._FAKES[:] = list(keys)  # before the attacker's DHT process forks, as `flood._attack` does
     nodes = []
     try:
-        nodes.append(boot := start_node(NodeConfig(run_id=run)))
-        nodes.append(reader := start_node(NodeConfig(run_id=run, initial_peers=tuple(visible_addresses(boot)))))
-        nodes.append(attacker := hivemind.DHT(
-            initial_peers=visible_addresses(boot), host_maddrs=["/ip4/127.0.0.1/tcp/0"], nat_port_map=False,
-            node_id=DHTID.generate(source=f"{run}:peers"), start=True,
-            record_validators=[flood._forger(run, keys)]))  # fmt: skip
+        nodes = boot, reader, attacker = _sybil_swarm(run, flood._forger(run, keys))
         key, roster = f"{run}:peers", RunRecords(reader, run)
         fields = {"step": 7, "appointment": "2.0@100", "config": None, "step_seconds": 0.1, "fake_host": "127.66.0.1"}
         assert attacker.run_coroutine(partial(flood._announce, key, get_dht_time() + 15, fields)) == len(keys)
