@@ -204,7 +204,7 @@ def _measure(config: FloodConfig, name: str, out: Path, flood: bool, split) -> d
 
 
 def _sample_attackers(meters: dict[str, TreeMeter], attackers: list) -> None:
-    for meter, attacker in zip(meters.values(), attackers, strict=False):
+    for meter, attacker in zip(meters.values(), attackers, strict=True):
         meter.sample([attacker.pid])
 
 
@@ -277,10 +277,10 @@ def _exchanging(phase: dict) -> float:
 
 def _forger(run_id: str, keys: dict):
     """A record validator that signs each fake peer's announcement with that peer's own key, and checks everyone's
-    as a peer's node does. `keys`: peer id -> private key, loaded before the DHT's process forks, which inherits
-    them: loading 1,000 keys in that process (20 ms each with OpenSSL's key check) took some 20 CPU-seconds of
-    the flood's window in stop 49's runs, the attacker's own setup charged to the honest peers' CPUs, and left
-    the fakes announced in 4 rounds of 5 s out of 20."""
+    as a peer's node does. `keys`: peer id -> private key, generated before the DHT's process forks, which
+    inherits them. It used to load them there from DER as it first signed with each, 20 ms a key with OpenSSL's
+    key check: some 20 CPU-seconds of the flood's measured window (a profile of stop 49's code), the attacker's
+    own setup charged to the CPUs the honest peers share."""
     from cryptography.hazmat.primitives import hashes
 
     from murmur.dht import signing
