@@ -34,17 +34,10 @@ import psutil
 from murmur.dht.node import stop_node
 from murmur.peer.config import TrainConfig
 from murmur.peer.flags import integer, number, out_file
-from murmur.peer.sim.simulate import join_command, launch, start_bootstrap, stop_processes
+from murmur.peer.sim.simulate import join_command, launch, process_role, start_bootstrap, stop_processes
 
 RESULTS = Path(__file__).resolve().parent / "results" / "footprint.json"
 MB = 2**20
-
-
-def role(proc: psutil.Process, root: psutil.Process) -> str:
-    if proc.pid == root.pid:
-        return "peer"
-    name = proc.name()
-    return "dht worker" if name.startswith("python") else name
 
 
 def tree(root: psutil.Process) -> list[psutil.Process]:
@@ -75,8 +68,8 @@ def memory(proc) -> list[dict]:
     for p in tree(root):
         with p.oneshot():
             info = p.memory_full_info()
-            rows.append({"role": role(p, root), "rss_mb": round(info.rss / MB, 1), "uss_mb": round(info.uss / MB, 1),
-                         "pss_mb": round(info.pss / MB, 1)})  # fmt: skip
+            rows.append({"role": process_role(p, root), "rss_mb": round(info.rss / MB, 1),
+                         "uss_mb": round(info.uss / MB, 1), "pss_mb": round(info.pss / MB, 1)})  # fmt: skip
     return rows
 
 

@@ -141,6 +141,15 @@ def stop_processes(procs: list[subprocess.Popen], grace: float) -> None:
             proc.wait(timeout=5)
 
 
+def process_role(proc: psutil.Process, root: psutil.Process) -> str:
+    """What `proc` is in the process tree of a peer at `root`: "peer", its "dht worker" (a python child), or by name
+    ("p2pd")."""
+    if proc.pid == root.pid:
+        return "peer"
+    name = proc.name()
+    return "dht worker" if "python" in name else name
+
+
 class TreeMeter:
     """CPU-seconds and peak RSS of process trees (a peer, its DHT worker and its p2pd), killed ones too.
 
@@ -170,8 +179,7 @@ class TreeMeter:
                     with proc.oneshot():
                         times, key = proc.cpu_times(), (proc.pid, proc.create_time())
                         if key not in self.role:
-                            name = proc.name()
-                            self.role[key] = "peer" if proc is root else "dht worker" if "python" in name else name
+                            self.role[key] = process_role(proc, root)
                         self.seen[key] = times.user + times.system
                         size = proc.memory_info().rss
                         rss += size
