@@ -804,7 +804,9 @@ def test_a_stop_mid_round_reports_the_held_out_loss_of_the_final_model_it_writes
     assert report.rounds >= trainer.outer.step >= 1  # stopped after an outer step, mid-round
     assert report.final_model_eval_loss == pytest.approx(evaluate(model, trainer.eval_set), rel=1e-6)
     assert report.final_eval_loss == pytest.approx(trainer.evaluate(), rel=1e-6)  # the model mid-round, another
-    assert abs(report.final_eval_loss / report.final_model_eval_loss - 1) > 1e-3
+    # Two models, two losses: further apart than the 1e-6 the two lines above allow. How far depends on how far into
+    # its schedule the peer stopped, which a loaded machine moves (CI saw 3.6e-4, where 1e-3 was asked at first).
+    assert abs(report.final_eval_loss / report.final_model_eval_loss - 1) > 1e-5
     assert any(not torch.equal(p, trainer.outer.anchor[n]) for n, p in trainer.model.named_parameters())  # kept as is
 
 
