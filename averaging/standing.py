@@ -8,7 +8,12 @@ engine's memory of each peer it has seen (pure: the caller passes the time; no I
   with). A proof lasts `memory` seconds from the last exchange.
 * **on probation**: the peer has been announcing for less than `probation` rounds, counted from when this
   peer first saw it, and is not proven. It is not planned into our groups; it may still join them, or
-  lead a group we are planned into by others' rosters.
+  lead a group we are planned into by others' rosters. At an appointment the rounds are counted from the
+  appointment this peer was headed to when it first saw the id (`observe`'s `at`), not in seconds: peers
+  read the roster at each appointment give or take a step, so reads at one appointment and at the next were a
+  round apart only by chance, and peers that first saw an id at the same appointment trusted it a round
+  apart and planned different groups (bench_attack's withheld-COMMIT runs: after a first round that failed,
+  two of 8 peers planned without the others, then took a round length of their own).
 * **faults**: a planned leader that declined us, refused us access, or could not be reached, and a planned
   member that never joined the group we led (the round engine counts none at appointments before the others
   can have planned us: `peer.rounds.RoundEngine._unknown_to_them`). An unproven peer is barred from our plans
@@ -100,21 +105,26 @@ class _Bounded(Generic[K]):
 class Standing:
     def __init__(self, config: StandingConfig = StandingConfig()) -> None:
         self.config = config
-        self._first: collections.OrderedDict[str, float] = collections.OrderedDict()  # peer -> first seen
+        # peer -> when first seen, and the appointment (its instant) this peer was headed to then, if it had one
+        self._first: collections.OrderedDict[str, tuple[float, float | None]] = collections.OrderedDict()
         self._proven: collections.OrderedDict[str, float] = collections.OrderedDict()  # peer -> last exchange
         self._faults: _Bounded[str] = _Bounded(config.max_peers)
         self._address_faults: _Bounded[str] = _Bounded(config.max_peers)
         self._shunned: collections.OrderedDict[str, float] = collections.OrderedDict()  # peer -> last shunned
 
-    def observe(self, now: float, peers: Iterable[str]) -> None:
-        """The roster at `now`: peers seen for the first time start their probation; peers gone from it are
-        forgotten (an id that comes back starts over)."""
+    def observe(self, now: float, peers: Iterable[str], at: float | None = None) -> None:
+        """The roster at `now`, read by a peer headed to the appointment at instant `at` (None: it has none yet):
+        peers seen for the first time start their probation, and those first seen before this peer had an
+        appointment count from this one; peers gone from it are forgotten (an id that comes back starts over)."""
         live = set(peers)
         for peer in [p for p in self._first if p not in live]:
             del self._first[peer]
         for peer in live:
-            if peer not in self._first and len(self._first) < self.config.max_peers:
-                self._first[peer] = now
+            first = self._first.get(peer)
+            if first is None and len(self._first) < self.config.max_peers:
+                self._first[peer] = (now, at)
+            elif first is not None and first[1] is None and at is not None:
+                self._first[peer] = (first[0], at)
 
     def exchanged(self, now: float, peers: Iterable[str], addresses: dict[str, str | None] | None = None) -> None:
         """`peers` completed an exchange with us: proven, and their faults forgiven, those they ran up against
@@ -200,7 +210,12 @@ class Standing:
         if proven:
             return True
         first = self._first.get(peer)
-        return first is not None and now - first >= c.probation * round_seconds - 1e-9
+        if first is None:
+            return False
+        seen, headed = first
+        if slot is not None and headed is not None:  # in appointments (see the module's docstring)
+            return slot * round_seconds - headed >= c.probation * round_seconds - 1e-9
+        return now - seen >= c.probation * round_seconds - 1e-9
 
     @property
     def size(self) -> int:

@@ -162,10 +162,11 @@ class RoundEngine:
         self._started = now
         if self._arrived is None:
             self._arrived = now
-        self._observe(now, roster)
+        self._roster = tuple(roster)
         seconds = self._seconds()
         self._pace = (self._step.value, self._exchange.value)  # what this round announces, from now to its end
         self.appointment = None if seconds is None else next_appointment(now, seconds, self.config.schedule)
+        self._observe(now, self._roster)
         self._log("begin", now, self._roster, self.appointment)
         return self.appointment
 
@@ -188,9 +189,9 @@ class RoundEngine:
         """At the appointment: the group planned among the peers expected there (same state, same key) whose
         announcements this peer trusts (`averaging.standing`: proven, or past their probation, and not barred);
         among those it may retry when it trusts none of them (a newcomer, or a peer whose partners all missed)."""
-        self._observe(now, roster)
         if self.appointment is None:  # no step taken: gather at once, alone
             self.appointment = Appointment(seconds=max(now, 1e-3), slot=1)
+        self._observe(now, roster)
         if self.phase != Phase.FINISHING:
             self.phase = Phase.GATHERING
             self._paced = self._roster
@@ -317,7 +318,6 @@ class RoundEngine:
         than the shortest round the DHT coordinates; two rounds' time without a group ends the finish."""
         if self.phase != Phase.FINISHING:
             return None
-        self._observe(now, roster)
         seconds = self._finish_grid  # nothing to train: finish rounds follow closely, as the DHT allows
         appointment = next_appointment(now, seconds, _NO_MIN_PHASE)
         last = self.appointment
@@ -326,6 +326,7 @@ class RoundEngine:
             # one is the next instant, never the same again, or the patience would be spent in no time
             appointment = Appointment(seconds=seconds, slot=last.slot + 1)
         self.appointment = appointment
+        self._observe(now, roster)
         self._log("next_finish", now, self._roster, self.appointment)
         return self.appointment
 
@@ -337,8 +338,10 @@ class RoundEngine:
 
     # -- helpers -------------------------------------------------------------------------------------------
     def _observe(self, now: float, roster: Iterable[Seen]) -> None:
+        """The roster read at `now`, headed to the appointment set (probation counts from it: `Standing.observe`)."""
         self._roster = tuple(roster)
-        self.standing.observe(now, (s.peer for s in self._roster if s.peer != self.peer))
+        at = None if self.appointment is None else self.appointment.at
+        self.standing.observe(now, (s.peer for s in self._roster if s.peer != self.peer), at)
 
     def _log(self, *entry) -> None:
         if self.trace is not None:

@@ -100,6 +100,7 @@ def _settled(engine: RoundEngine, since: float = -3 * R) -> RoundEngine:
 def test_the_engine_plans_only_trusted_peers_and_a_newcomer_plans_among_all():
     engine = RoundEngine("me", RoundConfig(inner_steps=10, round_seconds=R, shortest_round=0.0))
     honest = [f"honest{i}" for i in range(3)]
+    engine.begin(-R, [_seen(p, None) for p in honest])  # first seen a round before this one
     appointment = engine.begin(0.0, [_seen(p, None) for p in honest])
     key = appointment.key
     sybils = [f"sybil{i:03d}" for i in range(200)]
@@ -380,3 +381,42 @@ def test_a_newcomer_that_missed_a_proven_pair_and_the_pair_plan_one_leader_at_th
             led.add(plans["a"][0])
         t = nxt.at + 1
     assert "n" in led  # the newcomer led some of them, as the hash has it
+
+
+def test_peers_that_first_saw_an_id_at_one_appointment_trust_it_at_the_next_however_their_reads_fell():
+    """Probation counts appointments, from the one a peer was headed to when it first saw the id. In seconds, a
+    read a step before one appointment and one just after the next were less than a round apart, so of two
+    peers that first saw an id at the same appointment, one trusted it at the next and the other a round later."""
+    early, late = Standing(CONFIG), Standing(CONFIG)
+    early.observe(2 * R - 0.9, ["x"], at=2 * R)  # a step before the appointment at slot 2
+    late.observe(2 * R + 0.2, ["x"], at=2 * R)  # just after it: its last step ran over
+    for s in (early, late):
+        assert not s.trusted(2 * R + 0.2, "x", None, R, slot=2)
+        assert s.trusted(3 * R - 0.9, "x", None, R, slot=3)
+    early.observe(3 * R + 1.0, ["x", "y"])  # seen before this peer had an appointment: counts from its next one
+    early.observe(4 * R - 0.5, ["x", "y"], at=4 * R)
+    assert not early.trusted(4 * R, "y", None, R, slot=4) and early.trusted(5 * R, "y", None, R, slot=5)
+
+
+def test_after_a_first_round_that_failed_every_peer_plans_the_same_group():
+    """bench_attack's withheld-COMMIT runs: peers that start together see each other at different reads (here,
+    each sees those that began before it, then everyone at the first appointment). Their first group fails, so
+    nobody is proven, and at the second appointment each plans among the peers past their probation. Counted in
+    seconds from reads that fell a step before or after, one of them trusted fewer peers than the others and
+    planned a group of its own (two of 8 peers, two rounds lonely or on a round length of their own)."""
+    config = RoundConfig(inner_steps=10, round_seconds=R, shortest_round=0.0, standing=CONFIG)
+    peers = [f"p{i}" for i in range(4)]
+    engines = {p: RoundEngine(p, config) for p in peers}
+    for i, engine in enumerate(engines.values()):
+        engine.begin(0.0, [_seen(q, None) for q in peers[:i]])
+    early = {"p0": 0.3, "p1": 0.3, "p2": 0.1, "p3": 0.3}  # how long before each appointment each one read
+    plans = {}
+    for rnd, before in enumerate([early, {**early, "p2": 0.5}]):
+        at, key = engines["p0"].appointment.at, engines["p0"].appointment.key  # the same for all (R is set)
+        for p, engine in engines.items():
+            plans[p] = engine.gather(at - before[p], [_seen(q, key) for q in peers if q != p])
+        for p, engine in engines.items():
+            engine.ended(at + 0.5, None)  # no COMMIT came: nobody averaged
+            engine.begin(at + 0.5, [_seen(q, None) for q in peers if q != p])
+        groups = {p: frozenset(plan.candidates + plan.planned) for p, plan in plans.items()}
+        assert set(groups.values()) == {frozenset(peers)}, (rnd, groups)
