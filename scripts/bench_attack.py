@@ -52,7 +52,7 @@ from pathlib import Path
 
 import msgpack
 import torch
-from flood import FloodConfig, run_flood  # scripts/flood.py: the flood scenario, on real processes
+from flood import PARTS, FloodConfig, run_flood  # scripts/flood.py: the flood scenario, on real processes
 
 from murmur.averaging import wire
 from murmur.peer.config import TrainConfig
@@ -276,6 +276,12 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
         help="the flood (or the late replica) with the attackers on half the CPUs and the honest side on the rest, "
         "as on machines of their own; kept as flood_pinned (late_replica_pinned) beside the shared run's",
     )
+    parser.add_argument(
+        "--flood-part",
+        choices=PARTS,
+        help="with --flood-only: one of the flood's two attackers alone (where its cost goes), kept as "
+        "flood_streams or flood_announcements (not judged: the targets are the whole flood's)",
+    )
     parser.add_argument("--out", type=out_folder, help="folder for bench_attack.json (default: scripts/results; "
                         "with --quick runs/attack-quick)")  # fmt: skip
     args = parser.parse_args(argv)
@@ -283,6 +289,8 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
         args.runs = parse_runs(args.runs or (["2:single,coalition"] if args.quick else list(DEFAULT_RUNS)))
     except argparse.ArgumentTypeError as e:
         parser.error(str(e))
+    if args.flood_part and (not args.flood_only or args.late_only):
+        parser.error("--flood-part needs --flood-only (and no --late-only)")
     args.out = results_folder(args.out, quick=args.quick, full=RESULTS, name="attack")
     return args
 
@@ -290,7 +298,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
 def main() -> None:
     args = parse_args()
     if args.flood_only or args.late_only:
-        flood_only(args.out, args.quick, args.pin, late=args.late_only)
+        flood_only(args.out, args.quick, args.pin, late=args.late_only, part=args.flood_part)
         return
     runs = args.runs
     attackers = {"single": (args.attacker,), "coalition": tuple(args.coalition)}
@@ -341,11 +349,13 @@ def main() -> None:
     print(f"targets met: {report['targets_met']}")
 
 
-def add_flood(report: dict, quick: bool, pin: bool = False, late: bool = False) -> None:
+def add_flood(report: dict, quick: bool, pin: bool = False, late: bool = False, part: str | None = None) -> None:
     """The flood scenario, as `flood` (every process on the same CPUs: the targets are judged on it), or pinned
-    as `flood_pinned`; with `late`, the late-replica scenario, as `late_replica` or `late_replica_pinned`."""
-    name = ("late_replica" if late else "flood") + ("_pinned" if pin else "")
-    report[name] = flood = run_flood((FloodConfig.late if late else FloodConfig.of)(quick, pin))
+    as `flood_pinned`; with `late`, the late-replica scenario, as `late_replica` or `late_replica_pinned`; with
+    `part`, the flood's streams or its announcements alone, as `flood_streams` or `flood_announcements`."""
+    name = ("late_replica" if late else "flood") + (f"_{part}" if part else "") + ("_pinned" if pin else "")
+    config = (FloodConfig.late if late else FloodConfig.of)(quick, pin)
+    report[name] = flood = run_flood(config.only(part) if part else config)
     clean, attacked = flood["clean"], flood["flood"]
     print(f"{name}: honest samples/s ratio {flood['samples_per_second_ratio']:.3f} (per honest CPU-second "
           f"{flood['samples_per_honest_cpu_second_ratio']:.3f}), peak RSS growth {flood['rss_growth_mb']:.1f} MB, "
@@ -356,6 +366,10 @@ def add_flood(report: dict, quick: bool, pin: bool = False, late: bool = False) 
     print(f"{name}: CPU-s in the window: honest {clean['honest_cpu_seconds']} clean, {attacked['honest_cpu_seconds']} "
           f"attacked; the attackers {attacked['attacker_cpu_seconds']} {attacked['attacker_cpu_seconds_by_process']}",
           flush=True)  # fmt: skip
+    if (share := flood["attackers_share_of_cpus"]) is not None:
+        print(f"{name}: the attackers took {share:.3f} of the CPUs in the window; the honest processes' CPU-s by "
+              f"process, clean {clean['honest_cpu_seconds_by_process']}, attacked "
+              f"{attacked['honest_cpu_seconds_by_process']}", flush=True)  # fmt: skip
 
 
 def judge_all(report: dict, expected: int) -> None:
@@ -364,7 +378,7 @@ def judge_all(report: dict, expected: int) -> None:
         report[name]["met"] for name in ("flood", "late_replica") if name in report)  # fmt: skip
 
 
-def flood_only(out: Path, quick: bool, pin: bool = False, late: bool = False) -> None:
+def flood_only(out: Path, quick: bool, pin: bool = False, late: bool = False, part: str | None = None) -> None:
     """The flood scenario (or with `late` the late replica's) alone, added to the bench_attack.json an earlier run
     wrote into `out`."""
     path = out / "bench_attack.json"
@@ -374,7 +388,7 @@ def flood_only(out: Path, quick: bool, pin: bool = False, late: bool = False) ->
     except (OSError, ValueError, KeyError, TypeError) as e:
         flag = "--late-only" if late else "--flood-only"
         raise SystemExit(f"bench_attack.py: {flag} needs an earlier run's {path}: {e}") from None
-    add_flood(report, quick, pin, late)
+    add_flood(report, quick, pin, late, part)
     judge_all(report, expected)
     path.write_text(json.dumps(report, indent=2))
     print(f"targets met: {report['targets_met']}")

@@ -56,6 +56,7 @@ GIANT = 256 * 2**20  # the length a giant frame's header claims: the wire's mess
 TARGET_RSS_MB, TARGET_RATIO = 100.0, 0.9
 TARGET_EXCHANGING = 0.9  # the share of peer-rounds with an exchange, attacked ÷ clean (ours: the issue sets none)
 _FAKES: list[str] = []  # the fake peers' ids, in the attacker (`_attack`) and its DHT process
+PARTS = ("streams", "announcements")  # the flood's two attackers, a process each
 LATE = 2.8  # how late the late replica answers: just inside hivemind's RPC timeout (3 s)
 
 
@@ -84,6 +85,12 @@ class FloodConfig:
     def late(cls, quick: bool, pin: bool = False) -> FloodConfig:
         """The late-replica scenario: no stream and no fake, one roster replica that answers `LATE` s late."""
         return replace(cls.of(quick, pin), connections=0, announcements=0, late_answers=LATE, name="late")
+
+    def only(self, part: str) -> FloodConfig:
+        """The flood with one of its attackers alone (`PARTS`): the streams or the fake announcements."""
+        if part not in PARTS:
+            raise ValueError(f"no flood part {part!r}: one of {', '.join(PARTS)}")
+        return replace(self, name=f"{self.name}-{part}", **{"announcements" if part == "streams" else "connections": 0})
 
     def parts(self) -> list[str]:
         """The attacker processes the attacked phase starts, as machines of their own would be."""
@@ -243,6 +250,9 @@ def run_flood(config: FloodConfig, runs: Path = Path("runs/bench_attack")) -> di
     ratio = flooded["samples_per_second"] / max(clean["samples_per_second"], 1e-9)
     efficiency = flooded["samples_per_honest_cpu_second"] / max(clean["samples_per_honest_cpu_second"], 1e-9)
     crashes = len(clean["crashed"]) + len(flooded["crashed"])
+    # on shared CPUs, what the attackers' own work took of them: what no defense of the honest side can win back
+    cpus = len(os.sched_getaffinity(0))
+    share = None if config.pin else round(flooded["attacker_cpu_seconds"] / max(flooded["seconds"] * cpus, 1e-9), 3)
     exchanging = _exchanging(flooded) / max(_exchanging(clean), 1e-9)
     return {
         "config": {k: v for k, v in asdict(config).items() if k != "train"},
@@ -252,6 +262,7 @@ def run_flood(config: FloodConfig, runs: Path = Path("runs/bench_attack")) -> di
         # the same per CPU-second the honest peers got: what the flood costs them, apart from the CPU the attacker
         # itself takes on this shared machine
         "samples_per_honest_cpu_second_ratio": round(efficiency, 3),
+        "attackers_share_of_cpus": share,
         "rss_growth_mb": round(growth, 1),
         "rss_growth_mb_by_process": by_process,  # each process's largest growth over the peers
         "crashes": crashes,

@@ -73,3 +73,19 @@ def test_the_late_replica_scenario_starts_only_a_late_server_and_counts_the_roun
     assert FloodConfig.late(quick=True).duration == FloodConfig.of(quick=True).duration
     assert _exchanging({"lonely_rounds": 14, "rounds": 184}) == pytest.approx(170 / 184)
     assert _exchanging({"lonely_rounds": 0, "rounds": 0}) == 1.0  # no round: nothing missed
+
+
+def test_a_flood_part_runs_one_attacker_alone_and_only_with_flood_only(tmp_path: Path):
+    sys.path.insert(0, str(Path(__file__).parent.parent / "scripts"))
+    from flood import FloodConfig
+
+    full = FloodConfig.of(quick=False)
+    streams, announcements = full.only("streams"), full.only("announcements")
+    assert (streams.connections, streams.announcements, streams.parts()) == (64, 0, ["streams"])
+    assert (announcements.connections, announcements.announcements) == (0, 1000)
+    assert announcements.parts() == ["announcements"] and announcements.name == "flood-announcements"
+    with pytest.raises(ValueError, match="no flood part 'dht'"):
+        full.only("dht")
+    command = [sys.executable, "scripts/bench_attack.py", "--flood-part", "streams", "--out", str(tmp_path)]
+    done = subprocess.run(command, capture_output=True, text=True, timeout=120)
+    assert done.returncode == 2 and "--flood-part needs --flood-only" in done.stderr
