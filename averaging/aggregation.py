@@ -21,6 +21,12 @@ judged per group (the prefix before ``/``, e.g. ``delta`` or ``anchor``), on gro
   the median member's distance, and ``diff_floor`` × the median state's norm) pulls nobody, its update still
   counting: an attacker that inflates its anchor within the clip moves the consensus by at most
   ``diff_floor`` / G of the state's norm per round, and a stale state does not pull the group back.
+  The group still ends the round on one state, and its next round sends none (a peer behind the others,
+  still at the run's start after a lonely first round, holds a far state): where the states that count
+  differ, every member, a far one too, takes their mean as is, the same bits on all of them; where they
+  are one state already, their members keep it exactly (a quantized copy taken as is would add its
+  rounding, round after round where an attacker forges its digest to make the states travel) and a far
+  member moves to it.
 * a non-finite value anywhere aborts the exchange.
 
 An abort is a `Rejected` error: the caller applies nothing. Honest pairs never come near the
@@ -150,7 +156,9 @@ class RobustAggregator:
         `offered` the squared norm of each tensor this member offered (`GroupRound.squares`).
         A member whose contribution is absurd is left out (the returned dict maps its index to the reason);
         one that is large is clipped. With nobody clipped or left out, the mean is the plain group mean, the
-        same bits on every member (`averaging.mixing.group_mean`).
+        same bits on every member (`averaging.mixing.group_mean`), and a state's is taken as is (`adopt`); a
+        state far from the others' (the rule above) leaves its group on the states that count. The caller
+        applies a low-rank slot's projection by mean − own whatever `adopt` says.
 
         Both the judging and the projections go tensor by tensor (`contributions` may compute each tensor
         when read, and the projections are computed when read), so no step holds a model's worth
@@ -220,24 +228,39 @@ class RobustAggregator:
                 scales[j] = self._scales(_stats(sums), state_norms, group_modes, reference)
             except Rejected as e:
                 excluded[j] = str(e)
+        counted: dict[str, list[int]] = {}  # diff group -> the members whose states count, where some do not
+        agreed: set[str] = set()  # ...and of those, the groups whose counted members hold one state (the median)
         for group, (distances, median_norm) in spread.items():
             far = [math.sqrt(d) for d in distances]
             limit = max(
                 self.config.diff_outlier * statistics.median(far), self.config.diff_floor * math.sqrt(median_norm)
             )
+            if all(d <= limit for d in far):
+                continue
+            counted[group] = [j for j in range(members) if far[j] <= limit]  # ours too: the same on every member
+            if all(far[j] == 0.0 for j in counted[group]):
+                agreed.add(group)
             for j in scales:
                 if far[j] > limit:
                     scales[j][group] = 0.0
                     self.ignored += 1
                     logger.info("ignored member %d's %r: %.3g from the group's median state (limit %.3g)",
                                 j, group, far[j], limit)  # fmt: skip
-        plain = not excluded and not any(s != 1.0 for js in scales.values() for s in js.values())
+        clipped = {g for js in scales.values() for g, s in js.items() if 0.0 < s < 1.0}
 
         def projection(name: str) -> Projection:
             c = contributions[name]
             own = c[me]
-            if plain:
-                return Projection(own=own, mean=group_mean(c))
+            group = group_of(name)
+            state = modes[name] == "diff"
+            if not excluded and group not in clipped:  # the same bits on every member
+                if group in agreed:  # they stay as they are (mean − own = 0) and a far state moves to theirs:
+                    # adopting a quantized copy of the state they share would only add its rounding, round after
+                    # round where an attacker forges its digest to make the states travel
+                    return Projection(own=own, mean=c[counted[group][0]])
+                if group in counted:  # every member, a far one too, takes the mean of the states that count
+                    return Projection(own=own, mean=group_mean([c[j] for j in counted[group]]), adopt=state)
+                return Projection(own=own, mean=group_mean(c), adopt=state)
             count = members - len(excluded)
             if modes[name] == "mean":
                 total = own.clone()

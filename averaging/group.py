@@ -435,17 +435,15 @@ class GroupAverager:
             return None
         going, contributions, grams = outcome
         index = going.index(seal.me)
-        ignored_before = self.aggregator.ignored
         checked, refused = self.aggregator.check_group(contributions, index, self.modes, exchange.round.squares,
                                                        grams)  # fmt: skip
-        ignored = self.aggregator.ignored != ignored_before  # a state left out of the pull: nobody adopts a mean
         makers = {}
         for name, slot in self.slots.items():
             if name not in checked:  # a state the group did not pull: it already agreed
                 makers[name] = partial(_agreed, offer.tensors, name)
-            elif self.modes[name] == "diff" and not slot.low_rank and not refused and not ignored:  # one mean, exactly
-                makers[name] = partial(_adopted, checked, name)
-            else:
+            elif slot.low_rank:  # its part in a shared subspace: moved by mean − own, never taken as is
+                makers[name] = partial(_moved, checked, name)
+            else:  # a state's mean is taken as is where the judging made it the same bits on every member
                 makers[name] = partial(checked.__getitem__, name)
         projections = Lazy(makers)  # each computed when the outer step reads it
         for i, reason in refused.items():
@@ -600,7 +598,7 @@ def _agreed(offered: Mapping[str, torch.Tensor], name: str) -> Projection:
     return Projection(own=tensor, mean=tensor)
 
 
-def _adopted(checked: Mapping[str, Projection], name: str) -> Projection:
-    """A state every member takes as is (the group's mean); `own` is what its code stood for."""
+def _moved(checked: Mapping[str, Projection], name: str) -> Projection:
+    """A low-rank slot's projection: applied as mean − own, whatever the judging allowed a full state."""
     projection = checked[name]
-    return Projection(own=projection.own, mean=projection.mean, adopt=True)
+    return Projection(own=projection.own, mean=projection.mean)

@@ -11,7 +11,7 @@ from murmur.averaging import wire
 from murmur.averaging.aggregation import AggregationConfig, RobustAggregator, group_stats
 from murmur.averaging.compression import LowRankCompressor, LowRankConfig, Projection
 from murmur.averaging.cooldown import Cooldown, CooldownConfig
-from murmur.averaging.mixing import GroupRound
+from murmur.averaging.mixing import GroupRound, group_mean
 from murmur.averaging.transport import InMemoryNetwork
 from tests.groupkit import FAST, led_by, make_averager, make_offer, started
 
@@ -155,6 +155,34 @@ def scale_tensors(frame: bytes, factor: float) -> bytes:
     m = wire.decode(frame)
     tensors = {n: t * factor if t.is_floating_point() else t for n, t in m.tensors.items()}
     return wire.encode(wire.Message(kind=m.kind, session=m.session, step=m.step, meta=m.meta, tensors=tensors))
+
+
+@pytest.mark.parametrize("others", ["apart", "agreed"])
+def test_a_state_far_from_the_group_pulls_nobody_and_every_member_lands_on_the_others(others):
+    """A group of five whose member 3 is still at the run's start (a lonely first round) while the others moved:
+    its state pulls nobody, its update still counts, and the group ends the round agreed (its next round sends no
+    state). Where the four others' states differ, every member, member 3 too, takes their mean as is, the same
+    bits on all of them. Where they are one state already, they keep it exactly (a quantized copy taken as is
+    would add its rounding) and member 3 moves to it."""
+    g = torch.Generator().manual_seed(5)
+    modes = {"delta/w": "mean", "anchor/w": "diff"}
+    moved = torch.randn(8, 8, generator=g)
+    spread = 0.01 if others == "apart" else 0.0
+    anchors = [torch.zeros(8, 8) if j == 3 else moved + spread * torch.randn(8, 8, generator=g) for j in range(5)]
+    updates = [torch.randn(8, 8, generator=g) for _ in range(5)]
+    contributions = {"delta/w": updates, "anchor/w": anchors}
+    landed = []
+    for me in range(5):
+        agg = RobustAggregator()
+        checked, out = agg.check_group(contributions, me, modes, squares({n: c[me] for n, c in contributions.items()}))
+        assert out == {} and agg.clipped == 0 and agg.ignored == (0 if me == 3 else 1)
+        assert torch.equal(checked["delta/w"].mean, group_mean(updates)) and not checked["delta/w"].adopt
+        anchor = checked["anchor/w"]
+        assert anchor.adopt == (others == "apart")
+        landed.append(anchor.mean if anchor.adopt else anchors[me] + (anchor.mean - anchor.own))
+    target = group_mean([anchors[j] for j in (0, 1, 2, 4)]) if others == "apart" else moved
+    for me, state in enumerate(landed):
+        assert torch.equal(state, target), me
 
 
 @pytest.mark.parametrize("attacker_leads", [True, False])
