@@ -200,6 +200,9 @@ def pair_averager(p2p):
                          run_id="netkit", config=config, seed=0)  # fmt: skip
 
 
+LINGER = 3.0  # seconds a pair's peer stays up after its exchange
+
+
 async def pair(host: str, lead: bool) -> None:
     import torch
 
@@ -229,6 +232,9 @@ async def pair(host: str, lead: bool) -> None:
         result = await averager.average(offer, plan)
         print(json.dumps({"ok": result is not None, "seconds": time.monotonic() - started,
                           "error": averager.stats.last_error}), flush=True)  # fmt: skip
+        # as a peer that goes on training would: the other side's last message may still be on its way (a lost
+        # segment resent 300 ms away), and a p2pd shut down at once resets the stream under it
+        await asyncio.sleep(LINGER)
     finally:
         await averager.stop()
         await p2p.shutdown()
