@@ -780,7 +780,8 @@ def test_a_stop_mid_round_reports_the_held_out_loss_of_the_final_model_it_writes
     the round's inner steps so far, kept in the checkpoint the next start resumes from; anchor.safetensors, the final
     model, is the anchor (in bench_churn's swarm of 6, stopped mid-round, the reports said 1.644 on average where
     every final model's loss was 1.524). The report now gives the final model's as well."""
-    config = TrainConfig(inner_steps=400, batch_size=4, eval_batches=2)
+    # alone, it takes its outer step after its first round (solo_after=1), not after four rounds of lonely training
+    config = TrainConfig(inner_steps=100, batch_size=4, eval_batches=2, solo_after=1)
     stop, peers = threading.Event(), []
 
     def stop_mid_round(peer) -> None:
