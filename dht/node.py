@@ -29,6 +29,7 @@ import signal
 import tempfile
 import threading
 import time
+from collections.abc import Iterable
 from dataclasses import dataclass, replace
 from pathlib import Path
 
@@ -429,9 +430,19 @@ def stop_node(dht: DHT, timeout: float = 10.0) -> None:
         if dht.pid is not None and dht.is_alive() and daemon_up:
             dht.shutdown_timeout = timeout
             dht.shutdown()
-        _reap(processes, timeout=timeout, worker_grace=timeout if daemon_up else 0.0)
+        _reap(processes, timeout=timeout, worker_grace=timeout if daemon_up else 0.0, sockets=_replica_sockets(dht))
     finally:
         _unlock(_node_locks.pop(id(dht), None))
+
+
+def _replica_sockets(dht: DHT) -> list[Path]:
+    """The unix socket of this process's replica of the node's P2P (`DHT.replicate_p2p`, cached on the DHT: the
+    averager's and the state donor's transport). hivemind removes it only in the replica's own shutdown, which
+    nothing calls, so every peer that stopped left one in the temp folder."""
+    replica = getattr(dht, "_p2p_replica", None)
+    if replica is None or getattr(dht, "_origin_pid", None) != os.getpid():  # none, or another process's
+        return []
+    return [Path(replica._client_listen_maddr["unix"])]
 
 
 def node_lost(dht: DHT) -> str | None:
@@ -472,15 +483,15 @@ def _processes_of(dht: DHT) -> list[psutil.Process]:
         return []
 
 
-def _reap(processes: list[psutil.Process], timeout: float, worker_grace: float) -> None:
-    """Stop a DHT's processes (worker first in the list, then its p2pd) and remove p2pd's sockets.
+def _reap(processes: list[psutil.Process], timeout: float, worker_grace: float, sockets: Iterable[Path] = ()) -> None:
+    """Stop a DHT's processes (worker first in the list, then its p2pd) and remove p2pd's sockets, and `sockets`.
 
     p2pd goes first: a worker still waiting on it then fails and exits by itself. The worker is
     signalled only if it has not exited within ``worker_grace``, because killing it while it holds one
     of hivemind's process-shared MPFuture locks would hang every other DHT in this process family (a
     worker whose p2pd was gone before the stop has no request in flight, and gets no grace).
     """
-    sockets = [path for process in processes for path in _socket_paths(process)]
+    sockets = [*sockets, *(path for process in processes for path in _socket_paths(process))]
     _terminate(processes[1:], grace=0.0, timeout=timeout)
     _terminate(processes[:1], grace=worker_grace, timeout=timeout)
     for path in sockets:

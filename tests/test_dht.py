@@ -843,6 +843,15 @@ def test_stop_node_leaves_no_processes_or_sockets() -> None:
         for arg in process.cmdline()
         if arg.startswith("-listen=/unix")
     ]
+
+    # ...and this process's replica of the node's P2P (the averager's and the state donor's), which listens once it
+    # serves a protocol and whose socket hivemind left behind: a file in the temp folder for every peer that stopped
+    async def serve() -> Path:
+        replica = await node.replicate_p2p()
+        await replica.add_binary_stream_handler("murmur/test/replica", lambda *_: None)
+        return Path(replica._client_listen_maddr["unix"])
+
+    sockets.append(asyncio.run(serve()))
     assert sockets and all(path.exists() for path in sockets)
     stop_node(node)
     assert not any(process.is_running() for process in processes)
