@@ -25,6 +25,7 @@ import logging
 import math
 import os
 import re
+import shutil
 import signal
 import tempfile
 import threading
@@ -152,16 +153,32 @@ def start_node(config: NodeConfig) -> DHT:
     return dht
 
 
+_SCRATCH: set[str] = set()  # the folders of the identities of nodes starting now (see `remove_scratch`)
+
+
+def remove_scratch() -> None:
+    """Remove the throwaway identities (private keys) of the nodes this process is starting now. A command
+    interrupted in the middle of a start, where Python cannot unwind (the fork of the DHT worker), exits at once
+    (`os._exit`, peer/cli.py), past the cleanup that removes them: each such Ctrl-C left a key in the temp folder."""
+    for folder in list(_SCRATCH):
+        shutil.rmtree(folder, ignore_errors=True)
+
+
 def _start_node(config: NodeConfig) -> DHT:
     if config.run_id is None:
         return _keep_in_touch(_start(config, []), config)
-    with tempfile.TemporaryDirectory(prefix="murmur-id-") as scratch:
+    scratch = tempfile.mkdtemp(prefix="murmur-id-")
+    _SCRATCH.add(scratch)
+    try:
         identity = config.identity_path or str(ensure_identity(Path(scratch) / "identity.key"))
         try:
             validator = RunValidator(config.run_id, load_signing_key(identity), creator=config.creator)
         except (OSError, ValueError) as e:
             raise NodeError(f"cannot sign with identity {identity!r}: {e}") from e
         dht = _start(replace(config, identity_path=identity), [validator])
+    finally:
+        shutil.rmtree(scratch, ignore_errors=True)
+        _SCRATCH.discard(scratch)
     try:  # a fake peer's records are refused unless its own node stores them (dht.sybil)
         dht.run_coroutine(functools.partial(sybil.install, config.run_id))
     except Exception as e:

@@ -140,6 +140,8 @@ class _Stop:
                 time.sleep(self.GRACE)  # the main thread unwinds, prints and exits meanwhile, if it can
                 if not self._done and self.say_interrupted():
                     os.write(2, f"murmur {self.command}: interrupted\n".encode())
+                    if (node := sys.modules.get("murmur.dht.node")) is not None:  # past the startup's cleanup
+                        node.remove_scratch()
                     os._exit(130)
         finally:
             os.close(read)

@@ -162,11 +162,14 @@ class Lab:
     def join(self, run: str) -> list[str]:
         return ["join", "--initial-peers", self.maddr(run), "--run", run]
 
-    def spawn(self, argv: list[str], width: int = 16) -> tuple[subprocess.Popen, Path, Path]:
-        """Start `murmur ARGV` in its own process group, output to files (a pipe would outlive it)."""
+    def spawn(self, argv: list[str], width: int = 16, tmp: Path | None = None) -> tuple[subprocess.Popen, Path, Path]:
+        """Start `murmur ARGV` in its own process group, output to files (a pipe would outlive it); with `tmp`, its
+        temp folder."""
         self._n += 1
         out, err = self.folder / f"cmd-{self._n}.out", self.folder / f"cmd-{self._n}.err"
         env = {**_user_env(), **ENV, "PYTHONPATH": os.pathsep.join([str(ROOT), str(self.code[width])])}
+        if tmp is not None:
+            env["TMPDIR"] = str(tmp)
         with out.open("w") as o, err.open("w") as e:
             proc = subprocess.Popen([sys.executable, "-m", "murmur.peer.cli", *argv], stdout=o, stderr=e, env=env,
                                     cwd=self.folder, start_new_session=True)  # fmt: skip
@@ -396,10 +399,12 @@ def nan_later(lab: Lab) -> Outcome:
 
 def interrupted(when: str) -> Callable[[Lab], Outcome]:
     """Ctrl-C during a join's startup (while it imports, while it forks its DHT worker, or once its DHT node is
-    up): one line, within a second, no join line, no round."""
+    up): one line, within a second, no join line, no round, and nothing left in its temp folder (the throwaway
+    identity of its node, a private key, was left there by a Ctrl-C during the fork)."""
 
     def run(lab: Lab) -> Outcome:
-        proc, out, err = lab.spawn([*lab.join("open-run"), "--duration", "30"])
+        tmp = Path(tempfile.mkdtemp(prefix="tmp-", dir=lab.folder))
+        proc, out, err = lab.spawn([*lab.join("open-run"), "--duration", "30"], tmp=tmp)
         if when == "importing":  # the program's own handler is in (Python itself catches no SIGTERM): imports run
             wait_for(lambda: _catches(proc.pid, signal.SIGTERM), 60, "the program's signal handler", poll=0.005)
             time.sleep(0.3)
@@ -416,6 +421,7 @@ def interrupted(when: str) -> Callable[[Lab], Outcome]:
         stop(proc)
         printed = out.read_text()
         intact = seconds < lab.answer_within and "murmur join --initial-peers" not in printed and "round" not in printed
+        intact = intact and not any(tmp.iterdir())
         # killed by the SIGINT itself (CPython does so when an interrupt once went unhandled inside C code, such as
         # a pybind11 exec): a shell reports that as 130 too
         code = 130 if proc.returncode == -signal.SIGINT else proc.returncode
