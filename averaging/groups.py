@@ -65,6 +65,15 @@ class Appointment:
         return f"{self.seconds!r}@{self.slot}"
 
     @staticmethod
+    def parse(key: str | None) -> Appointment | None:
+        """The appointment an announced key names (None for none, or for a key that does not parse)."""
+        seconds = Appointment.seconds_of(key)
+        try:
+            return None if seconds is None else Appointment(seconds=seconds, slot=int(str(key).split("@", 1)[1]))
+        except (IndexError, ValueError):
+            return None
+
+    @staticmethod
     def seconds_of(key: str | None) -> float | None:
         """The round length an announced key names (None for none, or for a key that does not parse)."""
         try:

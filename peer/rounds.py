@@ -9,7 +9,9 @@ Every decision is appended to `trace` with the inputs it was made from, so a tes
 peer's inputs into a fresh engine and check that it decides the same.
 
     begin(now, roster)        a round starts: its appointment (None while no round length is known)
-    step_fits(now, seconds)   before each inner step: does one more end before the appointment?
+    step_fits(now, seconds, roster)
+                              before each inner step: does one more end before the appointment? (a
+                              roster, read while the appointment is `provisional`, may move it)
     gather(now, roster)       at the appointment: the plan (leaders to try, members to wait for)
     ended(now, members)       the exchange's outcome (members averaged, or None): step with the group,
                               keep the work pending, or step alone after `solo_after` lonely rounds
@@ -19,11 +21,14 @@ peer's inputs into a fresh engine and check that it decides the same.
 A round lasts R: the run config's `round_seconds`, or, when that is 0, the length the swarm's announced
 appointments use, which follows H steps and an exchange at the swarm's pace (`averaging.groups`). A
 peer that knows no round length when its round begins (nobody has measured anything yet) sets its
-appointment after its first step: the instant nearest to where its H steps would end.
+appointment after its first step: the instant nearest to where its H steps would end. An appointment set
+when no other peer had announced one is provisional until the gather: between steps it moves to where
+most training peers in the roster meet.
 """
 
 from __future__ import annotations
 
+import collections
 import enum
 import math
 from collections.abc import Iterable
@@ -137,6 +142,7 @@ class RoundEngine:
         self.finish_left = 0
         self._started = 0.0  # when the round began
         self._arrived: float | None = None  # when this peer's first training round began (it announced itself)
+        self._provisional = False  # this round's appointment is this peer's own guess: nobody had announced one
         self._finish_grid = 1.0  # the finish rounds' length: a fraction of a training round, as the DHT allows
         self._finish_patience = 2  # lonely finish rounds in a row that end the finish
         self._step = _Mean(most=STEP_OUTLIER)  # this peer's seconds per inner step
@@ -166,14 +172,22 @@ class RoundEngine:
         seconds = self._seconds()
         self._pace = (self._step.value, self._exchange.value)  # what this round announces, from now to its end
         self.appointment = None if seconds is None else next_appointment(now, seconds, self.config.schedule)
+        self._provisional = self.config.round_seconds <= 0 and not self._announced_lengths()
         self._observe(now, self._roster)
         self._log("begin", now, self._roster, self.appointment)
         return self.appointment
 
-    def step_fits(self, now: float, seconds: float | None = None) -> bool:
+    @property
+    def provisional(self) -> bool:
+        """This training round's appointment is this peer's own guess (no other peer had announced one when the
+        round began): `step_fits` moves it to where the peers it reads in a roster meet."""
+        return self._provisional and self.phase == Phase.TRAINING
+
+    def step_fits(self, now: float, seconds: float | None = None, roster: Iterable[Seen] | None = None) -> bool:
         """Before an inner step: True to take it. `seconds` is the last step's duration, if one was taken.
         A round that began with no appointment (nobody had measured anything) sets it after its first step:
-        the instant nearest to where H steps would end, where the peers that started with it meet."""
+        the instant nearest to where H steps would end, where the peers that started with it meet. While the
+        appointment is `provisional`, `roster` (the live peers as they stand now) may move it (`_meet`)."""
         if seconds is not None:
             self.steps += 1
             self._step.add(seconds)
@@ -181,9 +195,32 @@ class RoundEngine:
                 length = self._seconds()
                 warmed = self._started + self.config.inner_steps * self.step_seconds
                 self.appointment = nearest_appointment(warmed, length, self.config.schedule)
+        roster = tuple(roster) if roster is not None and self.provisional and self.appointment is not None else None
+        if roster is not None:
+            self._meet(now, roster)
         fits = self.steps == 0 or now + (self.step_seconds or 0.0) <= self.appointment.at + 1e-6  # (rounding)
-        self._log("step", now, seconds, fits)
+        self._log("step", now, seconds, fits, *(() if roster is None else (roster, self.appointment)))
         return fits
+
+    def _meet(self, now: float, roster: tuple[Seen, ...]) -> None:
+        """Move a provisional appointment to the one most training peers in `roster` announce, this peer's own
+        counted (a tie goes to the latest instant, which every peer whose own comes sooner can still make).
+        Peers that started together each set a grid from their own first step, the slowest of which may be twice
+        the others' (start-up on shared cores), and a peer on a grid of its own had a lonely round: two of four
+        in `make simulate`'s first round, with rounds of 2, 2.8 and 4.8 s. Only an appointment still to come,
+        whose length is at most `MEET_LONGEST` times this peer's own and which its grid's next instant can be
+        (within (1 + min_phase) rounds from now), counts: a stranger's announcement lures a newcomer into one
+        lonely round at most, as one on a grid of its own would have been anyway."""
+        own = self.appointment
+        votes = collections.Counter([own])
+        furthest = 1.0 + self.config.schedule.min_phase
+        for s in roster:
+            a = Appointment.parse(s.appointment) if s.peer != self.peer and self._same_kind(s) else None
+            if (a is not None and now <= a.at <= now + furthest * a.seconds
+                    and self.config.shortest_round <= a.seconds <= MEET_LONGEST * own.seconds
+                    and not self.standing.barred(now, s.peer, s.address)):  # fmt: skip
+                votes[a] += 1
+        self.appointment = max(votes, key=lambda a: (votes[a], a.at, a.seconds))
 
     def gather(self, now: float, roster: Iterable[Seen]) -> Plan:
         """At the appointment: the group planned among the peers expected there (same state, same key) whose
@@ -191,6 +228,7 @@ class RoundEngine:
         among those it may retry when it trusts none of them (a newcomer, or a peer whose partners all missed)."""
         if self.appointment is None:  # no step taken: gather at once, alone
             self.appointment = Appointment(seconds=max(now, 1e-3), slot=1)
+        self._provisional = False  # (until the next round's begin)
         self._observe(now, roster)
         if self.phase != Phase.FINISHING:
             self.phase = Phase.GATHERING
@@ -366,11 +404,17 @@ class RoundEngine:
         exchanges = [s.exchange_seconds for s in seen if s.exchange_seconds is not None]
         exchanges += [exchange] if exchange is not None else []
         estimate = pace(self.config.inner_steps, steps, exchanges)
-        training = (Phase.TRAINING, Phase.GATHERING)  # a finishing peer's appointments are on a finer grid
-        announced = [r for s in seen if s.state in training and (r := Appointment.seconds_of(s.appointment))]
+        announced = self._announced_lengths()
         if self._paced is not None and self.appointment is not None:  # its own vote, as the others count it
             announced.append(self.appointment.seconds)
         return round_seconds(self.config.round_seconds, estimate, announced, self.config.shortest_round)
+
+    def _announced_lengths(self) -> list[float]:
+        """The round lengths of the appointments other training peers announce in the roster `_seconds` reads."""
+        roster = self._paced if self._paced is not None else self._roster
+        training = (Phase.TRAINING, Phase.GATHERING)  # a finishing peer's appointments are on a finer grid
+        others = [s for s in roster if s.peer != self.peer and s.state in training]
+        return [r for s in others if (r := Appointment.seconds_of(s.appointment))]
 
     def _same_kind(self, seen: Seen) -> bool:
         """Training peers group with training peers, finishing ones with finishing ones."""
@@ -379,6 +423,7 @@ class RoundEngine:
 
 
 _NO_MIN_PHASE = ScheduleConfig(min_phase=1e-9)
+MEET_LONGEST = 4.0  # a provisional appointment moves to a round at most this many times as long as its own
 FINISH_GRID = 8  # finish rounds gather on a grid this many times finer than training rounds
 
 
@@ -395,8 +440,11 @@ def replay(trace: Iterable[tuple], peer: str, config: RoundConfig, *, client: bo
         kind, now = entry[0], entry[1]
         if kind == "begin":
             got, want = engine.begin(now, entry[2]), entry[3]
-        elif kind == "step":
-            got, want = engine.step_fits(now, entry[2]), entry[3]
+        elif kind == "step":  # (with the roster a provisional appointment read, and where it moved to)
+            got, want = engine.step_fits(now, entry[2], *entry[4:5]), entry[3]
+            if len(entry) > 5 and engine.appointment != entry[5]:
+                raise ReplayMismatch(f"entry {checked} (step at {now}): recorded {entry[5]!r}, "
+                                     f"replayed {engine.appointment!r}")  # fmt: skip
         elif kind == "gather":
             got, want = engine.gather(now, entry[2]), entry[3]
         elif kind == "ended":

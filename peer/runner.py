@@ -634,7 +634,8 @@ class VolunteerPeer:
             started = time.perf_counter()
             total += trainer.inner_phase(1)
             steps += 1
-            fits = engine.step_fits(self.clock.now(), time.perf_counter() - started)
+            seconds = time.perf_counter() - started  # (a provisional appointment may move to the peers' in the roster)
+            fits = engine.step_fits(self.clock.now(), seconds, self.roster() if engine.provisional else None)
             if engine.appointment != known or steps == 1:  # its first step: the roster now shows its pace
                 self._announce()
                 self._connect_ahead()

@@ -117,6 +117,40 @@ def test_a_first_round_sets_its_appointment_after_its_first_step():
     assert engine.announced.appointment == engine.appointment.key and engine.announced.step_seconds == 0.1
 
 
+def test_a_provisional_appointment_moves_to_where_the_peers_it_reads_meet():
+    """Peers that start together each set a grid from their own first step: a peer whose first step was slow (start-up
+    on shared cores) trained toward a round of its own and had a lonely round. While its appointment is its own
+    guess, a roster read between steps moves it to the appointment most training peers announce, its own counted,
+    a tie to the latest; one to come that a grid's next instant can be, at most 4 rounds of its own long."""
+    engine = RoundEngine("c", CONFIG)
+    assert engine.begin(0.0, []) is None and engine.provisional
+    assert engine.step_fits(0.0) and engine.step_fits(0.28, 0.28)
+    own = Appointment(seconds=quantize_round(2.8), slot=1)  # 10 steps of 0.28 s
+    assert engine.appointment == own
+    # far ahead, too long, past, unreadable, finishing, itself: none counts
+    lures = [seen(p, key, 0.2) for p, key in (("x", "2.0@900"), ("y", "100.0@1"), ("z", "2.0@0"), ("v", "garbage"))]
+    lures += [seen("w", "2.0@1", 0.2, state="finishing"), seen("c", "2.0@1", 0.2)]
+    assert engine.step_fits(0.56, 0.28, [seen("a", "2.0@1"), *lures]) and engine.appointment == own  # 1 to 1: latest
+    assert engine.step_fits(0.84, 0.28, [seen("a", "4.0@1"), *lures]) and engine.appointment == Appointment(4.0, 1)
+    roster = [seen(p, "2.0@1", 0.2) for p in "abe"] + [seen("d", "4.0@1", 0.2), *lures]
+    assert engine.step_fits(1.12, 0.28, roster) and engine.appointment == Appointment(2.0, 1)  # 3 to 2 (its own)
+    t = 1.12
+    while engine.step_fits(t, 0.28, roster):
+        t += 0.28
+    assert t == pytest.approx(1.96)  # 7 steps in its first round, where the others gather
+    assert replay(engine.trace, "c", CONFIG) == len(engine.trace)
+    forged = [(*e[:5], own) if e[0] == "step" and len(e) > 5 and e[1] == 1.12 else e for e in engine.trace]
+    with pytest.raises(ReplayMismatch, match=r"step at 1\.12"):
+        replay(forged, "c", CONFIG)
+    # once it has gathered (and in a round whose appointment came from announced ones) a roster moves nothing
+    engine.gather(t, roster)
+    engine.ended(t + 0.1, 4)
+    assert not engine.provisional
+    assert engine.begin(t + 0.2, [seen(p, "2.0@1", 0.2) for p in "abe"]) == Appointment(2.0, 2)
+    assert not engine.provisional and engine.step_fits(t + 0.2, None, [seen("a", "4.0@1"), seen("b", "4.0@1")])
+    assert engine.appointment == Appointment(2.0, 2)
+
+
 def test_a_step_the_machine_slept_through_sets_neither_its_pace_nor_the_swarms():
     """A `murmur join` peer stopped with SIGSTOP for 90 s (a paused VM, Ctrl-Z) in the middle of an inner step
     measured that step at 90 s: its mean step time went from about 0.1 s to 4.6 s, so on waking it took one step a
@@ -377,6 +411,29 @@ def test_the_virtual_driver_feeds_the_engine_and_its_traces_replay():
     assert swarm.exchanges >= 3
     for peer in peers:
         assert replay(peer.engine.trace, peer.id, config.rounds()) == len(peer.engine.trace) > 20
+
+
+def test_virtual_peers_whose_first_steps_set_different_grids_meet_in_their_first_round():
+    """Four peers start together at speeds 1, 1, 0.7 and 0.45: from their first steps they guess rounds of 2, 2.8 and
+    4.8 s. Each moves its guess to where the peers it reads between its steps meet (the simulator feeds the roster
+    of each step's end, as a real peer reads its own): all four average in their first round, the slowest with the
+    steps it took by then (before: the two slower ones each had a lonely first round)."""
+    config, speeds = TrainConfig(inner_steps=10, batch_size=4, eval_batches=1, warmup_steps=0), (1.0, 1.0, 0.7, 0.45)
+    assert {round(quantize_round(10 * 0.2 / s), 2) for s in speeds} == {2.0, 2.83, 4.76}  # their own guesses
+    trainers = _trainers(config, load_corpus(), Scenario(peers=4))
+    swarm = VirtualSwarm(config, lambda members, traffic, messages: 0.05 * messages, step_seconds=0.2, trace=True)
+    try:
+        for i, trainer in enumerate(trainers):
+            swarm.add(i, trainer, speed=speeds[i], at=0.0)
+        while swarm.step() and swarm.peer_rounds < 12:
+            pass
+        peers = swarm.live()
+    finally:
+        swarm.close()
+    first = [next(e for e in p.engine.trace if e[0] == "ended") for p in peers]
+    assert [e[2] for e in first] == [4, 4, 4, 4], [(p.id, e[2]) for p, e in zip(peers, first, strict=True)]
+    for peer in peers:
+        assert replay(peer.engine.trace, peer.id, config.rounds()) == len(peer.engine.trace)
 
 
 def test_virtual_peers_that_overlap_train_through_their_exchanges_on_the_same_rounds():

@@ -53,6 +53,7 @@ class _Event(IntEnum):
     DONE = 2  # an exchange, or a lonely round, is over for a peer
     ANNOUNCE = 3  # a peer's announcement changes (its appointment, known after its first step)
     CALL = 4  # a harness's own event (a peer leaving or joining)
+    STEP = 5  # an inner phase goes on after a step (while its appointment is provisional: it reads the roster)
 
 
 def virtual_averager(network: InMemoryNetwork, i: int, trainer: Trainer, config: TrainConfig, *,
@@ -200,10 +201,13 @@ class VirtualSwarm:
                 self._maybe_seal(group)
             elif group is not None and self.now >= group.deadline:  # its leader never came
                 self._seal(group)
-        elif peer is None or data is not None and kind == _Event.READY and data is not peer.phase:
+        elif peer is None or data is not None and (kind == _Event.READY and data is not peer.phase
+                                                   or kind == _Event.STEP and data[0] is not peer.phase):  # fmt: skip
             pass  # an event of a peer that has left, or of a phase that was cut short
         elif kind == _Event.READY:
             self._ready(peer)
+        elif kind == _Event.STEP:
+            self._train(peer, peer.phase[0], (data[1], peer.phase[2]))
         elif kind == _Event.ANNOUNCE:
             if peer.phase is not None:  # still in the phase it announced for
                 peer.seen = data
@@ -236,19 +240,31 @@ class VirtualSwarm:
         self._announce(peer)
         self._train(peer, at)
 
-    def _train(self, peer: VirtualPeer, at: float) -> None:
-        """The inner phase from `at`: as many steps as the engine lets fit, trained when it ends (READY)."""
+    def _train(self, peer: VirtualPeer, at: float, went_on: tuple[float, int] | None = None) -> None:
+        """The inner phase from `at`: as many steps as the engine lets fit, trained when it ends (READY). While the
+        engine's appointment is provisional (`RoundEngine.provisional`), each step ends in a STEP event, from which
+        the phase goes on (`went_on`: the phase's seconds a step and steps taken) with the roster as it stands then,
+        as a real peer reads it between its steps."""
         engine = peer.engine
-        seconds = self.step_seconds / peer.speed * self.rng.uniform(1 - self.jitter, 1 + self.jitter)
-        measured = engine.step_seconds is not None
-        t, steps = at, 0
-        fits = engine.step_fits(t)
+        if went_on is None:
+            (seconds, steps), t = (self.step_seconds / peer.speed * self.rng.uniform(1 - self.jitter, 1 + self.jitter),
+                                   0), at  # fmt: skip
+            fits = engine.step_fits(t, None, self.roster() if engine.provisional else None)
+        else:
+            (seconds, steps), t, known = went_on, self.now, (engine.appointment, engine.step_seconds)
+            fits = engine.step_fits(t, seconds, self.roster())
+            if (engine.appointment, engine.step_seconds) != known:  # (its first step ever: its pace is known)
+                self._announce(peer)
         while fits:
             t += seconds
             steps += 1
+            if engine.provisional:
+                peer.phase = (at, t, steps)
+                self.push(t, _Event.STEP, peer.index, (peer.phase, seconds))
+                return
+            measured = engine.step_seconds is not None
             fits = engine.step_fits(t, seconds)
             if not measured:  # its first step ever: from then on the roster shows its step time
-                measured = True
                 self.push(t, _Event.ANNOUNCE, peer.index, engine.announced)
         peer.averager.expect(engine.appointment.key if engine.appointment else None)
         peer.phase = (at, t, steps)
