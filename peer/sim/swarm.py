@@ -247,8 +247,8 @@ class VirtualSwarm:
         as a real peer reads it between its steps."""
         engine = peer.engine
         if went_on is None:
-            (seconds, steps), t = (self.step_seconds / peer.speed * self.rng.uniform(1 - self.jitter, 1 + self.jitter),
-                                   0), at  # fmt: skip
+            seconds = self.step_seconds / peer.speed * self.rng.uniform(1 - self.jitter, 1 + self.jitter)
+            steps, t = 0, at
             fits = engine.step_fits(t, None, self.roster() if engine.provisional else None)
         else:
             (seconds, steps), t, known = went_on, self.now, (engine.appointment, engine.step_seconds)
