@@ -8,8 +8,11 @@ states are pulled together this round, and each member's stream to the leader (i
                               is in client mode)                                        (no tensors)
     j → i            HELLO    j's proof, checked by i before it sends anything          (no tensors)
     j → i, i → j     PHASE1   each one's own phase-1 payload (codes, dense tensors, P factors)
-    member → leader  HAVE     whose phase-1 payloads it holds, and whose messages were bad
-    leader → member  PROCEED  who goes on: everyone holding everyone's payloads, the blamed left out
+    member → leader  HAVE     whose phase-1 payloads it holds, and whose messages were bad; past the cut
+                              (`CUT` of the exchange's bound) with payloads still on their way, again
+                              each time it holds more ("more": 1 until its last)
+    leader → member  PROCEED  who goes on: everyone holding everyone's payloads, the blamed left out;
+                              past the cut, as soon as two or more can go on (ABORT to the rest)
     i → j, j → i     PHASE2   each one's own Q factors, if a low-rank slot takes part
     member → leader  DONE     it holds every phase-2 payload
     leader → member  COMMIT   apply                         (ABORT at any point: apply nothing)
@@ -19,7 +22,10 @@ tensors each, cut from the layout alone and checked part by part), so no message
 and no frame cap limits the model's size. Every member computes the mean from the same payloads of the
 same members in the same order (`averaging.mixing`), so members end with the same average. A pair's
 stream strictly alternates who sends a payload, so two large payloads never wait on each other. Every
-wait is bounded, and any failure raises `ExchangeFailed` before anything is applied.
+wait is bounded, and any failure raises `ExchangeFailed` before anything is applied. A member whose
+payloads crawl (a far, lossy link) holds the others up to the cut, not to the exchange's bound: the
+members that hold each other's payloads go on without it, the leader too if it is the slow one (it
+still sends the PROCEEDs and COMMITs), where once the whole group timed out together.
 """
 
 from __future__ import annotations
@@ -48,6 +54,12 @@ logger = logging.getLogger("murmur.averaging")
 # HELLO, HAVE, PROCEED, DONE and COMMIT carry no tensors, only a few meta fields: each is read no further than
 # this, whoever sends it (a PHASE payload's frames have caps of their own, from the layout: averaging.parts)
 CONTROL_BYTES = 64 * 1024
+# the share of the exchange's bound after which the members whose payloads have crossed go on without the rest:
+# one far peer in a group of three (300 ms, 2% loss) once made all three time out at 10 s, twice running
+CUT = 0.5
+# ... and how much longer the leader waits for the HAVEs sent at the cut before it decides without a member that
+# has said nothing (members start their exchange a roster's way after their leader: up to a one-way delay later)
+CUT_SLACK = 0.1
 
 
 @dataclass
@@ -214,13 +226,16 @@ def members_of(mask: int, count: int) -> list[int]:
 def going_on(haves: Mapping[int, int], count: int, blamed: Iterable[int] = ()) -> list[int]:
     """The members that go on: the largest set found greedily in which every member holds every other's
     payload (`haves[i]`: the bitmask of whose payloads member i holds), members another one blamed for a bad
-    message left out first. The leader (0) stays to the last."""
+    message left out first. The member in the most missing pairs (its payload not held, or not holding) goes
+    first, a member before the leader (0) on a tie: a leader whose own link is the slow one is left out (it
+    still seals the others' round), and a member that claims to lack the leader's payload leaves alone."""
     alive = sorted(set(haves) - (set(blamed) - {0}))
     while alive:
         missing = {j: sum(not haves[i] >> j & 1 for i in alive) for j in alive}
+        lacking = {i: sum(not haves[i] >> j & 1 for j in alive) for i in alive}
         if not any(missing.values()):
             return alive
-        worst = max((j for j in alive if j != 0), key=lambda j: (missing[j], j), default=0)
+        worst = max(alive, key=lambda j: (missing[j] + lacking[j], j != 0, j))
         alive.remove(worst)
     return alive
 
@@ -255,7 +270,7 @@ class Messenger:
     async def recv(
         self,
         stream: Stream,
-        want: Kind | None,
+        want: Kind | tuple[Kind, ...] | None,
         session: int | None,
         expected: Mapping[str, TensorSpec] | None,
         *,
@@ -263,8 +278,9 @@ class Messenger:
         timeout: float | None = None,
         max_bytes: int | None = None,
     ) -> wire.Message:
-        """The next message: `want` (or DECLINE/ABORT, raised), for `session`, with `expected` tensors; TimeoutError
-        once fewer than `MIN_PROGRESS` bytes of it arrived in the timeout. A payload that keeps arriving is waited
+        """The next message: `want` (a kind or kinds; or DECLINE/ABORT, raised), for `session`, with `expected`
+        tensors; TimeoutError once fewer than `MIN_PROGRESS` bytes of it arrived in the timeout. A payload that
+        keeps arriving is waited
         for (the exchange's own bound still holds): 300 ms away with 2.5% loss, TCP moves some 100 kB/s whatever the
         link's rate, and a 500 kB payload that had to arrive whole within the 5-s message timeout left a swarm of
         such peers averaging in none of 36 rounds. A control message (capped at `CONTROL_BYTES`) must still arrive
@@ -275,7 +291,8 @@ class Messenger:
             data = await while_moving(stream, stream.recv(cap), timeout or self.timeout, least)
         except FrameTooLarge as e:
             raise wire.WireError(str(e)) from None
-        kinds = None if want is None else {want, Kind.DECLINE, Kind.ABORT}
+        wants = () if want is None else want if isinstance(want, tuple) else (want,)
+        kinds = None if want is None else {*wants, Kind.DECLINE, Kind.ABORT}
         message = wire.decode(data, limits=self.limits, kinds=kinds)
         if want is not None and message.kind == Kind.DECLINE:
             raise Declined(str(message.meta.get("reason", "no reason given")), message.meta)
@@ -371,6 +388,14 @@ class SealedExchange:
         self.stuck: set[int] = set()  # members whose PHASE1 and ours did not cross within a message timeout
         self.closed: set[int] = set()  # ... members that closed the stream before (it gave up on us, or it died)
         self.awaiting_commit = False  # a member that has done its part and waits for the leader's COMMIT
+        # the leader's: what each member's HAVEs say (`_listen`), and each one's DONE (None) or why it never came
+        self.haves: dict[int, int] = {}
+        self.accused: set[int] = set()  # members another member blamed for a bad message
+        self.reported: set[int] = set()  # members whose last HAVE came ("more" not set), or whose stream failed
+        self.lost: dict[int, BaseException] = {}
+        self.dones: dict[int, asyncio.Future] = {j: loop.create_future() for j in others}
+        self.heard = asyncio.Event()  # a HAVE came, or a member's stream failed
+        self.decided = False
         self.deadline = 0.0  # monotonic time the exchange's bound ends
         self.over = asyncio.Event()
         self.payload1: Frames | None = None  # our PHASE1, as the frames of its parts
@@ -384,30 +409,31 @@ class SealedExchange:
         """Both phases and the leader's decisions: the members that went on, every one's contribution per tensor
         in their order, and the dot products between those contributions for each tensor sent in phase 1
         (`GroupRound.grams`); None if this member was left out. Raises ExchangeFailed."""
-        seal, m = self.seal, self.messenger
-        session, step, me, leader = seal.session, self.offer.step, seal.me, seal.members[0]
+        seal = self.seal
+        session, step, me = seal.session, self.offer.step, seal.me
         mine = self.round.phase1(allocate(self.spec1, self.round.device))
         self.first[me] = mine
         self.payload1 = Frames(Kind.PHASE1, session, step, mine, self.spec1)
         links = [asyncio.ensure_future(self._open(j)) for j in self.settled if seal.opens(me, j)]
         links += [asyncio.ensure_future(self._expect(j)) for j in self.opened]
+        if me == 0:  # every member's control stream, read from its HAVEs to its DONE
+            links += [asyncio.ensure_future(self._listen(j)) for j in self.dones]
         started = time.monotonic()
         self.deadline = started + self.exchange_timeout
+        cut = started + CUT * self.exchange_timeout
         try:
             async with asyncio.timeout(self.exchange_timeout):
-                await asyncio.wait(list(self.settled.values())) if self.settled else None
-                have = bits(self.first)
                 if me == 0:
-                    self.going = await self._decide(have)
+                    self.going = await self._decide(cut)
                 else:
-                    meta = {"h": have, "b": bits(self.blamed)}
-                    await m.send(seal.control[leader], Kind.HAVE, session, step, {}, meta)
-                    proceed = await self._from_leader(Kind.PROCEED)
+                    proceed = await self._report(cut)
                     self.going = members_of(meta_int(proceed.meta, "g"), len(seal.members))
                     if any(j not in self.first for j in self.going):
                         raise Misbehaved("the leader named members whose payloads this peer does not hold")
                 if me not in self.going or len(self.going) < 2:
                     self.phase2.set_result(None)
+                    if me == 0 and len(self.going) >= 2:  # the leader left out (its own link the slow one) still
+                        await self._commit()  # seals the others' round
                     return None
                 first = [self.first[j] for j in self.going]
                 second = None
@@ -453,14 +479,17 @@ class SealedExchange:
         went_on = set(self.going)
         if isinstance(error, Aborted) and type(mask := error.meta.get("g")) is int and mask >= 0:
             went_on.update(members_of(mask, count))
-        stuck = self.stuck | (self.closed & went_on)
+        crawling = {j for j, settled in self.settled.items() if not settled.done()}  # still on their way
+        stuck = self.stuck | (self.closed & went_on) | crawling
         others = count - 1
         if not stuck or 2 * len(stuck) <= others:
             return ""
         size = sum(math.prod(spec.shape) * spec.dtype.itemsize for spec in self.spec1.values())
         whose = "this peer's link is" if others > 1 else "a link (this peer's or its partner's) is"
+        within = (f"the {self.messenger.timeout:g} s message timeout" if not crawling else
+                  f"the {time.monotonic() - self.deadline + self.exchange_timeout:.1f} s they waited")  # fmt: skip
         return (f"; payloads of {size / 1e3:.0f} kB did not cross with {len(stuck)} of {others} members within "
-                f"the {self.messenger.timeout:g} s message timeout: {whose} too slow for them")  # fmt: skip
+                f"{within}: {whose} too slow for them")  # fmt: skip
 
     async def _expect(self, j: int) -> None:
         """A member that should open its pair stream with us and does not (it died, or never got the roster) is
@@ -486,23 +515,107 @@ class SealedExchange:
                                          step=self.offer.step, timeout=self.exchange_timeout,
                                          max_bytes=CONTROL_BYTES)  # fmt: skip
 
-    async def _decide(self, have: int) -> list[int]:
-        """The leader: every member's HAVE, then who goes on, sent as PROCEED (ABORT to those left out)."""
-        seal, m, step = self.seal, self.messenger, self.offer.step
-        haves, blamed = {0: have}, set(self.blamed)
+    async def _report(self, cut: float) -> wire.Message:
+        """A member: its HAVE once every phase-1 link is settled, or at the cut, if it holds another's payload by then,
+        and again each time it holds more, until the leader's PROCEED (returned; an ABORT raises). A HAVE that
+        crosses the PROCEED goes out whole: the stream carries DONE and COMMIT next."""
+        seal, m = self.seal, self.messenger
+        control, decided, sent = seal.control[seal.members[0]], asyncio.Event(), 0
 
-        async def report(j: int) -> None:
-            message = await m.recv(seal.control[seal.members[j]], Kind.HAVE, seal.session, {}, step=step,
-                                   timeout=self.exchange_timeout, max_bytes=CONTROL_BYTES)  # fmt: skip
-            haves[j] = meta_int(message.meta, "h")
-            blamed.update(members_of(meta_int(message.meta, "b"), len(seal.members)))
+        async def tell() -> None:
+            nonlocal sent
+            if pending := [f for f in self.settled.values() if not f.done()]:
+                await asyncio.wait(pending, timeout=max(0.0, cut - time.monotonic()))
+            while not decided.is_set():
+                pending = [f for f in self.settled.values() if not f.done()]
+                have = bits(self.first)
+                if not pending or (have != sent and len(self.first) >= 2):
+                    meta = {"h": have, "b": bits(self.blamed)} | ({"more": 1} if pending else {})
+                    await m.send(control, Kind.HAVE, seal.session, self.offer.step, {}, meta)
+                    sent = have
+                if not pending:
+                    return
+                waiter = asyncio.ensure_future(decided.wait())
+                await asyncio.wait([waiter, *pending], return_when=asyncio.FIRST_COMPLETED)
+                waiter.cancel()
 
-        outcomes = await asyncio.gather(*(report(j) for j in range(1, len(seal.members))), return_exceptions=True)
-        for j, outcome in enumerate(outcomes, start=1):
-            if isinstance(outcome, BaseException):
-                self._member_failed(j, outcome, "its HAVE")
-        going = going_on(haves, len(seal.members), blamed)
-        for j in range(1, len(seal.members)):
+        telling = asyncio.ensure_future(tell())
+        reading = asyncio.ensure_future(self._from_leader(Kind.PROCEED))
+        try:
+            await asyncio.wait([telling, reading], return_when=asyncio.FIRST_COMPLETED)
+            if telling.done() and telling.exception() is not None:
+                raise telling.exception()
+            proceed = await reading
+        except BaseException:
+            for task in (telling, reading):
+                task.cancel()
+            await asyncio.gather(telling, reading, return_exceptions=True)
+            raise
+        decided.set()
+        with contextlib.suppress(Exception):  # a HAVE in flight ends whole (a broken stream fails the next message)
+            await telling
+        return proceed
+
+    async def _listen(self, j: int) -> None:
+        """The leader: member j's control stream, its HAVEs (each must add to the last, or be the last) and then its
+        DONE (`dones[j]`: None, or why it never came). A HAVE after the decision crossed the PROCEED: read, unused."""
+        seal, m = self.seal, self.messenger
+        stream, last, more = seal.control[seal.members[j]], 0, 1
+        try:
+            while True:
+                message = await m.recv(stream, (Kind.HAVE, Kind.DONE), seal.session, {}, step=self.offer.step,
+                                       timeout=self.exchange_timeout, max_bytes=CONTROL_BYTES)  # fmt: skip
+                if message.kind == Kind.DONE:
+                    if not (self.decided and j in self.going and self.two_phase):
+                        raise Misbehaved("a DONE out of turn")
+                    _resolve(self.dones[j], None)
+                    return
+                have, blamed = meta_int(message.meta, "h"), meta_int(message.meta, "b")
+                was, more = more, message.meta.get("more", 0)
+                if type(more) is not int or more not in (0, 1):
+                    raise Misbehaved(f"meta['more'] must be 0 or 1, got {more!r}")
+                if not was or have & last != last or (have == last and more):
+                    raise Misbehaved("a HAVE that adds nothing to the last one")
+                last = have
+                if not self.decided:
+                    self.haves[j] = have
+                    self.accused.update(members_of(blamed, len(seal.members)))
+                    if not more:
+                        self.reported.add(j)
+                    self.heard.set()
+        except Exception as e:  # (not a cancellation: the exchange is over)
+            if not self.decided:
+                self.lost[j] = e
+                self.reported.add(j)
+                self.heard.set()
+            _resolve(self.dones[j], e)
+
+    async def _decide(self, cut: float) -> list[int]:
+        """The leader: who goes on, from every member's HAVEs and its own phase-1 links: once all are in, or, past
+        the cut, once two or more hold each other's payloads and every member has said what it holds (past the
+        cut and its slack, whatever they said); sent as PROCEED (ABORT to the rest)."""
+        seal, m, step, count = self.seal, self.messenger, self.offer.step, len(self.seal.members)
+        late = cut + CUT_SLACK * self.exchange_timeout
+        while True:
+            self.heard.clear()
+            self.haves[0] = bits(self.first)
+            pending = [f for f in self.settled.values() if not f.done()]
+            if not pending and len(self.reported) == count - 1:
+                break
+            now, spoken = time.monotonic(), len(self.haves.keys() | self.lost.keys())  # (the leader's own counted)
+            if (now >= late or (now >= cut and spoken == count)) and len(
+                    going_on(self.haves, count, self.blamed | self.accused)) >= 2:  # fmt: skip
+                break
+            heard = asyncio.ensure_future(self.heard.wait())
+            wait = None if now >= late else (cut if now < cut else late) - now
+            await asyncio.wait([heard, *pending], timeout=wait, return_when=asyncio.FIRST_COMPLETED)
+            heard.cancel()
+        self.decided = True
+        for j, error in self.lost.items():
+            self._member_failed(j, error, "its HAVE")
+        going = going_on(self.haves, count, self.blamed | self.accused)
+        self.going = going
+        for j in range(1, count):
             stream = seal.control[seal.members[j]]
             if j in going:
                 try:
@@ -512,7 +625,7 @@ class SealedExchange:
                         raise
                     # every member holds its payload: the others go on with it, as with a member whose COMMIT is lost
                     self._member_failed(j, e, "the PROCEED to it")
-            elif j in haves:  # who went on: a member whose stream with it closed tells a crash from a give-up
+            elif j not in self.lost:  # who went on: a member whose stream with it closed tells a crash from a give-up
                 await m.refuse(stream, Kind.ABORT, seal.session, "left out: payloads missing", {"g": bits(going)})
         return going
 
@@ -524,13 +637,11 @@ class SealedExchange:
             # a stalled member is given up on while there is still time to tell the others (ABORT): a member left
             # waiting for a COMMIT would strike this leader
             wait = max(0.1, self.deadline - time.monotonic() - m.timeout)
-            outcomes = await asyncio.gather(
-                *(m.recv(seal.control[seal.members[j]], Kind.DONE, seal.session, {}, step=step, timeout=wait,
-                         max_bytes=CONTROL_BYTES) for j in others), return_exceptions=True,
-            )  # fmt: skip
-            failed = [j for j, outcome in zip(others, outcomes, strict=True) if isinstance(outcome, BaseException)]
+            await asyncio.wait([self.dones[j] for j in others], timeout=wait)  # (`_listen` reads them)
+            outcomes = {j: self.dones[j].result() if self.dones[j].done() else TimeoutError() for j in others}
+            failed = [j for j in others if outcomes[j] is not None]
             for j in failed:
-                self._member_failed(j, outcomes[others.index(j)], "its DONE")
+                self._member_failed(j, outcomes[j], "its DONE")
             if failed:  # phase 2 cannot leave a member out: its basis holds everyone's payload
                 for j in others:
                     await m.refuse(seal.control[seal.members[j]], Kind.ABORT, seal.session, "a member failed phase 2")
@@ -667,5 +778,9 @@ class SealedExchange:
 
 
 def _settle(future: asyncio.Future) -> None:
+    _resolve(future, None)
+
+
+def _resolve(future: asyncio.Future, value: object) -> None:
     if not future.done():
-        future.set_result(None)
+        future.set_result(value)

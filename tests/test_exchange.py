@@ -4,6 +4,7 @@ import asyncio
 import copy
 import logging
 import math
+import re
 from dataclasses import replace
 
 import pytest
@@ -11,7 +12,7 @@ import torch
 
 from murmur.averaging import wire
 from murmur.averaging.compression import LowRankCompressor, LowRankConfig, plan, scaled_decode, scaled_encode
-from murmur.averaging.exchange import CONTROL_BYTES, going_on
+from murmur.averaging.exchange import CONTROL_BYTES, CUT, going_on
 from murmur.averaging.group import GroupAverager, GroupPlan, Offer
 from murmur.averaging.layout import layout_difference, layout_entries, layout_meta
 from murmur.averaging.transport import InMemoryNetwork
@@ -641,3 +642,73 @@ def test_a_member_that_crashed_is_not_counted_as_a_link_too_slow():
     said = peers[1].stats.last_error
     assert said is not None and "left out: payloads missing" in said, said
     assert "too slow" not in said, said
+
+
+# payloads that keep moving but take longer than the exchange's bound: no message timeout cuts them short
+CRAWL = replace(FAST, exchange_timeout=3.0, message_timeout=5.0)
+
+
+def crawling_round(slow: str, seconds: float, count: int, *, two_phase: bool = False):
+    """`count` peers, P0 leading the rest; `slow`'s PHASE1 frames take `seconds` each on the way (its link's pace).
+    The averagers, their results and how long the round took."""
+
+    async def main():
+        net = InMemoryNetwork()
+        codec = {"diff_codec": "lowrank"} if two_phase else {}
+        peers = await started(*(make_averager(net, f"P{i}", CRAWL, **codec) for i in range(count)))
+
+        async def crawl(src, dst, frame):
+            if src == slow and wire.decode(frame).kind == Kind.PHASE1:
+                await asyncio.sleep(seconds)  # the link's pace, not a wait for an event
+            return frame
+
+        net.before_send = crawl
+        offers = [make_offer(i, anchor_seed=i if two_phase else None) for i in range(count)]
+        loop = asyncio.get_running_loop()
+        started_at = loop.time()
+        results = await one_round(peers, offers, led_by("P0", [f"P{i}" for i in range(1, count)]))
+        return peers, results, loop.time() - started_at
+
+    return asyncio.run(main())
+
+
+def test_the_members_that_hold_each_others_payloads_go_on_at_the_cut_without_one_that_crawls():
+    """P3's payloads crawl (a far, lossy link: 300 ms and 2% loss moved a group's payloads for over 10 s): at the
+    cut the three others, holding each other's, go on without it, where once all four timed out together (one far
+    peer in a group of three made all three time out twice running, bench_wan). P3 hears why."""
+    peers, results, seconds = crawling_round("P3", 4.0, 4)
+    assert [r.members if r else None for r in results] == [("P0", "P1", "P2")] * 3 + [None]
+    assert CUT * CRAWL.exchange_timeout <= seconds < CRAWL.exchange_timeout
+    assert torch.equal(results[0].projections["delta/w"].mean, results[2].projections["delta/w"].mean)
+    said = peers[3].stats.last_error
+    assert re.search(r"did not cross with 3 of 3 members within the 1\.[5-9] s they waited", said), said
+    assert "this peer's link is too slow for them" in said and "\n" not in said
+    assert all(p.stats.last_error is None for p in peers[:3])
+
+
+@pytest.mark.parametrize("two_phase", [False, True], ids=["one-phase", "two-phase"])
+def test_a_leader_whose_own_payload_crawls_leaves_itself_out_and_seals_the_others_round(two_phase):
+    """The leader is the slow one: the members go on without it at the cut, and it still sends their PROCEEDs and
+    COMMITs (after their DONEs in two phases); it applies nothing. The leader once stayed in to the last: the whole
+    group timed out."""
+    peers, results, seconds = crawling_round("P0", 4.0, 3, two_phase=two_phase)
+    assert [r.members if r else None for r in results] == [None] + [("P1", "P2")] * 2
+    assert results[1].two_phase == two_phase and seconds < CRAWL.exchange_timeout
+    for name in ("delta/w", "anchor/w"):
+        assert torch.equal(results[1].projections[name].mean, results[2].projections[name].mean)
+    assert all(p.cooldown.strikes("P0") == 0 for p in peers[1:])  # a slow leader is no withholding one
+
+
+def test_a_pair_whose_payloads_both_crawl_past_the_cut_still_averages_within_the_bound():
+    """Neither of a pair holds the other's payload at the cut: nothing can go on without the other, so both wait
+    on, as before, to the exchange's bound."""
+    peers, results, seconds = crawling_round("P1", 2.0, 2)
+    assert [r.members for r in results] == [("P0", "P1")] * 2
+    assert CUT * CRAWL.exchange_timeout < seconds < CRAWL.exchange_timeout
+
+
+def test_going_on_leaves_out_a_leader_most_lack_and_a_member_that_lacks_the_leader_alone():
+    everyone = 0b1111
+    assert going_on({0: everyone, 1: 0b1110, 2: 0b1110, 3: 0b1110}, 4) == [1, 2, 3]  # nobody holds the leader's
+    assert going_on({0: everyone, 1: everyone, 2: everyone, 3: 0b1110}, 4) == [0, 1, 2]  # 3 claims to lack it
+    assert going_on({0: 0b011, 1: 0b011, 2: 0b100}, 3) == [0, 1]  # a member that holds only its own

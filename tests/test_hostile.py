@@ -93,6 +93,10 @@ def _mask(m):  # HAVE's "h", PROCEED's "g": who holds or goes on
     m["m"][key] = -1
 
 
+def _more(m):  # HAVE's "more": 1 while the member expects to hold more, absent (0) in its last
+    m["m"]["more"] = 2
+
+
 MUTATIONS = {  # what: (mutate the message map in place, the reason in the log line, as a regex)
     "version": (_set_version, rf"protocol version {wire.PROTOCOL_VERSION + 1} is not supported"),
     "kind": (_set_kind, r"unexpected message kind DONE|may not open with DONE"),
@@ -105,6 +109,7 @@ MUTATIONS = {  # what: (mutate the message map in place, the reason in the log l
     "session": (_session, r"for session"),
     "step": (_step, rf"outer step {INSANE_STEP} is not within"),
     "mask": (_mask, r"must be a non-negative int"),
+    "more": (_more, r"meta\['more'\] must be 0 or 1"),
 }
 
 
@@ -129,10 +134,10 @@ STAGES = {
     "COMMIT": Stage(Kind.COMMIT, "Lea", "Bob", ("Lea", "Ann"), NAMES),  # the lost-COMMIT window: Bob alone aborts
 }
 # every rejection path on the member-to-member data path; a few on the roster and at every other message
-CASES = [(what, "PHASE1") for what in MUTATIONS if what != "mask"]
+CASES = [(what, "PHASE1") for what in MUTATIONS if what not in ("mask", "more")]
 CASES += [(what, "ROSTER") for what in ("names", "dtype", "rank", "non_finite", "step")]
 CASES += [(what, "PHASE2") for what in ("dtype", "rank", "non_finite", "session")]
-CASES += [(what, "HAVE") for what in ("names", "session", "mask")]
+CASES += [(what, "HAVE") for what in ("names", "session", "mask", "more")]
 CASES += [(what, "PROCEED") for what in ("kind", "message_cap", "session", "mask")]
 CASES += [(what, "JOIN") for what in ("version", "names", "message_cap", "kind", "step")]
 CASES += [(what, "HELLO") for what in ("non_finite", "step")]
