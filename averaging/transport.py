@@ -203,6 +203,9 @@ async def while_moving(stream: Stream, work: Awaitable[T], idle: float, least: i
             task.cancel()
             with contextlib.suppress(asyncio.CancelledError, Exception):
                 await task
+        elif not task.cancelled():
+            task.exception()  # retrieved: work that failed just as the wait on it ended (a stream closed under a
+            # cancelled read) is not logged as "never retrieved" when the task is collected
 
 
 class Transport(ABC):

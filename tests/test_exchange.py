@@ -2,6 +2,7 @@
 
 import asyncio
 import copy
+import gc
 import logging
 import math
 import re
@@ -712,3 +713,22 @@ def test_going_on_leaves_out_a_leader_most_lack_and_a_member_that_lacks_the_lead
     assert going_on({0: everyone, 1: 0b1110, 2: 0b1110, 3: 0b1110}, 4) == [1, 2, 3]  # nobody holds the leader's
     assert going_on({0: everyone, 1: everyone, 2: everyone, 3: 0b1110}, 4) == [0, 1, 2]  # 3 claims to lack it
     assert going_on({0: 0b011, 1: 0b011, 2: 0b100}, 3) == [0, 1]  # a member that holds only its own
+
+
+def test_rounds_leave_no_task_whose_failure_was_never_retrieved(caplog):
+    """The leader reads its members' control streams to the end of the exchange; a read the end cancels as the
+    member closes its stream failed unseen, and asyncio logged a traceback for it when the task was collected."""
+
+    async def main():
+        net = InMemoryNetwork()
+        peers = await started(*(make_averager(net, f"P{i}") for i in range(3)))
+        for step in range(3):
+            results = await one_round(peers, [make_offer(i, step) for i in range(3)], plans(["P0", "P1", "P2"]))
+            assert all(r is not None and r.size == 3 for r in results)
+        for p in peers:
+            await p.stop()
+
+    with caplog.at_level(logging.ERROR, logger="asyncio"):
+        asyncio.run(main())
+        gc.collect()
+    assert not [r.getMessage() for r in caplog.records if "never retrieved" in r.getMessage()]
