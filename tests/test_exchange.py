@@ -682,7 +682,7 @@ def test_the_members_that_hold_each_others_payloads_go_on_at_the_cut_without_one
     assert CUT * CRAWL.exchange_timeout <= seconds < CRAWL.exchange_timeout
     assert torch.equal(results[0].projections["delta/w"].mean, results[2].projections["delta/w"].mean)
     said = peers[3].stats.last_error
-    assert re.search(r"did not cross with 3 of 3 members within the 1\.[5-9] s they waited", said), said
+    assert re.search(r"did not cross with 3 of 3 members within the [12]\.\d s they waited", said), said
     assert "this peer's link is too slow for them" in said and "\n" not in said
     assert all(p.stats.last_error is None for p in peers[:3])
 

@@ -227,6 +227,27 @@ def test_peers_that_gathered_together_choose_the_same_round_length_whatever_they
     assert a.announced.step_seconds == announced != a.step_seconds
 
 
+def test_a_new_swarm_takes_one_round_length_after_its_first_round_whatever_exchange_each_peer_timed():
+    """Three peers start a swarm together and meet in their first round; none had timed an exchange, so the roster
+    they planned it from shows none. Each then timed its own (0.1, 0.5 and 0.9 s: a leader's and members' differ):
+    counted beside the others' missing ones, that exchange alone made their next lengths 1, 1.41 and 2 s (each a
+    lonely round); the roster's own record of each (as the others read it) makes them one."""
+    engines = {p: RoundEngine(p, CONFIG) for p in "abc"}
+    exchanged = {"a": 0.1, "b": 0.5, "c": 0.9}
+    lengths = {}
+    for p, engine in engines.items():
+        assert engine.begin(100.0, []) is None and engine.step_fits(100.0)
+        now = 100.1
+        while engine.step_fits(now, 0.1):  # steps of 0.1 s: its first sets its appointment (rounds of 1 s)
+            now += 0.1
+        key = engine.appointment.key
+        roster = [seen(q, key, 0.1) for q in "abc"]  # every peer's record, this one's too, as all three read it
+        engine.gather(engine.appointment.at, roster)
+        engine.ended(engine.appointment.at + exchanged[p], 3, [q for q in "abc" if q != p])
+        lengths[p] = engine.begin(engine.appointment.at + exchanged[p], roster).seconds
+    assert set(lengths.values()) == {1.0}, lengths
+
+
 def test_a_swarm_split_over_two_lengths_rejoins_one():
     """Three peers on one grid and three on another: each counts its own vote as the others count it, so all
     six see three against three and take the same length (the longer). Without its own vote each peer saw the
