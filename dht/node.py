@@ -346,7 +346,17 @@ def _guard_worker() -> None:
         gc.freeze()
         signal.signal(signal.SIGINT, signal.SIG_IGN)
         signal.signal(signal.SIGTERM, signal.SIG_DFL)
+        logging.getLogger("hivemind.dht.dht").addFilter(_not_the_lost_parent)
         threading.Thread(target=_die_with, args=(parent,), name="murmur-orphan-guard", daemon=True).start()
+
+
+def _not_the_lost_parent(record: logging.LogRecord) -> bool:
+    """False for hivemind's "[ERROR] ... Connection reset by peer" from the worker's loop when the pipe to its parent
+    breaks: that happens only when the parent died, and `_die_with` ends the worker a moment later. It reached the
+    terminal the worker shares with `--restart`'s supervisor whenever the loop saw the broken pipe before the guard's
+    next look (0.25 s), on a busy machine the line a user read in place of the restart's (`scripts/bad_input.py`)."""
+    error = record.exc_info[1] if record.exc_info else None
+    return not (record.funcName == "_run" and isinstance(error, OSError | EOFError))
 
 
 def _die_with(parent: int) -> None:

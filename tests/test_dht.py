@@ -6,6 +6,7 @@ import asyncio
 import contextlib
 import gc
 import itertools
+import logging
 import math
 import os
 import signal
@@ -50,7 +51,7 @@ from murmur.dht import (
     validate_run_id,
     visible_addresses,
 )
-from murmur.dht.node import known_nodes
+from murmur.dht.node import _not_the_lost_parent, known_nodes
 
 T = TypeVar("T")
 PEER = "QmNnooDu7bfjPFoTZYxMNLWUQJyrVwtbZg5gBMjTezGAJN"
@@ -1007,3 +1008,18 @@ def running(process: psutil.Process) -> bool:
         return process.status() != psutil.STATUS_ZOMBIE
     except psutil.Error:
         return False
+
+
+def test_a_dht_worker_keeps_quiet_about_the_pipe_its_dead_parent_broke() -> None:
+    """hivemind's worker loop logs the broken pipe to a killed peer as an ERROR with a traceback; in a worker of ours
+    that record is dropped (the orphan guard ends the worker next), and every other record of that loop is kept."""
+
+    def record(error: BaseException | None, func: str = "_run") -> logging.LogRecord:
+        exc_info = (type(error), error, None) if error is not None else None
+        return logging.LogRecord("hivemind.dht.dht", logging.ERROR, "dht.py", 130, str(error), (), exc_info, func)
+
+    assert not _not_the_lost_parent(record(ConnectionResetError(104, "Connection reset by peer")))
+    assert not _not_the_lost_parent(record(EOFError()))
+    assert _not_the_lost_parent(record(RuntimeError("something else")))
+    assert _not_the_lost_parent(record(ConnectionResetError(104, "reset"), func="_add_validators"))
+    assert _not_the_lost_parent(record(None))
