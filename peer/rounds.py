@@ -395,7 +395,7 @@ class RoundEngine:
     def _seconds(self) -> float | None:
         """The round length, decided from what the peers that gathered last agree on: the roster that planned the
         last training round's group (read at nearly the same instant by all its members), with this peer as they
-        saw it: its pace as that roster shows it (its own pace where the roster does not show it yet) and its
+        saw it: its pace as that roster shows it (its own where the roster shows no pace of it yet) and its
         appointment. Each peer's live pace, or a roster read while some peers had announced their next round and
         others had not, made peers a few percent apart choose different lengths near a switch, and a swarm split
         over two grids lost a round or more: after a swarm's first round each peer counted the exchange it had
@@ -403,7 +403,8 @@ class RoundEngine:
         and a new swarm's peers could each take a length of their own for their second round."""
         roster = self._paced if self._paced is not None else self._roster
         seen = [s for s in roster if s.peer != self.peer]
-        mine = next((s for s in roster if s.peer == self.peer), None)  # this peer as the others read it then
+        # this peer as the others read it then, once that shows a pace of it (a first round's own steps set its grid)
+        mine = next((s for s in roster if s.peer == self.peer and s.step_seconds is not None), None)
         step, exchange = self._own_pace() if mine is None else (mine.step_seconds, mine.exchange_seconds)
         steps = [s.step_seconds for s in seen if s.step_seconds is not None] + ([step] if step is not None else [])
         exchanges = [s.exchange_seconds for s in seen if s.exchange_seconds is not None]

@@ -115,6 +115,11 @@ def test_a_first_round_sets_its_appointment_after_its_first_step():
     assert engine.step_fits(0.0) and engine.step_fits(0.1, 0.1)
     assert engine.appointment == Appointment(seconds=1.0, slot=1)  # where its 10 steps would end
     assert engine.announced.appointment == engine.appointment.key and engine.announced.step_seconds == 0.1
+    # the roster shows this peer already, with no pace yet (announced before its first step): its own step sets the
+    # grid (counting only the roster's record of it, a peer alone knew no round length, and its first step raised)
+    alone = RoundEngine("me", CONFIG)
+    assert alone.begin(0.0, [seen("me", None, None)]) is None
+    assert alone.step_fits(0.0) and alone.step_fits(0.1, 0.1) and alone.appointment == Appointment(seconds=1.0, slot=1)
 
 
 def test_a_provisional_appointment_moves_to_where_the_peers_it_reads_meet():
