@@ -1,9 +1,12 @@
 """`scripts/bench_churn.py --quick`: real peer processes SIGKILLed and restarted; the JSON it writes."""
 
+import contextlib
 import json
 import os
 import subprocess
 import sys
+import textwrap
+import time
 import uuid
 from pathlib import Path
 
@@ -32,6 +35,19 @@ def test_lonely_rounds_are_the_rounds_in_the_window_whose_process_count_did_not_
     assert lonely_rounds(records, 2.0, 4.5) == ["a@3", "a@6"]  # only the window's
 
 
+def test_a_slot_trains_the_samples_its_rounds_in_the_window_added_and_a_resumed_life_counts_from_its_last_round():
+    from scripts.bench_churn import trained_samples
+
+    # (t, round, samples): a first life of three rounds, killed; a resumed life from the checkpoint at 48 samples
+    rows = [(1, 1, 40), (2, 2, 48), (3, 3, 70), (5, 1, 60), (6, 2, 90)]
+    records = [{"t": float(t), "round": r, "samples": n} for t, r, n in rows]
+    # the resumed life redid 48 -> 60 of the lost 48 -> 70 (counted once) and went on to 90
+    assert trained_samples(records, 0.0, 9.0, new=False) == 40 + 8 + 22 + 0 + 20
+    assert trained_samples(records, 2.5, 9.0, new=False) == 22 + 0 + 20  # the rounds before the window do not count
+    assert trained_samples(records, 0.0, 9.0, new=True) == 8 + 22 + 0 + 20  # a new peer began at its donor's count
+    assert trained_samples([], 0.0, 9.0, new=False) == 0
+
+
 @pytest.mark.slow
 def test_quick_churn_bench_writes_every_field_and_reaps_everything(tmp_path):
     tag = f"bench-churn-{uuid.uuid4()}"
@@ -56,6 +72,8 @@ def test_quick_churn_bench_writes_every_field_and_reaps_everything(tmp_path):
         assert 0 <= p["consensus_distance"] < 1
         assert p["crashed_without_kill"] == 0, p["crashes"]
         assert p["cpu_seconds"] > 0 and 0 < p["cpu_seconds_per_round"] < 60
+        assert {"peer", "dht worker", "p2pd"} <= set(p["cpu_seconds_by_role"])  # (and "supervisor" under --restart)
+        assert 0.9 * p["cpu_seconds"] <= sum(p["cpu_seconds_by_role"].values()) <= 1.1 * p["cpu_seconds"]
         assert 0 <= p["swarm_lonely_rounds"] <= p["lonely_rounds"] < p["rounds"]
     assert result["no_churn"]["kills"] == 0
     churn = result["churn"]
@@ -72,3 +90,41 @@ def test_quick_churn_bench_writes_every_field_and_reaps_everything(tmp_path):
     assert len(restarts) == result["churn"]["kills"] - 1  # the supervisors brought back every victim but the leaver
     left = tagged_processes(tag)
     assert not left, f"the bench left processes running: {left}"
+
+
+@pytest.mark.parametrize("supervised", [True, False])
+def test_a_process_tree_splits_into_supervisor_peer_dht_worker_and_the_rest_by_name(supervised, tmp_path):
+    """The roles `TreeMeter.by_role` counts CPU under: a `--restart` tree's root is its supervisor and its peer the
+    child that leads a process group of its own (the warm parent's fork); a plain tree's root is the peer; other
+    python processes are DHT workers, anything else goes by its name. Real processes: a root (forking a group
+    leader when supervised) whose peer starts a python child and a `sleep`."""
+    import psutil
+
+    from murmur.peer.sim.simulate import process_role
+
+    code = textwrap.dedent("""
+        import os, subprocess, sys, time
+        if "--restart" in sys.argv and os.fork() != 0:
+            time.sleep(60)
+        else:
+            if "--restart" in sys.argv:
+                os.setpgid(0, 0)
+            subprocess.Popen([sys.executable, "-c", "import time; time.sleep(60)"])
+            subprocess.Popen(["sleep", "60"])
+            time.sleep(60)
+    """)
+    root = subprocess.Popen([sys.executable, "-c", code, *(["--restart"] if supervised else [])])
+    top = psutil.Process(root.pid)
+    try:
+        expected = 3 if supervised else 2
+        deadline = time.monotonic() + 20
+        while len(top.children(recursive=True)) < expected and time.monotonic() < deadline:
+            time.sleep(0.05)
+        roles = sorted(process_role(p, top) for p in [top, *top.children(recursive=True)])
+        assert roles == sorted(["supervisor", "peer", "dht worker", "sleep"] if supervised
+                               else ["peer", "dht worker", "sleep"])  # fmt: skip
+    finally:
+        for p in [*top.children(recursive=True), top]:
+            with contextlib.suppress(psutil.Error):
+                p.kill()
+        root.wait(timeout=10)

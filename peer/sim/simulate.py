@@ -142,9 +142,13 @@ def stop_processes(procs: list[subprocess.Popen], grace: float) -> None:
 
 
 def process_role(proc: psutil.Process, root: psutil.Process) -> str:
-    """What `proc` is in the process tree of a peer at `root`: "peer", its "dht worker" (a python child), or by name
-    ("p2pd")."""
+    """What `proc` is in the process tree of a peer at `root`: the "peer" (the root, or under `murmur join --restart`
+    the warm parent's fork, which leads a process group of its own), the "supervisor" (that warm parent), a "dht
+    worker" (any other python), or by name ("p2pd")."""
+    supervised = "--restart" in root.cmdline()
     if proc.pid == root.pid:
+        return "supervisor" if supervised else "peer"
+    if supervised and proc.ppid() == root.pid and os.getpgid(proc.pid) == proc.pid:
         return "peer"
     name = proc.name()
     return "dht worker" if "python" in name else name
