@@ -9,10 +9,12 @@ states are pulled together this round, and each member's stream to the leader (i
     j → i            HELLO    j's proof, checked by i before it sends anything          (no tensors)
     j → i, i → j     PHASE1   each one's own phase-1 payload (codes, dense tensors, P factors)
     member → leader  HAVE     whose phase-1 payloads it holds, and whose messages were bad; past the cut
-                              (`CUT` of the exchange's bound) with payloads still on their way, again
-                              each time it holds more ("more": 1 until its last)
+                              (`CUT` of the exchange's bound) with payloads still on their way, or
+                              before it while every member it still waits for is silent on its pair
+                              stream, again each time it holds more ("more": 1 until its last)
     leader → member  PROCEED  who goes on: everyone holding everyone's payloads, the blamed left out;
-                              past the cut, as soon as two or more can go on (ABORT to the rest)
+                              past the cut, as soon as two or more can go on; at once when the members
+                              whose control streams are still up hold one another's (ABORT to the rest)
     i → j, j → i     PHASE2   each one's own Q factors, if a low-rank slot takes part
     member → leader  DONE     it holds every phase-2 payload
     leader → member  COMMIT   apply                         (ABORT at any point: apply nothing)
@@ -384,6 +386,7 @@ class SealedExchange:
         self.settled2 = {j: loop.create_future() for j in others}  # ... and its phase-2 link
         self.phase2: asyncio.Future = loop.create_future()  # our PHASE2's frames, or None: no phase 2 for us
         self.opened = {j: asyncio.Event() for j in others if seal.opens(j, seal.me)}  # links others open to us
+        self.answered = {j: asyncio.Event() for j in others}  # its HELLO came on our pair stream: alive since the seal
         self.going: list[int] = []
         self.blamed: set[int] = set()  # members whose messages to us were bad (a strike each)
         self.stuck: set[int] = set()  # members whose PHASE1 and ours did not cross within a message timeout
@@ -518,26 +521,32 @@ class SealedExchange:
 
     async def _report(self, cut: float) -> wire.Message:
         """A member: its HAVE once every phase-1 link is settled, or at the cut, if it holds another's payload by then,
-        and again each time it holds more, until the leader's PROCEED (returned; an ABORT raises). A HAVE that
-        crosses the PROCEED goes out whole: the stream carries DONE and COMMIT next."""
+        and again each time it holds more, until the leader's PROCEED (returned; an ABORT raises). Before the cut,
+        too, while every member still awaited has not answered on its pair stream: one that died after the seal
+        never will, and the leader, whose control stream with it closed, then decides without waiting (a message
+        timeout in `_expect` otherwise: 5.1 to 6.0 s in bench_churn). A HAVE that crosses the PROCEED goes out
+        whole: the stream carries DONE and COMMIT next."""
         seal, m = self.seal, self.messenger
         control, decided, sent = seal.control[seal.members[0]], asyncio.Event(), 0
 
         async def tell() -> None:
             nonlocal sent
-            if pending := [f for f in self.settled.values() if not f.done()]:
-                await asyncio.wait(pending, timeout=max(0.0, cut - time.monotonic()))
             while not decided.is_set():
-                pending = [f for f in self.settled.values() if not f.done()]
-                have = bits(self.first)
-                if not pending or (have != sent and len(self.first) >= 2):
+                pending = [j for j, f in self.settled.items() if not f.done()]
+                have, now = bits(self.first), time.monotonic()
+                # before the cut, a HAVE goes out early only while no member still pending has answered on its pair
+                # stream: it may have died since the seal, which its leader sees (its control stream closes)
+                silent = not any(self.answered[j].is_set() for j in pending)
+                if not pending or (have != sent and len(self.first) >= 2 and (now >= cut or silent)):
                     meta = {"h": have, "b": bits(self.blamed)} | ({"more": 1} if pending else {})
                     await m.send(control, Kind.HAVE, seal.session, self.offer.step, {}, meta)
                     sent = have
                 if not pending:
                     return
-                waiter = asyncio.ensure_future(decided.wait())
-                await asyncio.wait([waiter, *pending], return_when=asyncio.FIRST_COMPLETED)
+                waiter = asyncio.ensure_future(decided.wait())  # (an answer alone changes nothing to tell)
+                timeout = cut - now if now < cut else None
+                await asyncio.wait([waiter, *(self.settled[j] for j in pending)], timeout=timeout,
+                                   return_when=asyncio.FIRST_COMPLETED)  # fmt: skip
                 waiter.cancel()
 
         telling = asyncio.ensure_future(tell())
@@ -603,6 +612,8 @@ class SealedExchange:
             pending = [f for f in self.settled.values() if not f.done()]
             if not pending and len(self.reported) == count - 1:
                 break
+            if self.lost and self._whole_without_lost():  # what is still awaited can only come from the lost
+                break
             now, spoken = time.monotonic(), len(self.haves.keys() | self.lost.keys())  # (the leader's own counted)
             if (now >= late or (now >= cut and spoken == count)) and len(
                     going_on(self.haves, count, self.blamed | self.accused)) >= 2:  # fmt: skip
@@ -614,7 +625,10 @@ class SealedExchange:
         self.decided = True
         for j, error in self.lost.items():
             self._member_failed(j, error, "its HAVE")
-        going = going_on(self.haves, count, self.blamed | self.accused)
+        # a member lost before the decision cannot be told to go on; its payload, where every other holds it, still
+        # counts in a one-phase round, but phase 2 would wait for it
+        unreachable = self.lost.keys() if self.two_phase else set()
+        going = going_on(self.haves, count, self.blamed | self.accused | unreachable)
         self.going = going
         for j in range(1, count):
             stream = seal.control[seal.members[j]]
@@ -629,6 +643,15 @@ class SealedExchange:
             elif j not in self.lost:  # who went on: a member whose stream with it closed tells a crash from a give-up
                 await m.refuse(stream, Kind.ABORT, seal.session, "left out: payloads missing", {"g": bits(going)})
         return going
+
+    def _whole_without_lost(self) -> bool:
+        """The leader: whether the members not lost (two or more) all hold one another's payloads already. A member
+        that died after the seal before it opened its pair streams is otherwise waited for a message timeout by
+        those it should have opened to (`_expect`): they tell their HAVE early (`_report`), and its control stream
+        closing tells the leader."""
+        alive = [j for j in range(len(self.seal.members)) if j not in self.lost]
+        need = bits(alive)
+        return len(alive) >= 2 and all(self.haves.get(j, 0) & need == need for j in alive)
 
     async def _commit(self) -> None:
         """The leader: every member's DONE (after phase 2), then COMMIT to all."""
@@ -705,6 +728,7 @@ class SealedExchange:
             hello = await m.recv(stream, Kind.HELLO, session, {}, step=self.offer.step, max_bytes=CONTROL_BYTES)
             if why := self.check(peer, session, hello.meta):  # it proves itself before it gets our payload
                 raise Misbehaved(f"member failed the access check ({why})")
+            self.answered[j].set()
             await self._receive(stream, j, Kind.PHASE1)
             await m.send_parts(stream, self.payload1)
 
@@ -725,6 +749,7 @@ class SealedExchange:
         their PHASE2 then ours."""
         m, peer, session = self.messenger, self.members[i], self.seal.session
         self.opened[i].set()
+        self.answered[i].set()
 
         async def first() -> None:
             await m.send(

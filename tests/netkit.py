@@ -15,6 +15,8 @@ kernel has no netem), each with its own prefix and every namespace deleted at th
                              the same JSON line
     dialer HOST              a p2pd as a peer's node runs it; prints its multiaddr, reads "MADDR AT" from stdin,
                              connects to that other dialer at Unix time AT; one JSON line: ok, error
+    doomed HOST              reads "MADDR KEY SECONDS", prints its peer id, joins that leader's group and SIGKILLs
+                             its process group (itself, its p2pd) as its roster arrives (no namespace needed)
 """
 
 from __future__ import annotations
@@ -240,6 +242,61 @@ async def pair(host: str, lead: bool) -> None:
         await p2p.shutdown()
 
 
+DOOMED_SHAPES = {"delta/w": (64, 32), "delta/b": (32,)}
+DOOMED_MODES = {"delta/w": "mean", "delta/b": "mean"}
+
+
+def doomed_group(p2p):
+    """A GroupAverager of a small model with a 3-s message timeout, for `doomed` and the peers it joins."""
+    from murmur.averaging.compression import LowRankCompressor, LowRankConfig
+    from murmur.averaging.group import GroupAverager, GroupConfig
+    from murmur.averaging.transport import P2PTransport
+
+    return GroupAverager(P2PTransport(p2p, "murmur/netkit/doomed"), LowRankCompressor(LowRankConfig()),
+                         shapes=DOOMED_SHAPES, modes=DOOMED_MODES, run_id="netkit",
+                         config=GroupConfig(exchange_timeout=8.0, message_timeout=3.0), seed=0)  # fmt: skip
+
+
+def doomed_offer(seed: int):
+    import torch
+
+    from murmur.averaging.group import Offer
+
+    generator = torch.Generator().manual_seed(seed)
+    return Offer(step=0, tensors={n: torch.randn(s, generator=generator) for n, s in DOOMED_SHAPES.items()},
+                 modes=dict(DOOMED_MODES))  # fmt: skip
+
+
+async def doomed(host: str) -> None:
+    """Reads "LEADER_MADDR KEY SECONDS" from stdin, prints its peer id, joins that leader's group at appointment KEY
+    and SIGKILLs its own process group (itself and its p2pd) as its roster arrives: a peer killed between its
+    JOIN and its first pair stream."""
+    from murmur.averaging import wire
+    from murmur.averaging.group import GroupPlan
+
+    maddr, key, seconds = sys.stdin.readline().split()
+    p2p = await _p2p(host, [maddr])
+    averager = doomed_group(p2p)
+    await averager.start()
+    averager.expect(key)
+    recv = averager.messenger.recv
+
+    async def recv_then_die(*args, **kwargs):
+        message = await recv(*args, **kwargs)
+        if message.kind == wire.Kind.ROSTER:
+            os.killpg(os.getpgrp(), signal.SIGKILL)
+        return message
+
+    averager.messenger.recv = recv_then_die
+    me = p2p.peer_id.to_base58()
+    print(me, flush=True)
+    now = asyncio.get_running_loop().time()
+    plan = GroupPlan(key=key, candidates=(maddr.rsplit("/", 1)[1], me), planned=(), deadline=now + float(seconds),
+                     not_before=now)  # fmt: skip
+    await averager.average(doomed_offer(9), plan)
+    print(json.dumps({"error": "it outlived its roster"}), flush=True)
+
+
 async def dialer(host: str) -> None:
     from murmur.averaging.transport import P2PTransport
     from murmur.dht.node import p2pd_environment
@@ -263,6 +320,8 @@ if __name__ == "__main__":
     role, host, *seconds = sys.argv[1:]
     if role == "dialer":
         asyncio.run(dialer(host))
+    elif role == "doomed":
+        asyncio.run(doomed(host))
     elif role in ("leader", "member"):
         asyncio.run(pair(host, role == "leader"))
     else:

@@ -242,6 +242,80 @@ def test_a_member_vanishing_mid_exchange_never_leaves_survivors_half_applied(kin
         assert all(p.compressor.state_dict().keys() == warm[p.peer_id].keys() for p in survivors)
 
 
+@pytest.mark.parametrize("roster", ["lost", "unread"])
+def test_a_member_dead_before_it_opens_its_streams_is_not_waited_for(roster):
+    """A member SIGKILLed between its JOIN and its first pair stream (its roster's send fails, or it dies before
+    reading it) never opens the streams it should: the others go on without it at once, when its control stream
+    closes, not after a message timeout each (as they did: 5.1 to 6.0 s in bench_churn)."""
+    config = replace(FAST, message_timeout=1.5, exchange_timeout=4.0)
+
+    async def main():
+        net = InMemoryNetwork()
+        peers = await started(*(make_averager(net, f"P{i}", config) for i in range(4)))
+        plan_of = plans([p.peer_id for p in peers])
+        leader = plan_of[peers[0].peer_id].candidates[0]
+        victim = plan_of[leader].planned[0]  # not the leader, and it opens its links with the later members
+
+        async def before_send(src, dst, frame):
+            if dst == victim and wire.decode(frame).kind == Kind.ROSTER:
+                await net.crash(victim)
+                tasks[victim].cancel()
+                return frame if roster == "lost" else None
+            return frame
+
+        net.before_send = before_send
+        loop = asyncio.get_running_loop()
+        tasks = {p.peer_id: asyncio.create_task(p.average(make_offer(i), plan_of[p.peer_id]))
+                 for i, p in enumerate(peers)}  # fmt: skip
+        survivors = [p for p in peers if p.peer_id != victim]
+        started_at = loop.time()
+        results = await asyncio.gather(*(tasks[p.peer_id] for p in survivors))
+        elapsed = loop.time() - started_at
+        await asyncio.gather(tasks[victim], return_exceptions=True)
+        return victim, results, elapsed
+
+    victim, results, elapsed = asyncio.run(main())
+    assert all(r is not None and r.size == 3 and victim not in r.members for r in results)
+    assert elapsed < config.message_timeout * 2 / 3, f"the survivors waited {elapsed:.2f} s for a dead member"
+
+
+def test_a_member_lost_after_its_have_is_left_out_of_a_two_phase_round():
+    """A member that dies after its last HAVE, before the leader decides, cannot be told to go on: in a round with
+    phase 2 (anchors differ), the others go on without it (before, its failed PROCEED aborted them all)."""
+
+    async def main():
+        net = InMemoryNetwork()
+        peers = await started(*(make_averager(net, f"P{i}", FAST, diff_codec="lowrank") for i in range(4)))
+        plan_of = plans([p.peer_id for p in peers])
+        leader = plan_of[peers[0].peer_id].candidates[0]
+        victim = plan_of[leader].planned[0]
+
+        async def die() -> None:
+            await asyncio.sleep(0)  # its HAVE delivered first
+            await net.crash(victim)
+            tasks[victim].cancel()
+
+        async def before_send(src, dst, frame):
+            message = wire.decode(frame)
+            if message.kind == Kind.HAVE and src == victim and not message.meta.get("more"):
+                dying.append(asyncio.ensure_future(die()))
+            elif message.kind == Kind.HAVE:
+                await asyncio.sleep(0.1)  # the others' HAVEs come after its death is seen
+            return frame
+
+        net.before_send, dying = before_send, []
+        offers = [make_offer(i, anchor_seed=i) for i in range(4)]
+        tasks = {p.peer_id: asyncio.create_task(p.average(o, plan_of[p.peer_id]))
+                 for p, o in zip(peers, offers, strict=True)}  # fmt: skip
+        results = await asyncio.gather(*(tasks[p.peer_id] for p in peers if p.peer_id != victim))
+        await asyncio.gather(tasks[victim], *dying, return_exceptions=True)
+        return victim, results, len(dying)
+
+    victim, results, deaths = asyncio.run(main())
+    assert deaths == 1
+    assert all(r is not None and r.two_phase and r.size == 3 and victim not in r.members for r in results)
+
+
 def test_garbage_from_a_member_leaves_it_out_and_the_others_average():
     async def main():
         net = InMemoryNetwork()

@@ -136,6 +136,57 @@ def test_a_transport_connects_ahead_to_a_peer_it_never_met_and_says_so_in_one_li
     assert error.startswith("cannot connect to ") and "\n" not in error.strip()
 
 
+def test_a_member_killed_with_its_p2pd_as_its_roster_arrives_is_not_waited_for():
+    """A member SIGKILLed (its process group: itself and its p2pd) between its JOIN and its first pair stream, over
+    real p2pd daemons: the other member, which that one should have opened a stream to, goes on with the leader at
+    once, not after its message timeout (as bench_churn's groups did, 5.1 to 6.0 s, before)."""
+    from hivemind.p2p import P2P
+
+    from murmur.averaging.group import GroupPlan
+    from tests.netkit import doomed_group, doomed_offer
+
+    key = "7@1"
+
+    async def main():
+        leader = await P2P.create(host_maddrs=["/ip4/127.0.0.1/tcp/0"], nat_port_map=False)
+        maddr = f"{(await leader.get_visible_maddrs())[0]}/p2p/{leader.peer_id.to_base58()}"
+        member = await P2P.create(host_maddrs=["/ip4/127.0.0.1/tcp/0"], initial_peers=[maddr], nat_port_map=False)
+        pipes = {"stdin": subprocess.PIPE, "stdout": subprocess.PIPE, "stderr": subprocess.PIPE}
+        victim = subprocess.Popen([sys.executable, "tests/netkit.py", "doomed", "127.0.0.1"], **pipes, text=True,
+                                  start_new_session=True)  # fmt: skip
+        averagers = [doomed_group(leader), doomed_group(member)]
+        try:
+            for averager in averagers:  # (before the victim can JOIN)
+                await averager.start()
+                averager.expect(key)
+            victim.stdin.write(f"{maddr} {key} 20\n")
+            victim.stdin.flush()
+            doomed_id = await asyncio.wait_for(asyncio.to_thread(victim.stdout.readline), 60)
+            assert doomed_id.strip(), victim.stderr.read()[-2000:]
+            ids = [leader.peer_id.to_base58(), member.peer_id.to_base58()]
+            now = asyncio.get_running_loop().time()
+            at = {"key": key, "deadline": now + 20.0, "not_before": now}
+            plans = [GroupPlan(candidates=(ids[0],), planned=(doomed_id.strip(), ids[1]), **at),  # it opens to ours
+                     GroupPlan(candidates=(ids[0], ids[1]), planned=(), **at)]  # fmt: skip
+            results = await asyncio.gather(
+                *(a.average(doomed_offer(i), p) for i, (a, p) in enumerate(zip(averagers, plans, strict=True)))
+            )
+            return results, await asyncio.to_thread(victim.wait, 30), victim.stdout.read()
+        finally:
+            for averager in averagers:
+                await averager.stop()
+            with contextlib.suppress(ProcessLookupError):
+                os.killpg(victim.pid, signal.SIGKILL)
+            victim.wait()
+            await member.shutdown()
+            await leader.shutdown()
+
+    results, code, said = asyncio.run(main())
+    assert code == -signal.SIGKILL and not said.strip()
+    assert all(r is not None and r.size == 2 for r in results), results
+    assert max(r.seconds for r in results) < 1.5, [r.seconds for r in results]  # the message timeout: 3 s
+
+
 def test_simulate_command_trains_a_swarm_and_reaps_everything(tmp_path):
     report_path = tmp_path / "report.json"
     cmd = [
