@@ -274,6 +274,8 @@ async def doomed(host: str) -> None:
     from murmur.averaging import wire
     from murmur.averaging.group import GroupPlan
 
+    if os.getpgrp() != os.getpid():  # a group of its own (its p2pd joins it), however started: the kill hits no other
+        os.setpgid(0, 0)
     maddr, key, seconds = sys.stdin.readline().split()
     p2p = await _p2p(host, [maddr])
     averager = doomed_group(p2p)
