@@ -615,8 +615,7 @@ class SealedExchange:
             if self.lost and self._whole_without_lost():  # what is still awaited can only come from the lost
                 break
             now, spoken = time.monotonic(), len(self.haves.keys() | self.lost.keys())  # (the leader's own counted)
-            if (now >= late or (now >= cut and spoken == count)) and len(
-                    going_on(self.haves, count, self.blamed | self.accused)) >= 2:  # fmt: skip
+            if (now >= late or (now >= cut and spoken == count)) and len(self._going()) >= 2:
                 break
             heard = asyncio.ensure_future(self.heard.wait())
             wait = None if now >= late else (cut if now < cut else late) - now
@@ -625,11 +624,7 @@ class SealedExchange:
         self.decided = True
         for j, error in self.lost.items():
             self._member_failed(j, error, "its HAVE")
-        # a member lost before the decision cannot be told to go on; its payload, where every other holds it, still
-        # counts in a one-phase round, but phase 2 would wait for it
-        unreachable = self.lost.keys() if self.two_phase else set()
-        going = going_on(self.haves, count, self.blamed | self.accused | unreachable)
-        self.going = going
+        going = self.going = self._going()
         for j in range(1, count):
             stream = seal.control[seal.members[j]]
             if j in going:
@@ -643,6 +638,13 @@ class SealedExchange:
             elif j not in self.lost:  # who went on: a member whose stream with it closed tells a crash from a give-up
                 await m.refuse(stream, Kind.ABORT, seal.session, "left out: payloads missing", {"g": bits(going)})
         return going
+
+    def _going(self) -> list[int]:
+        """The leader: who would go on now (`going_on`), the blamed left out; in a round with phase 2 the lost too: a
+        member lost before the decision cannot be told to go on, and phase 2 would wait for it (in a one-phase round
+        its payload, where every other holds it, still counts)."""
+        unreachable = self.lost.keys() if self.two_phase else set()
+        return going_on(self.haves, len(self.seal.members), self.blamed | self.accused | unreachable)
 
     def _whole_without_lost(self) -> bool:
         """The leader: whether the members not lost (two or more) all hold one another's payloads already. A member
