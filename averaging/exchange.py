@@ -386,7 +386,7 @@ class SealedExchange:
         self.settled2 = {j: loop.create_future() for j in others}  # ... and its phase-2 link
         self.phase2: asyncio.Future = loop.create_future()  # our PHASE2's frames, or None: no phase 2 for us
         self.opened = {j: asyncio.Event() for j in others if seal.opens(j, seal.me)}  # links others open to us
-        self.answered = {j: asyncio.Event() for j in others}  # its HELLO came on our pair stream: alive since the seal
+        self.answered: set[int] = set()  # members whose HELLO came on our pair stream: alive since the seal
         self.going: list[int] = []
         self.blamed: set[int] = set()  # members whose messages to us were bad (a strike each)
         self.stuck: set[int] = set()  # members whose PHASE1 and ours did not cross within a message timeout
@@ -536,7 +536,7 @@ class SealedExchange:
                 have, now = bits(self.first), time.monotonic()
                 # before the cut, a HAVE goes out early only while no member still pending has answered on its pair
                 # stream: it may have died since the seal, which its leader sees (its control stream closes)
-                silent = not any(self.answered[j].is_set() for j in pending)
+                silent = self.answered.isdisjoint(pending)
                 if not pending or (have != sent and len(self.first) >= 2 and (now >= cut or silent)):
                     meta = {"h": have, "b": bits(self.blamed)} | ({"more": 1} if pending else {})
                     await m.send(control, Kind.HAVE, seal.session, self.offer.step, {}, meta)
@@ -730,7 +730,7 @@ class SealedExchange:
             hello = await m.recv(stream, Kind.HELLO, session, {}, step=self.offer.step, max_bytes=CONTROL_BYTES)
             if why := self.check(peer, session, hello.meta):  # it proves itself before it gets our payload
                 raise Misbehaved(f"member failed the access check ({why})")
-            self.answered[j].set()
+            self.answered.add(j)
             await self._receive(stream, j, Kind.PHASE1)
             await m.send_parts(stream, self.payload1)
 
@@ -751,7 +751,7 @@ class SealedExchange:
         their PHASE2 then ours."""
         m, peer, session = self.messenger, self.members[i], self.seal.session
         self.opened[i].set()
-        self.answered[i].set()
+        self.answered.add(i)
 
         async def first() -> None:
             await m.send(
