@@ -411,6 +411,10 @@ class RoundEngine:
         exchanges += [exchange] if exchange is not None else []
         estimate = pace(self.config.inner_steps, steps, exchanges)
         announced = self._announced_lengths()
+        if self._paced is None and announced:  # a peer yet to gather follows the grid the swarm announces: its roster,
+            estimate = None  # read at once, holds what the others announced at their round's start, and near a switch
+        # they decide it from the roster of their last gather; a newcomer that switched on its own read had a
+        # lonely first round on a grid of its own (6 loopback peers: its first exchange 4 s later, at 24 s)
         if self._paced is not None and self.appointment is not None:  # its own vote, as the others count it
             announced.append(self.appointment.seconds)
         return round_seconds(self.config.round_seconds, estimate, announced, self.config.shortest_round)

@@ -253,6 +253,32 @@ def test_a_new_swarm_takes_one_round_length_after_its_first_round_whatever_excha
     assert set(lengths.values()) == {1.0}, lengths
 
 
+def test_a_newcomer_takes_the_grid_the_swarm_announces_and_switches_with_it_once_it_has_gathered():
+    """A newcomer's first roster shows the swarm on rounds of 1 s, its peers' steps slowed to 0.2 s since their last
+    gather (the newcomer's own start-up on shared cores): a pace of 2 s. The swarm's peers decide from the roster of
+    their last gather, and keep 1 s this round; the newcomer, which reads the slower paces at once, switched to 2 s
+    alone and spent its first round on a grid of its own (6 loopback peers: its first exchange came a round later).
+    Once it has gathered with them, it decides as they do."""
+    old = RoundEngine("a", CONFIG)
+    old.begin(99.0, [seen(p, None, 0.1) for p in "bc"])
+    old.appointment = Appointment(seconds=1.0, slot=100)
+    old.gather(100.0, [seen(p, "1.0@100", 0.1) for p in "bc"])
+    old.ended(100.1, 3, ["b", "c"])
+    slower = [seen(p, "1.0@101", 0.2) for p in "abc"]  # announced at their next round's start
+    assert old.begin(100.2, [s for s in slower if s.peer != "a"]) == Appointment(seconds=1.0, slot=101)
+    newcomer = RoundEngine("n", CONFIG)
+    assert newcomer.begin(100.25, slower) == Appointment(seconds=1.0, slot=101)  # 2.0 s before: a grid of its own
+    plan = newcomer.gather(101.0, slower)
+    assert set(plan.candidates + plan.planned) - {"n"}, plan  # it plans a group with them (alone before)
+    # a round later every peer has gathered from the slower roster: all switch together, the newcomer too
+    old.gather(101.0, [s for s in slower if s.peer != "a"])
+    for engine in (old, newcomer):
+        engine.ended(101.1, 4, [p for p in "abcn" if p != engine.peer])
+    lengths = {e.peer: e.begin(101.2, [seen(p, "1.0@101", 0.2) for p in "abcn" if p != e.peer]).seconds
+               for e in (old, newcomer)}  # fmt: skip
+    assert lengths == {"a": 2.0, "n": 2.0}, lengths
+
+
 def test_a_swarm_split_over_two_lengths_rejoins_one():
     """Three peers on one grid and three on another: each counts its own vote as the others count it, so all
     six see three against three and take the same length (the longer). Without its own vote each peer saw the
