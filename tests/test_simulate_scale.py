@@ -176,7 +176,10 @@ def test_a_swarm_that_every_peer_leaves_goes_on_and_reports():
     one whose last peer left during the finish measured nobody (StatisticsError). A joiner with no donor now starts
     from the run's initial model, as a real one does, and a swarm empty at its end keeps its last measurement."""
     churn = Churn(mean_session_rounds=3, mean_gap_rounds=3)  # sessions as long as the gaps: often nobody is left
-    r = simulate(2, ScaleSettings(rounds=30, marks=1, finish_rounds=2, churn=churn, seed=1))  # (one that empties)
+    for seed in range(12):  # the first seed whose swarm is empty at its end (any change to the engine's decisions
+        r = simulate(2, ScaleSettings(rounds=30, marks=1, finish_rounds=2, churn=churn, seed=seed))  # moves which)
+        if r.live_peers == 0:
+            break
     assert r.live_peers == 0 and r.departures > r.joins > 2  # the swarm emptied and was joined again
     assert r.samples >= 2 * 30 * 10 * 16 and math.isfinite(r.final_eval_loss) and r.consensus_median is None
 
