@@ -172,8 +172,7 @@ class RoundEngine:
         seconds = self._seconds()
         self._pace = (self._step.value, self._exchange.value)  # what this round announces, from now to its end
         self.appointment = None if seconds is None else next_appointment(now, seconds, self.config.schedule)
-        # a peer yet to gather guesses too: the swarm may switch lengths at its next round (see `_seconds`)
-        self._provisional = self.config.round_seconds <= 0 and (self._paced is None or not self._announced_lengths())
+        self._provisional = self.config.round_seconds <= 0 and not self._announced_lengths()
         self._observe(now, self._roster)
         self._log("begin", now, self._roster, self.appointment)
         return self.appointment
@@ -181,8 +180,7 @@ class RoundEngine:
     @property
     def provisional(self) -> bool:
         """This training round's appointment is this peer's own guess (no other peer had announced one when the
-        round began, or this peer has not gathered yet): `step_fits` moves it to where the peers it reads in a
-        roster meet."""
+        round began): `step_fits` moves it to where the peers it reads in a roster meet."""
         return self._provisional and self.phase == Phase.TRAINING
 
     def step_fits(self, now: float, seconds: float | None = None, roster: Iterable[Seen] | None = None) -> bool:
@@ -413,11 +411,6 @@ class RoundEngine:
         exchanges += [exchange] if exchange is not None else []
         estimate = pace(self.config.inner_steps, steps, exchanges)
         announced = self._announced_lengths()
-        if self._paced is None and announced:  # a peer yet to gather starts on the grid the swarm announces: its
-            estimate = None  # roster, read at once, holds the paces the others announced at their round's start, which
-        # near a switch they do not decide from yet; a newcomer that switched on that read had a lonely first round on
-        # a grid of its own (6 loopback peers: its first exchange a round later). Where the others do switch at their
-        # next round, its appointment, provisional until it gathers, moves to theirs as the roster shows it (`_meet`)
         if self._paced is not None and self.appointment is not None:  # its own vote, as the others count it
             announced.append(self.appointment.seconds)
         return round_seconds(self.config.round_seconds, estimate, announced, self.config.shortest_round)

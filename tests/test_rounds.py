@@ -253,44 +253,6 @@ def test_a_new_swarm_takes_one_round_length_after_its_first_round_whatever_excha
     assert set(lengths.values()) == {1.0}, lengths
 
 
-def test_a_newcomer_starts_on_the_grid_the_swarm_announces_and_follows_it_when_it_switches():
-    """A newcomer's first roster shows the swarm on rounds of 1 s, its peers' steps slowed to 0.2 s since their last
-    gather (the newcomer's own start-up on shared cores): a pace of 2 s. The swarm's peers decide from the roster of
-    their last gather, and keep 1 s this round; the newcomer, which reads the slower paces at once, switched to 2 s
-    alone and spent its first round on a grid of its own (6 loopback peers: its first exchange came a round later).
-    Its appointment stays provisional until it gathers: one that begins too late for the swarm's appointment, and
-    whose next one the swarm leaves for a new length, moves to the swarm's as the roster shows it."""
-    old = RoundEngine("a", CONFIG)
-    old.begin(99.0, [seen(p, None, 0.1) for p in "bc"])
-    old.appointment = Appointment(seconds=1.0, slot=100)
-    old.gather(100.0, [seen(p, "1.0@100", 0.1) for p in "bc"])
-    old.ended(100.1, 3, ["b", "c"])
-    slower = [seen(p, "1.0@101", 0.2) for p in "abc"]  # announced at their next round's start
-    assert old.begin(100.2, [s for s in slower if s.peer != "a"]) == Appointment(seconds=1.0, slot=101)
-    newcomer = RoundEngine("n", CONFIG)
-    assert newcomer.begin(100.25, slower) == Appointment(seconds=1.0, slot=101)  # 2.0 s before: a grid of its own
-    assert newcomer.provisional and newcomer.step_fits(100.25)
-    assert newcomer.step_fits(100.45, 0.2, slower) and newcomer.appointment == Appointment(seconds=1.0, slot=101)
-    plan = newcomer.gather(101.0, slower)
-    assert set(plan.candidates + plan.planned) - {"n"}, plan  # it plans a group with them (alone before)
-    # a round later every peer has gathered from the slower roster: all switch together, the newcomer too
-    old.gather(101.0, [s for s in slower if s.peer != "a"])
-    for engine in (old, newcomer):
-        engine.ended(101.1, 4, [p for p in "abcn" if p != engine.peer])
-    lengths = {e.peer: e.begin(101.2, [seen(p, "1.0@101", 0.2) for p in "abcn" if p != e.peer]).seconds
-               for e in (old, newcomer)}  # fmt: skip
-    assert lengths == {"a": 2.0, "n": 2.0}, lengths
-    # one that begins too late for the swarm's appointment (101) starts toward the next one (102) on its grid; the
-    # swarm, which switches to 2 s at its next round, announces 104 (2.0@52), and the newcomer moves there
-    late = RoundEngine("m", CONFIG)
-    assert late.begin(100.8, slower) == Appointment(seconds=1.0, slot=102) and late.provisional
-    assert late.step_fits(100.8) and late.step_fits(101.05, 0.25, slower)  # (the swarm's 101 has passed)
-    assert late.appointment == Appointment(seconds=1.0, slot=102)
-    switched = [seen(p, "2.0@52", 0.2) for p in "abc"]
-    assert late.step_fits(101.3, 0.2, switched) and late.appointment == Appointment(seconds=2.0, slot=52)
-    assert replay(late.trace, "m", CONFIG) == len(late.trace)
-
-
 def test_a_swarm_split_over_two_lengths_rejoins_one():
     """Three peers on one grid and three on another: each counts its own vote as the others count it, so all
     six see three against three and take the same length (the longer). Without its own vote each peer saw the
