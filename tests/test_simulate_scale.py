@@ -176,8 +176,9 @@ def test_a_swarm_that_every_peer_leaves_goes_on_and_reports():
     one whose last peer left during the finish measured nobody (StatisticsError). A joiner with no donor now starts
     from the run's initial model, as a real one does, and a swarm empty at its end keeps its last measurement."""
     churn = Churn(mean_session_rounds=3, mean_gap_rounds=3)  # sessions as long as the gaps: often nobody is left
-    for seed in range(12):  # the first seed whose swarm is empty at its end (any change to the engine's decisions
-        r = simulate(2, ScaleSettings(rounds=30, marks=1, finish_rounds=2, churn=churn, seed=seed))  # moves which)
+    # the first seed whose swarm is empty at its end: any change to the round engine's decisions moves which one
+    for seed in range(12):
+        r = simulate(2, ScaleSettings(rounds=30, marks=1, finish_rounds=2, churn=churn, seed=seed))
         if r.live_peers == 0:
             break
     assert r.live_peers == 0 and r.departures > r.joins > 2  # the swarm emptied and was joined again
