@@ -358,7 +358,7 @@ def _dashboard(args: argparse.Namespace) -> int:
 
 
 def _export(args: argparse.Namespace) -> int:
-    from murmur.peer.ops.export import from_swarm, load, write  # its ExportError is a ValueError
+    from murmur.peer.ops.export import from_swarm, load, not_ours, write  # its ExportError is a ValueError
     from murmur.peer.rundir import check_writable, earlier_run
 
     check_writable(args.out_dir)  # before a download from the swarm, not after it
@@ -367,6 +367,9 @@ def _export(args: argparse.Namespace) -> int:
         later = f"sample and export of {args.out_dir} would read the export, not the peer's later models"
         raise ValueError(f"{args.out_dir} holds a peer's run ({', '.join(found)}): export to a folder of its own "
                          f"({later})")  # fmt: skip
+    if other := not_ours(args.out_dir):  # an earlier export is replaced; another tool's model never is
+        raise ValueError(f"{args.out_dir} holds {other}, which murmur export did not write: export to a folder of its "
+                         "own, or move that file away")  # fmt: skip
     if args.initial_peers is not None:
         if args.run is None:
             raise ValueError("--initial-peers needs --run: the run whose model to download")
@@ -377,8 +380,11 @@ def _export(args: argparse.Namespace) -> int:
         access = load_policy(args.run_secret_file, args.allow_peers)  # a bad secret file: before a node starts
         found = from_swarm(reader_node(args), model=args.model, data=args.data, access=access)
     else:
-        if args.run is not None:
-            raise ValueError("--run goes with --initial-peers; with --from the model's file names its run")
+        given = {"--run": args.run, "--creator": args.creator, "--run-secret-file": args.run_secret_file,
+                 "--allow-peers": args.allow_peers, "--data": args.data}  # fmt: skip
+        if swarm := [flag for flag, value in given.items() if value is not None]:  # else ignored, a bad one too
+            raise ValueError(f"{', '.join(swarm)} {'goes' if len(swarm) == 1 else 'go'} with --initial-peers; with "
+                             "--from the model's file names its run")  # fmt: skip
         found = load(args.source, custom=args.model)  # a researcher's builder: only the one its user names
     model_path, config_path = write(found, args.out_dir)
     steps = "" if found.step is None else f" at step {found.step} (outer step {found.outer_step})"

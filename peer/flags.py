@@ -131,7 +131,7 @@ def png_file(text: str) -> Path:
     simulation's report)."""
     if Path(text).suffix.lower() != ".png":
         raise argparse.ArgumentTypeError(f"the chart is a PNG: give a file name ending in .png, got {text}")
-    return Path(text)
+    return out_file(text)
 
 
 def results_folder(out: Path | None, *, quick: bool, full: Path, name: str) -> Path:
@@ -142,6 +142,9 @@ def results_folder(out: Path | None, *, quick: bool, full: Path, name: str) -> P
     return out_folder(f"runs/{name}-quick") if quick else full
 
 
+CENTURY = 100 * 365.25 * 86400.0  # seconds
+
+
 def future_time(text: str) -> float:
     """An argparse type: a Unix time not yet past (a past one would train nothing and exit 0: `--until 3600`, seconds
     typed for a time). A minute of grace: a program that hands its peers one end (`murmur simulate`) computes it
@@ -150,6 +153,9 @@ def future_time(text: str) -> float:
     if value <= (now := time.time()) - 60:
         raise argparse.ArgumentTypeError(f"must be a Unix time in the future (it is now {now:.0f}), got {text}: for "
                                          "seconds of training use --duration")  # fmt: skip
+    if value > now + CENTURY:  # JavaScript's Date.now() and `date +%s%3N` count milliseconds: a peer trained for ever
+        raise argparse.ArgumentTypeError(f"must be a Unix time in seconds (it is now {now:.0f}), got {text}, more than "
+                                         "a century away: milliseconds?")  # fmt: skip
     return value
 
 
@@ -173,7 +179,20 @@ def train_flags(parser: argparse.ArgumentParser, *, registry_only: bool = False)
             kwargs["choices"] = typing.get_args(field.annotation)
         elif field.annotation is not str:
             kwargs["type"] = _bounded(field.annotation, field.metadata)
+        elif registry_only and name == "model":
+            kwargs["type"] = registry_model
         group.add_argument("--" + name.replace("_", "-"), **kwargs)
+
+
+def registry_model(text: str) -> str:
+    """An argparse type: a registry model's name, or a researcher's `pkg.module:function` (the command says why it
+    takes none); an unknown name's message offers the registry only, not the builder that the run config's does."""
+    from murmur.peer.config import is_spec
+    from murmur.peer.model import MODELS
+
+    if text not in MODELS and not is_spec(text):
+        raise argparse.ArgumentTypeError(f"unknown model '{text}'; choose one of: {', '.join(MODELS)}")
+    return text
 
 
 def _bounded(kind: type, bounds: list) -> Callable[[str], int | float]:
@@ -322,7 +341,7 @@ def build_parser() -> argparse.ArgumentParser:
                      help="peer processes to start (default: %(default)s)")  # fmt: skip
     sim.add_argument("--duration", type=number(), default=60.0, metavar="SECONDS",
                      help="seconds each peer trains (default: %(default)s)")  # fmt: skip
-    sim.add_argument("--report", type=Path, default=Path("report.json"), metavar="PATH",
+    sim.add_argument("--report", type=out_file, default=Path("report.json"), metavar="PATH",
                      help="the swarm's report, as JSON (default: %(default)s)")  # fmt: skip
     sim.add_argument("--run", default="sim", help="run id (default: %(default)s)")
     sim.add_argument(
@@ -331,7 +350,7 @@ def build_parser() -> argparse.ArgumentParser:
         default=0,
         help="the bootstrap node's port on 127.0.0.1, 0 picks a free one (default: %(default)s)",
     )
-    sim.add_argument("--out-dir", type=Path,
+    sim.add_argument("--out-dir", type=out_folder,
                      help="folder for the peers' logs (default: runs/RUN; a folder that holds an earlier "
                           "simulation is kept, and the next free RUN-2, RUN-3 ... is used)")  # fmt: skip
     train_flags(sim, registry_only=True)

@@ -93,8 +93,13 @@ def other_model(checkpoints: Path | None, run_id: str, model: str) -> tuple[str,
 def check_fresh(out_dir: Path | None, checkpoints: Path | None, *, resume: bool, run_id: str | None = None) -> None:
     """ValueError (one line) if a run that does not resume would write over an earlier run's files, or if one
     that resumes (`run_id`) would write over another run's."""
+    from murmur.peer.model import MODEL_FILE  # what `murmur export` writes: read before a peer's files
+
     found = [] if resume else earlier_run(out_dir, checkpoints)
     where = out_dir if out_dir is not None else checkpoints
+    if out_dir is not None and (out_dir / MODEL_FILE).exists():
+        raise ValueError(f"{out_dir} holds {MODEL_FILE}, an export: sample and export of {out_dir} would read it, not "
+                         "this peer's models; choose another folder")  # fmt: skip
     if found:
         raise ValueError(f"{where} holds an earlier run ({', '.join(found)}): pass --resume to continue it, "
                          "or choose a new folder")  # fmt: skip

@@ -383,8 +383,10 @@ class VolunteerPeer:
             )
 
     def _log(self, level: int, line: str) -> None:
+        """`line` logged, and printed beside the progress lines (`verbose`) if the log does not show its level: a
+        warning is shown once, not once from each (seen in a log file of a peer's output)."""
         logger.log(level, line)
-        if self.options.verbose:
+        if self.options.verbose and not logger.isEnabledFor(level):
             print(line, flush=True)
 
     def _keep_folders(self) -> None:

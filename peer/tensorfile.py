@@ -144,7 +144,7 @@ def read_metadata(path: Path) -> dict[str, str]:
     if size == 0:
         raise TensorFileError("is empty")
     if length is None:
-        raise TensorFileError("is truncated")
+        raise TensorFileError(f"is truncated, or not a safetensors file: {size} bytes")  # (a text file, a stub)
     if length > MAX_HEADER_BYTES:
         raise TensorFileError(f"is not a safetensors file (header length {length})")
     if len(raw) < length:

@@ -16,7 +16,7 @@ from murmur.dht.node import NodeConfig
 from murmur.peer import cli
 from murmur.peer.cli import join_flags, main
 from murmur.peer.config import ConfigError, TrainConfig
-from murmur.peer.flags import DEVICES, JOIN_DEFAULTS, build_parser
+from murmur.peer.flags import DEVICES, JOIN_DEFAULTS, build_parser, out_file, out_folder
 from murmur.peer.metrics import PeerReport
 from murmur.peer.model import DEFAULT_MODEL, MODELS
 from murmur.peer.runner import PeerOptions
@@ -91,6 +91,7 @@ def test_help_screens(command, capsys):
         ([*JOIN, "--data-seed", str(2**63)], f"argument --data-seed: must be at most {2**63 - 1} (2^63 - 1)"),
         (["sample", "d", "--seed", str(2**64)], f"argument --seed: must be at most {2**63 - 1} (2^63 - 1)"),
         ([*JOIN, "--until", "3600"], "argument --until: must be a Unix time in the future (it is now "),  # 0 steps
+        ([*JOIN, "--until", "1796645673725"], "argument --until: must be a Unix time in seconds (it is now "),  # ms
         (["doctor", "--port", "70000"], "argument --port: must be between 0 and 65535, got 70000"),
         # past 64 bits: the run record could not hold it (a traceback from bootstrap), nor torch seed with it
         (["bootstrap", "--run", "r", "--seed", "9" * 23], f"argument --seed: must be at most {2**63 - 1} (2^63 - 1)"),
@@ -118,6 +119,17 @@ def test_bad_flags_exit_2_with_one_line(argv, needle, capsys):
     assert needle in err and len(err.strip().splitlines()) == 1
 
 
+def test_simulates_unknown_model_is_named_against_the_registry_alone(capsys):
+    """`murmur simulate --model gpt-huge` offered "or pkg.module:build_model", a model simulate refuses."""
+    with pytest.raises(SystemExit) as exit_info:
+        main(["simulate", "--model", "gpt-huge"])
+    assert exit_info.value.code == 2
+    assert capsys.readouterr().err.endswith(
+        "murmur simulate: error: argument --model: unknown model 'gpt-huge'; "
+        "choose one of: gpt-tiny, gpt-small, gpt-20m, gpt2-small, gpt2-medium\n"
+    )
+
+
 @pytest.mark.parametrize(
     ("argv", "line"),
     [
@@ -143,7 +155,6 @@ def test_a_flag_the_command_does_not_take_is_named_with_the_command(argv, line, 
         (["join", "--initial-peers", "/ip4/127.0.0.1/tcp/1", "--run", "r"], "/p2p/"),
         (["join", "--initial-peers", "not-a-multiaddr", "--run", "r", "--restart"], "not-a-multiaddr"),  # no fork
         (["join", "--initial-peers", "/ip4/127.0.0.1/tcp/99999/p2p/QmXyz", "--run", "r"], "99999"),
-        (["simulate", "--model", "gpt-huge"], "unknown model 'gpt-huge'"),
         ([*JOIN, "--grad-accum", "2", "--batch-size", "4"], "give --grad-accum or --batch-size, not both"),
         ([*JOIN, "--model", "os.system"], "--model 'os.system' is not of the form pkg.module:function"),
         ([*JOIN, "--data", "data.py"], "--data 'data.py' is not of the form pkg.module:function"),
@@ -171,9 +182,11 @@ def test_an_unwritable_simulate_report_fails_before_anything_starts(tmp_path, ca
     (tmp_path / "notes").write_text("kept")
     report = tmp_path / "notes" / "report.json"
     argv = ["simulate", "--peers", "1", "--duration", "5", "--report", str(report), "--out-dir", str(tmp_path / "runs")]
-    assert main(argv) == 1
-    err = capsys.readouterr().err
-    assert err.startswith(f"murmur simulate: error: cannot write the report to {report}: "), err
+    with pytest.raises(SystemExit) as exit_info:
+        main(argv)
+    err = capsys.readouterr().err  # (it said "cannot write the report to ...: File exists")
+    assert exit_info.value.code == 2
+    assert err.endswith(f"murmur simulate: error: argument --report: {tmp_path / 'notes'} is a file, not a folder\n")
     assert len(err.strip().splitlines()) == 1
     assert not (tmp_path / "runs").exists() and (tmp_path / "notes").read_text() == "kept"
 
@@ -196,8 +209,8 @@ def numeric_flags():
     commands = next(a for a in parser._actions if isinstance(a, argparse._SubParsersAction)).choices
     for name, sub in commands.items():
         for action in sub._actions:
-            if action.type is not None and action.option_strings and action.type not in (str, Path) \
-                    and action.dest != "creator":  # fmt: skip
+            if action.type is not None and action.option_strings \
+                    and action.type not in (str, Path, out_file, out_folder) and action.dest != "creator":  # fmt: skip
                 yield name, action.option_strings[-1], action.type
 
 

@@ -1003,6 +1003,25 @@ def test_a_node_whose_p2pd_got_the_terminals_ctrl_c_stops_at_once() -> None:
     assert not any(running(p) for p in processes)
 
 
+@pytest.mark.slow
+def test_a_node_whose_p2pd_exits_while_it_shuts_down_stops_at_once() -> None:
+    """The terminal's SIGINT reaches p2pd as the stop begins, and p2pd was often still on its way out when the stop
+    looked: the graceful shutdown then waited 10 s for its answers (5 of 11 Ctrl-Cs of `murmur bootstrap`)."""
+    node = start_node(NodeConfig())
+    processes = [psutil.Process(node.pid), *psutil.Process(node.pid).children(recursive=True)]
+    daemon = next(p for p in processes if p.name() == "p2pd")
+    daemon.suspend()  # up when the stop looks, answering nothing; gone half a second into the graceful shutdown
+    killer = threading.Timer(0.5, daemon.kill)
+    killer.start()
+    started = time.monotonic()
+    try:
+        stop_node(node)
+    finally:
+        killer.join()
+    assert time.monotonic() - started < 3.0
+    assert not any(running(p) for p in processes)
+
+
 def running(process: psutil.Process) -> bool:
     try:
         return process.status() != psutil.STATUS_ZOMBIE

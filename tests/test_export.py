@@ -12,12 +12,13 @@ import stat
 import subprocess
 import sys
 import threading
+import time
 import uuid
 from pathlib import Path
 
 import pytest
 import torch
-from safetensors.torch import load_file
+from safetensors.torch import load_file, save_file
 from torch import nn
 
 from murmur.dht.node import NodeConfig, start_node, stop_node, visible_addresses
@@ -181,6 +182,49 @@ def test_an_export_into_the_peers_checkpoint_folder_is_refused(trained, tmp_path
     assert sorted(p.name for p in checkpoints.iterdir()) == before
 
 
+@pytest.mark.parametrize("theirs", ["config", "model", "both", "garbage"])
+def test_an_export_over_another_tools_model_is_refused_and_an_earlier_export_is_replaced(
+    trained, tmp_path, capsys, theirs
+) -> None:
+    """`murmur export hf --from runs/me` over a folder holding a Hugging Face model (its config.json, its
+    model.safetensors) replaced both without a word; an earlier export of murmur's is replaced, as before."""
+    peer_dir, out = tmp_path / "peer", tmp_path / "hf"
+    save_anchor(peer_dir / ANCHOR, trained.model, trained.outer.anchor, run_id="r", config=CONFIG, step=1,
+                outer_step=1)  # fmt: skip
+    assert main(["export", str(out), "--from", str(peer_dir)]) == 0
+    assert main(["export", str(out), "--from", str(peer_dir)]) == 0  # an earlier export: replaced
+    capsys.readouterr()
+    if theirs in ("config", "both"):
+        (out / "config.json").write_text('{"model_type": "llama", "hidden_size": 4096}')
+    if theirs in ("model", "both"):
+        save_file({"w": torch.ones(3)}, out / "model.safetensors")
+    if theirs == "garbage":
+        (out / "model.safetensors").write_bytes(b"abc")
+    before = {p.name: p.read_bytes() for p in out.iterdir()}
+    assert main(["export", str(out), "--from", str(peer_dir)]) == 1
+    named = "config.json" if theirs in ("config", "both") else "model.safetensors"
+    assert capsys.readouterr().err == (f"murmur export: error: {out} holds {named}, which murmur export did not "
+                                       "write: export to a folder of its own, or move that file away\n")  # fmt: skip
+    assert {p.name: p.read_bytes() for p in out.iterdir()} == before
+
+
+def test_a_peer_is_not_started_in_an_export_folder(trained, tmp_path, capsys) -> None:
+    """`murmur join --out-dir OUT` in a folder `murmur export` wrote was taken, and export and sample of OUT then read
+    the stale export (run 'sim', step 115) rather than the peer's final model (run 'hunt', step 139)."""
+    peer_dir, out = tmp_path / "peer", tmp_path / "out"
+    save_anchor(peer_dir / ANCHOR, trained.model, trained.outer.anchor, run_id="r", config=CONFIG, step=1,
+                outer_step=1)  # fmt: skip
+    assert main(["export", str(out), "--from", str(peer_dir)]) == 0
+    capsys.readouterr()
+    join = ["join", "--initial-peers", "/ip4/127.0.0.1/tcp/4001/p2p/QmNnooDu7bfjPFoTZYxMNLWUQJyrVwtbZg5gBMjTezGAJN"]
+    for resume in ([], ["--resume"]):
+        assert main([*join, "--run", "r", "--out-dir", str(out), "--quiet", *resume]) == 1
+        assert capsys.readouterr().err == (f"murmur join: error: {out} holds model.safetensors, an export: sample and "
+                                           f"export of {out} would read it, not this peer's models; choose another "
+                                           "folder\n")  # fmt: skip
+    assert sorted(p.name for p in out.iterdir()) == ["config.json", "model.safetensors"]
+
+
 def test_an_exports_model_file_is_read_as_its_export(trained, tmp_path, capsys) -> None:
     """`murmur sample OUT/model.safetensors` was "... is not a murmur checkpoint (no murmur metadata)"."""
     peer_dir = tmp_path / "peer"
@@ -216,6 +260,10 @@ def test_sample_prints_the_prompt_and_its_continuation(trained, tmp_path, capsys
     assert main(["sample", str(out), "--prompt", "The ", "--tokens", "40", "--seed", "3"]) == 0
     assert capsys.readouterr().out == first  # seeded
     assert main(["sample", str(out), "--tokens", "20", "--temperature", "0"]) == 0
+    capsys.readouterr()
+    # bytes a terminal passed that are not UTF-8 (Python keeps them as surrogates): "'utf-8' codec can't encode"
+    assert main(["sample", str(out), "--prompt", "\udcff\udcfeA", "--tokens", "5", "--seed", "3"]) == 0
+    assert capsys.readouterr().out.startswith("\ufffd\ufffdA")
 
 
 @pytest.mark.parametrize(
@@ -226,6 +274,11 @@ def test_sample_prints_the_prompt_and_its_continuation(trained, tmp_path, capsys
         (lambda d: (d / "anchor.pt").write_bytes(b"x") and d, "holds anchor.pt, the final model of an older murmur"),
         (lambda d: (d / "junk.safetensors").write_bytes(b"\x00" * 64) and d / "junk.safetensors", "junk.safetensors"),
         (lambda d: (d / "model.safetensors").write_bytes(b"x") and d, "has model.safetensors but no config.json"),
+        (lambda d: (d / "x.txt").write_text("hi\n") and d / "x.txt", "x.txt is truncated, or not a safetensors file"),
+        (
+            lambda d: (d / "model.safetensors").write_bytes(b"x") and (d / "config.json").write_text("{bad") and d,
+            "config.json does not read as JSON: ",
+        ),
     ],
 )
 def test_a_bad_source_is_one_line(tmp_path, capsys, make, error) -> None:
@@ -356,6 +409,9 @@ def test_export_flags_are_checked(tmp_path, capsys) -> None:
     assert "--initial-peers needs --run" in capsys.readouterr().err
     assert main(["export", "o", "--from", "x", "--run", "r"]) == 1
     assert "--run goes with --initial-peers" in capsys.readouterr().err
+    # the swarm's flags, a bad secret file and bad ids among them, were ignored without a word beside --from
+    assert main(["export", "o", "--from", "x", "--run-secret-file", "/nonexistent", "--allow-peers", "zzz"]) == 1
+    assert "error: --run-secret-file, --allow-peers go with --initial-peers;" in capsys.readouterr().err
     with pytest.raises(SystemExit) as e:
         main(["export", "o"])
     assert e.value.code == 2 and "one of the arguments --from --initial-peers is required" in capsys.readouterr().err
@@ -410,6 +466,12 @@ def test_export_from_a_live_swarm_takes_a_donors_anchor(tmp_path, capsys, monkey
         assert main(argv) == 0
         assert_exported_anchor(tmp_path / "out", capsys.readouterr().out, run, peer)
         assert bounded and set(bounded) == {layout_bytes(expected_layout(peer.trainer))}  # the export's and its own
+        # a run id nobody uses: one line as soon as the DHT is read, as `murmur status` says it (it was 34 s)
+        started = time.monotonic()
+        assert main([*argv[:-1], "no-such-run"]) == 1
+        assert capsys.readouterr().err == ("murmur export: error: run 'no-such-run' not found: no config and no live "
+                                           "peers\n")  # fmt: skip
+        assert time.monotonic() - started < 20
     finally:
         if peer is not None:
             peer.close()

@@ -86,3 +86,18 @@ def test_the_download_bar_shows_only_on_a_terminal() -> None:
         update(0, 3_000_000)
         update(3_000_000, 3_000_000)
     assert "state download" in screen.getvalue() and "3.0/3.0 MB" in screen.getvalue()
+
+
+def test_a_verbose_peer_shows_each_line_it_logs_once(caplog, capsys) -> None:
+    """A peer's notices go to its log, and to the progress lines' stream (`--verbose`) only where the log does not
+    show their level: a warning appeared twice in a file of a peer's output, once with the log's prefix."""
+    from types import SimpleNamespace
+
+    from murmur.peer.runner import VolunteerPeer
+
+    peer = SimpleNamespace(options=SimpleNamespace(verbose=True))
+    caplog.set_level(logging.WARNING, logger="murmur.peer")
+    VolunteerPeer._log(peer, logging.WARNING, "sees no other peer of the run any more")
+    VolunteerPeer._log(peer, logging.INFO, "finished: 2 finish exchanges")
+    assert [r.getMessage() for r in caplog.records] == ["sees no other peer of the run any more"]
+    assert capsys.readouterr().out == "finished: 2 finish exchanges\n"

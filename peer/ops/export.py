@@ -228,7 +228,11 @@ def _from_checkpoint(path: Path, custom: bool | str | None = True) -> Found:
 def _from_export(folder: Path, custom: bool | str | None = True) -> Found:
     if not (folder / CONFIG_FILE).exists():
         raise ExportError(f"{folder} has {MODEL_FILE} but no {CONFIG_FILE}")
-    config = _json((folder / CONFIG_FILE).read_text())
+    try:
+        config = json.loads((folder / CONFIG_FILE).read_text())
+    except (OSError, UnicodeDecodeError, ValueError) as e:
+        raise ExportError(f"{folder / CONFIG_FILE} does not read as JSON: {one_line(e, 200)}") from None
+    config = config if isinstance(config, dict) else {}
     about = config.get("murmur") if isinstance(config.get("murmur"), dict) else {}
     if config.get("model_type") not in (MODEL_TYPE, "custom"):
         raise ExportError(f"{folder / CONFIG_FILE} has no model_type {MODEL_TYPE!r} or 'custom': murmur export did "
@@ -251,6 +255,26 @@ def _from_export(folder: Path, custom: bool | str | None = True) -> Found:
         raise ExportError(f"{folder}: the exported model does not load: {' '.join(str(e).split())[:300]}") from None
     return Found(model, str(about.get("model") or config.get("builder")), str(folder), about.get("run_id"),
                  about.get("step"), about.get("outer_step"), about.get("train_config") or {})  # fmt: skip
+
+
+def not_ours(out_dir: Path) -> str | None:
+    """The file of `out_dir` that an export would replace and `murmur export` did not write (another tool's model or
+    config, or a file it cannot read), if any: an earlier export's pair, even one an export cut short left, is ours."""
+    config, model = Path(out_dir) / CONFIG_FILE, Path(out_dir) / MODEL_FILE
+    if config.exists() or config.is_symlink():
+        try:
+            about = _json(config.read_text()).get("murmur")
+        except (OSError, UnicodeDecodeError):
+            about = None
+        if not (isinstance(about, dict) and about.get("export")):
+            return CONFIG_FILE
+    if model.exists() or model.is_symlink():
+        try:
+            if EXPORT_ID not in tensorfile.read_metadata(model):
+                return MODEL_FILE
+        except TensorFileError:
+            return MODEL_FILE
+    return None
 
 
 def write(found: Found, out_dir: Path) -> tuple[Path, Path]:
@@ -295,6 +319,7 @@ def from_swarm(node, *, model: str | None = None, data: str | None = None, acces
     from murmur.dht.loop import LoopThread
     from murmur.dht.node import start_node, stop_node
     from murmur.dht.records import RunRecords
+    from murmur.peer.ops.status import find_run
     from murmur.peer.runner import fetch_run
     from murmur.peer.state import StateSharing, apply_training_state, expected_layout
     from murmur.peer.trainer import Trainer
@@ -306,6 +331,7 @@ def from_swarm(node, *, model: str | None = None, data: str | None = None, acces
     try:
         records = RunRecords(dht, run_id)
         access = access or AccessPolicy()
+        find_run(records, node.creator)  # a run with no config and no peer, as `murmur status` reads it: no 30 s wait
         config, _ = fetch_run(records, wait, access=access, creator=node.creator)  # a private run needs its secret
         trainer = Trainer(config, WorkloadSpec(model=model, data=data).build(config), data_seed=0)
         sharing = loop.run(StateSharing.create(dht, records, access=access), timeout=30)
@@ -332,9 +358,13 @@ def from_swarm(node, *, model: str | None = None, data: str | None = None, acces
 
 @torch.no_grad()
 def sample(model: GPT, prompt: str, *, tokens: int, temperature: float, top_k: int | None, seed: int) -> str:
-    """`tokens` more bytes after `prompt`, drawn from a byte-level GPT (ids above 255 are never drawn)."""
+    """`tokens` more bytes after `prompt`, drawn from a byte-level GPT (ids above 255 are never drawn). A prompt's
+    bytes that are not UTF-8 (a terminal's other encoding: Python's command line keeps them as surrogates) go to the
+    model as they were typed, and come back as U+FFFD."""
     generator = torch.Generator().manual_seed(seed)
-    ids = list(prompt.encode("utf-8")) or [ord("\n")]
+    typed = prompt.encode("utf-8", errors="surrogateescape")
+    prompt = typed.decode("utf-8", errors="replace")
+    ids = list(typed) or [ord("\n")]
     out = bytearray()
     for _ in range(tokens):
         context = torch.tensor([ids[-model.config.block_size :]])

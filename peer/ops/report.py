@@ -39,6 +39,8 @@ def load_logs(run_dir: Path) -> dict[str, list[dict]]:
     else:
         found = sorted(run_dir.glob("peer-*/metrics.jsonl"), key=lambda path: _natural(path.parent.name))
         paths = {path.parent.name: path for path in found}
+    if folder := next((path for path in paths.values() if path.is_dir()), None):
+        raise ReportError(f"{folder} is a folder, not a metrics log")
     logs = {name: [r for r in read_metrics(path) if isinstance(r, dict) and _is_number(r.get("t"))]
             for name, path in paths.items()}  # fmt: skip
     logs = {name: records for name, records in logs.items() if records}

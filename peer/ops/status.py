@@ -19,7 +19,7 @@ from rich.table import Table
 from rich.text import Text
 
 from murmur.dht.clock import SAY_AT
-from murmur.dht.records import RunRecords, config_digest
+from murmur.dht.records import RunRecord, RunRecords, config_digest
 from murmur.peer.sketch import consensus_estimate
 
 
@@ -67,6 +67,17 @@ class RunStatus:
         return json.dumps(dataclasses.asdict(self), allow_nan=False)
 
 
+def find_run(records: RunRecords, creator: str | None = None) -> tuple[RunRecord | None, dict]:
+    """The run's config record and its live peers' announcements, with their expiration, one read each;
+    RunNotFound if the DHT has neither (`creator`: see `read_status`)."""
+    record = records.fetch_config()
+    announced = records.peers_with_expiration()
+    if record is None and not announced:
+        config = f"no config signed by its creator {creator} (--creator)" if creator else "no config"
+        raise RunNotFound(f"run '{records.run_id}' not found: {config} and no live peers")
+    return record, announced
+
+
 def read_status(records: RunRecords, creator: str | None = None) -> RunStatus:
     """The run's config and live peers; RunNotFound if the DHT has neither.
 
@@ -74,11 +85,7 @@ def read_status(records: RunRecords, creator: str | None = None) -> RunStatus:
     default ttl), which gives how long ago each peer was last seen. `creator` (the reading node's
     `NodeConfig.creator`, whose node reads no config signed by anyone else) is named in the message.
     """
-    record = records.fetch_config()
-    announced = records.peers_with_expiration()
-    if record is None and not announced:
-        config = f"no config signed by its creator {creator} (--creator)" if creator else "no config"
-        raise RunNotFound(f"run '{records.run_id}' not found: {config} and no live peers")
+    record, announced = find_run(records, creator)
     metrics = records.metrics() if announced else {}
     now = get_dht_time()
     digest = config_digest(dict(record.config)) if record else None
