@@ -23,6 +23,7 @@ import gc
 import ipaddress
 import logging
 import math
+import multiprocessing.process
 import os
 import re
 import shutil
@@ -157,11 +158,14 @@ _SCRATCH: set[str] = set()  # the folders of the identities of nodes starting no
 
 
 def remove_scratch() -> None:
-    """Remove the throwaway identities (private keys) of the nodes this process is starting now. A command
-    interrupted in the middle of a start, where Python cannot unwind (the fork of the DHT worker), exits at once
-    (`os._exit`, peer/cli.py), past the cleanup that removes them: each such Ctrl-C left a key in the temp folder."""
-    for folder in list(_SCRATCH):
-        shutil.rmtree(folder, ignore_errors=True)
+    """Remove the throwaway identities (private keys) of the nodes this process is starting now, and
+    multiprocessing's temp folder of this process (`multiprocessing.util.get_temp_dir`: a listener's socket,
+    made as a pipe's end is sent to the worker). A command interrupted in the middle of a start, where Python cannot
+    unwind (the fork of the DHT worker), exits at once (`os._exit`, peer/cli.py), past the cleanup and the exit
+    handlers that remove them: each such Ctrl-C left a key in the temp folder, and 2 in 20 a pymp-* folder."""
+    for folder in [*_SCRATCH, multiprocessing.process.current_process()._config.get("tempdir")]:
+        if folder:
+            shutil.rmtree(folder, ignore_errors=True)
 
 
 def _start_node(config: NodeConfig) -> DHT:

@@ -358,6 +358,12 @@ def _dashboard(args: argparse.Namespace) -> int:
 
 
 def _export(args: argparse.Namespace) -> int:
+    if args.initial_peers is None:  # (before torch is imported: at once)
+        given = {"--run": args.run, "--creator": args.creator, "--run-secret-file": args.run_secret_file,
+                 "--allow-peers": args.allow_peers, "--data": args.data}  # fmt: skip
+        if swarm := [flag for flag, value in given.items() if value is not None]:  # else ignored, a bad one too
+            raise ValueError(f"{', '.join(swarm)} {'goes' if len(swarm) == 1 else 'go'} with --initial-peers; with "
+                             "--from the model's file names its run")  # fmt: skip
     from murmur.peer.ops.export import from_swarm, load, not_ours, write  # its ExportError is a ValueError
     from murmur.peer.rundir import check_writable, earlier_run
 
@@ -380,11 +386,6 @@ def _export(args: argparse.Namespace) -> int:
         access = load_policy(args.run_secret_file, args.allow_peers)  # a bad secret file: before a node starts
         found = from_swarm(reader_node(args), model=args.model, data=args.data, access=access)
     else:
-        given = {"--run": args.run, "--creator": args.creator, "--run-secret-file": args.run_secret_file,
-                 "--allow-peers": args.allow_peers, "--data": args.data}  # fmt: skip
-        if swarm := [flag for flag, value in given.items() if value is not None]:  # else ignored, a bad one too
-            raise ValueError(f"{', '.join(swarm)} {'goes' if len(swarm) == 1 else 'go'} with --initial-peers; with "
-                             "--from the model's file names its run")  # fmt: skip
         found = load(args.source, custom=args.model)  # a researcher's builder: only the one its user names
     model_path, config_path = write(found, args.out_dir)
     steps = "" if found.step is None else f" at step {found.step} (outer step {found.outer_step})"

@@ -555,6 +555,30 @@ def _earlier_simulation(lab: Lab) -> Outcome:
     return protected(lab, argv, lambda d: d / "sim")
 
 
+def _export_over_theirs(lab: Lab) -> Outcome:
+    """`murmur export` into a folder that holds another tool's model (a Hugging Face config and weights)."""
+
+    def argv(d: Path) -> list[str]:
+        (d / "hf").mkdir()
+        (d / "hf" / "config.json").write_text('{"model_type": "llama", "hidden_size": 4096}')
+        (d / "hf" / "model.safetensors").write_bytes(b"the weights of another tool's model")
+        return ["export", str(d / "hf"), "--from", str(final_model(d / "peer", "open-run"))]
+
+    return protected(lab, argv, lambda d: d / "hf")
+
+
+def _join_into_export(lab: Lab) -> Outcome:
+    """A peer started in a folder that `murmur export` wrote, which export and sample of it would read first."""
+
+    def argv(d: Path) -> list[str]:
+        (d / "out").mkdir()
+        (d / "out" / "config.json").write_text('{"model_type": "murmur-gpt", "murmur": {"export": "0123"}}')
+        (d / "out" / "model.safetensors").write_bytes(b"an export of step 115")
+        return [*lab.join("open-run"), "--out-dir", str(d / "out")]
+
+    return protected(lab, argv, lambda d: d / "out")
+
+
 def cases() -> list[Case]:
     """Every case, by the issue's classes of input (lost work, silent runs, misleading messages)."""
     lost, silent, words = "work that is lost", "runs that silently do nothing", "messages that mislead"
@@ -586,6 +610,12 @@ def cases() -> list[Case]:
                          r"or choose another folder"),
         Case("simulate into an earlier simulation's folder", lost, _earlier_simulation, 0,
              lambda lab: r"\S+/sim holds an earlier simulation, kept as it is; this one writes to \S+/sim-2"),
+        Case("export into another tool's model folder", lost, _export_over_theirs, 1,
+             lambda lab: r"murmur export: error: \S+/hf holds config\.json, which murmur export did not write: "
+                         r"export to a folder of its own, or move that file away"),
+        Case("--out-dir of an export", lost, _join_into_export, 1,
+             lambda lab: r"murmur join: error: (\S+/out) holds model\.safetensors, an export: sample and export of \1 "
+                         r"would read it, not this peer's models; choose another folder"),
         Case("--restart without a checkpoint folder", lost, command(lambda lab: [*lab.join("open-run"), "--restart"]),
              1, lambda lab: _e("murmur join: error: --restart resumes from checkpoints: give --out-dir or "
                                "--checkpoint-dir")),
@@ -616,6 +646,15 @@ def cases() -> list[Case]:
              command(lambda lab: [*lab.join("open-run"), "--until", "3600"], fast=True), 2,
              lambda lab: r"murmur join: error: argument --until: must be a Unix time in the future \(it is now \d+\), "
                          r"got 3600: for seconds of training use --duration"),
+        Case("join --until in milliseconds", silent,
+             command(lambda lab: [*lab.join("open-run"), "--until", "1796645673725"], fast=True), 2,
+             lambda lab: r"murmur join: error: argument --until: must be a Unix time in seconds \(it is now \d+\), "
+                         r"got 1796645673725, more than a century away: milliseconds\?"),
+        Case("export --from with a private run's secret", silent,
+             command(lambda lab: ["export", str(lab.folder / "exported"), "--from", str(lab.folder),
+                                  "--run-secret-file", str(lab.wrong_secret)], fast=True), 1,  # fmt: skip
+             lambda lab: _e("murmur export: error: --run-secret-file goes with --initial-peers; with --from the "
+                            "model's file names its run")),
         Case("the same --model spec, another layout", silent, layout_differs, 1,
              lambda lab: r"murmur\.averaging WARN(ING)? model layout differs from the run's: peer \w{8} .+",
              lambda lab: r"murmur join: error: model layout differs from the run's: peer \w{8} .+; no peer of the run "
