@@ -73,6 +73,8 @@ class Swarm:
 
     @property
     def initial_peers(self) -> list[str]:
+        if self.dht is None:  # (an AttributeError from inside the DHT module before)
+            raise RuntimeError("start the swarm first (or use it as a context manager)")
         return visible_addresses(self.dht)
 
     def close(self) -> None:
@@ -118,7 +120,7 @@ class Peer:
             spec_of(build_model)  # one the run can name, or WorkloadError before anything starts
         workload = WorkloadSpec() if build_model is None else Callables(build_model, build_batches, optimizer)
         # one address as a str is one address, not its characters (each a "bad multiaddr")
-        peers = (initial_peers,) if isinstance(initial_peers, str) else tuple(initial_peers)
+        peers = (initial_peers,) if isinstance(initial_peers, str) else tuple(initial_peers or ())
         if not peers:  # it would look for the run's config for 20 s, then say the run has none
             raise ValueError("initial_peers is empty: give the run's addresses (Swarm.initial_peers, or a join "
                              "line's --initial-peers)")  # fmt: skip
@@ -170,9 +172,10 @@ class Peer:
     def close(self) -> None:
         """Leave the run. A `train()` on another thread stops first, as its own stop would: its round, its final
         checkpoint and report (it returns the report)."""
-        if self._peer is not None:
-            self._closed = self._peer.trainer
-            self._peer.close()
+        peer = self._peer  # (another thread's close may clear it meanwhile)
+        if peer is not None:
+            self._closed = peer.trainer
+            peer.close()  # a close under way on another thread: waited for
             self._peer = None
 
     @property

@@ -42,7 +42,7 @@ from murmur.dht.addresses import host_of
 from murmur.dht.clock import SwarmClock
 from murmur.dht.errors import one_line
 from murmur.dht.heartbeat import Heartbeat, RosterWatch
-from murmur.dht.loop import LoopThread
+from murmur.dht.loop import LoopThread, torch_threads_here
 from murmur.dht.node import NodeConfig, node_lost, shared_address, start_node, stop_node, visible_addresses
 from murmur.dht.records import Announcement, PeerState, RunRecord, RunRecords, config_digest
 from murmur.peer.anchorfile import ANCHOR
@@ -250,6 +250,8 @@ class VolunteerPeer:
         self.writer = CheckpointWriter(directory) if directory is not None else None
         self.lock: FolderLock | None = None  # its folders, held while it runs (`create` takes them)
         self._training = threading.Lock()  # held by `run`: one at a time, and `close` waits for it
+        self._closed = threading.Lock()  # held by the `close` that tears the peer down: a second one waits for it
+        self._torn_down = False
         self._trainer: int | None = None  # the thread `run` trains on
         self._closing = threading.Event()  # `close` from another thread: `run` stops as on its own stop
         self._connected_ahead: dict[str, float] = {}  # peer -> when this peer last connected to it ahead
@@ -516,6 +518,7 @@ class VolunteerPeer:
             self._trainer = threading.get_ident()
             if self._closing.is_set():
                 raise RuntimeError("this peer is closed")
+            torch_threads_here()  # `Peer.train()` runs each time on a thread of its own
             return self._run(_Stopping(stop, self._closing))
         finally:
             self._trainer = None
@@ -767,7 +770,10 @@ class VolunteerPeer:
                 else:
                     logger.warning("the training thread did not stop within %.0f s: closing the peer under it", wait)
         finally:
-            self._teardown()
+            with self._closed:  # a close from another thread (a timer's, the caller's own `finally`) at the same time
+                if not self._torn_down:  # tore the loop and the node down under the first: "OSError: handle is closed"
+                    self._torn_down = True
+                    self._teardown()
 
     def _teardown(self) -> None:
         self.watch.stop()

@@ -315,9 +315,18 @@ def test_a_peer_takes_one_address_and_a_folder_as_strings(tmp_path) -> None:
 
 
 def test_a_peer_with_no_initial_peers_is_refused_at_once() -> None:
-    """It looked for the run's config for 20 s, then said "run 'r' has no config on the DHT"."""
-    with pytest.raises(ValueError, match=r"^initial_peers is empty: give the run's addresses \(Swarm.initial_peers"):
-        Peer(tiny_mlp.build_model, tiny_mlp.build_batches, run="r", initial_peers=[])
+    """It looked for the run's config for 20 s, then said "run 'r' has no config on the DHT"; None was a bare
+    "TypeError: 'NoneType' object is not iterable"."""
+    for nobody in ([], None):
+        with pytest.raises(ValueError, match=r"^initial_peers is empty: give the run's addresses \(Swarm.initial_p"):
+            Peer(tiny_mlp.build_model, tiny_mlp.build_batches, run="r", initial_peers=nobody)
+
+
+def test_a_swarms_addresses_before_it_starts_or_after_it_closes_say_so() -> None:
+    """`Swarm(...).initial_peers` without `start()` (or the `with`) was "AttributeError: 'NoneType' object has no
+    attribute 'get_visible_maddrs'", from inside the DHT module."""
+    with pytest.raises(RuntimeError, match=r"^start the swarm first \(or use it as a context manager\)$"):
+        print(Swarm("r", CUSTOM).initial_peers)
 
 
 def test_a_duration_that_is_not_a_number_is_a_value_error() -> None:
@@ -540,6 +549,33 @@ def test_close_from_another_thread_stops_the_training_with_its_work_saved(custom
     steps = json.loads((tmp_path / "report.json").read_text())["steps"]
     state, _ = latest_checkpoint(tmp_path / "checkpoints", run_id=run, model=MODEL)
     assert outcome[0].steps == steps == state["trainer"]["steps"] > 0 and (tmp_path / "anchor.safetensors").exists()
+
+
+@pytest.mark.slow
+def test_two_closes_at_once_tear_the_peer_down_once(custom_run, tmp_path) -> None:
+    """A timer's close() while train() ran, and the script's own close() in its `finally` as train() returned: both
+    tore the peer down, and the second failed on the first's work ("OSError: handle is closed" from the DHT's pipe,
+    after "GroupAverager did not stop cleanly: the event-loop thread has stopped")."""
+    run, initial_peers = custom_run
+    peer = Peer(tiny_mlp.build_model, tiny_mlp.build_batches, run=run, initial_peers=initial_peers, device="cpu",
+                out_dir=tmp_path).start()  # fmt: skip
+    failed: list[BaseException] = []
+
+    def close() -> None:
+        try:
+            peer.close()
+        except BaseException as e:
+            failed.append(e)
+
+    timer = threading.Timer(3.0, close)
+    try:
+        timer.start()
+        report = peer.train(threading.Event())
+    finally:
+        peer.close()
+        timer.join(30)
+    assert not failed and not timer.is_alive() and report.steps > 0
+    assert json.loads((tmp_path / "report.json").read_text())["steps"] == report.steps
 
 
 @pytest.mark.slow
