@@ -212,7 +212,10 @@ def peer_command(stack: str, config: BenchConfig, run_id: str, maddrs: list[str]
         extra = ("--host", host, "--exchange-timeout", str(config.exchange_timeout),
                  "--eval-every", "0", *(("--overlap",) if config.overlap else ()))  # fmt: skip
         return join_command(maddrs, run_id, out / f"peer-{peer}", peer + 1, *extra)
+    # one OpenMP thread on each of its threads, as a Murmur peer's take torch's count (`dht.loop.torch_threads_here`):
+    # hivemind's averager runs torch's ops on threads of its own, which would otherwise run them on every core
     return [
+        "env", "OMP_NUM_THREADS=1",
         sys.executable, str(WORKER), "peer", "--initial-peers", *maddrs, "--host", host, "--run", run_id,
         "--train", json.dumps(config.train.to_record()), "--preset", config.preset, "--peers", str(config.peers),
         "--data-seed", str(peer + 1), "--log", str(out / f"peer-{peer}.jsonl"),
