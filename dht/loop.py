@@ -33,6 +33,10 @@ def torch_threads_here() -> None:
 class LoopThread:
     def __init__(self, name: str = "murmur-loop") -> None:
         self._loop = uvloop.new_event_loop()
+        # `asyncio.to_thread`'s threads (a donor's state packed, a download's unpacked) run torch's ops too
+        self._loop.set_default_executor(
+            concurrent.futures.ThreadPoolExecutor(thread_name_prefix=f"{name}-worker", initializer=torch_threads_here)
+        )
         self._ready = threading.Event()
         self._thread = threading.Thread(target=self._main, name=name, daemon=True)
         self._thread.start()

@@ -4,6 +4,7 @@ steps a round against the first's 1,500 with the other core busy)."""
 
 from __future__ import annotations
 
+import asyncio
 import ctypes
 import threading
 
@@ -49,13 +50,13 @@ def test_a_new_thread_takes_torchs_count(count) -> None:
     assert on_a_new_thread(taken) == count
 
 
-def test_the_exchanges_loop_thread_runs_on_torchs_count(count) -> None:
+def test_the_exchanges_loop_and_its_workers_run_on_torchs_count(count) -> None:
     loop = LoopThread("test-threads")
     try:
 
-        async def seen() -> int:
-            return openmp_threads()
+        async def seen() -> tuple[int, int]:
+            return openmp_threads(), await asyncio.to_thread(openmp_threads)  # and its worker threads'
 
-        assert loop.run(seen(), timeout=5) == count
+        assert loop.run(seen(), timeout=5) == (count, count)
     finally:
         loop.stop()
