@@ -555,28 +555,26 @@ def _earlier_simulation(lab: Lab) -> Outcome:
     return protected(lab, argv, lambda d: d / "sim")
 
 
+def model_folder(folder: Path, config: str, weights: bytes) -> Path:
+    """A folder holding a model's `config.json` and `model.safetensors`, as another tool or `murmur export` left it."""
+    folder.mkdir()
+    (folder / "config.json").write_text(config)
+    (folder / "model.safetensors").write_bytes(weights)
+    return folder
+
+
 def _export_over_theirs(lab: Lab) -> Outcome:
     """`murmur export` into a folder that holds another tool's model (a Hugging Face config and weights)."""
-
-    def argv(d: Path) -> list[str]:
-        (d / "hf").mkdir()
-        (d / "hf" / "config.json").write_text('{"model_type": "llama", "hidden_size": 4096}')
-        (d / "hf" / "model.safetensors").write_bytes(b"the weights of another tool's model")
-        return ["export", str(d / "hf"), "--from", str(final_model(d / "peer", "open-run"))]
-
-    return protected(lab, argv, lambda d: d / "hf")
+    theirs = '{"model_type": "llama", "hidden_size": 4096}', b"the weights of another tool's model"
+    return protected(lab, lambda d: ["export", str(model_folder(d / "hf", *theirs)), "--from",
+                                     str(final_model(d / "peer", "open-run"))], lambda d: d / "hf")  # fmt: skip
 
 
 def _join_into_export(lab: Lab) -> Outcome:
     """A peer started in a folder that `murmur export` wrote, which export and sample of it would read first."""
-
-    def argv(d: Path) -> list[str]:
-        (d / "out").mkdir()
-        (d / "out" / "config.json").write_text('{"model_type": "murmur-gpt", "murmur": {"export": "0123"}}')
-        (d / "out" / "model.safetensors").write_bytes(b"an export of step 115")
-        return [*lab.join("open-run"), "--out-dir", str(d / "out")]
-
-    return protected(lab, argv, lambda d: d / "out")
+    exported = '{"model_type": "murmur-gpt", "murmur": {"export": "0123"}}', b"an export of step 115"
+    return protected(lab, lambda d: [*lab.join("open-run"), "--out-dir", str(model_folder(d / "out", *exported))],
+                     lambda d: d / "out")  # fmt: skip
 
 
 def cases() -> list[Case]:
