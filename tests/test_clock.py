@@ -7,6 +7,7 @@ from __future__ import annotations
 import json
 import logging
 import os
+import re
 import signal
 import subprocess
 import sys
@@ -107,14 +108,16 @@ def test_a_peer_whose_clock_is_off_by_more_than_a_round_still_exchanges_every_ro
         outs = [peer.communicate(timeout=120)[0] for peer in peers]
         assert [peer.returncode for peer in peers] == [0, 0], outs
     assert refused.returncode != 0
-    assert out.strip().splitlines()[-1] == (
-        "murmur join: error: this machine's clock is 5.0 s ahead of the bootstrap node's, more than the 3 s "
-        "hivemind allows: set it right (NTP: timedatectl set-ntp true) and join again"
-    )
+    last = out.strip().splitlines()[-1]  # the offset is measured over a round trip: 4.9 on a busy machine
+    ahead = re.fullmatch(r"murmur join: error: this machine's clock is (\d+\.\d) s ahead of the bootstrap node's, "
+                         r"more than the 3 s hivemind allows: set it right \(NTP: timedatectl set-ntp true\) and "
+                         r"join again", last)  # fmt: skip
+    assert ahead and float(ahead[1]) == pytest.approx(5.0, abs=0.3), last
     reports = [json.loads((tmp_path / name / "report.json").read_text()) for name in ("on-time", "ahead")]
     for report in reports:
         assert report["exchanges_ok"] >= 0.6 * report["rounds"] >= 0.6 * 3, report  # (rounds grow on a busy machine)
-    assert "this machine's clock is 2.00 s ahead of the swarm's" in outs[1]
+    said = [float(x) for x in re.findall(r"this machine's clock is (\d+\.\d\d) s ahead of the swarm's", outs[1])]
+    assert any(abs(x - 2.0) <= 0.1 for x in said), outs[1]  # measured over round trips, as the status's below
     assert "this machine's clock" not in outs[0]  # its own is the swarm's
     assert status.returncode == 0, status.stderr
     clocks = {p["peer_id"]: p["clock"] for p in json.loads(status.stdout)["peers"]}
