@@ -86,7 +86,8 @@ def test_a_node_measures_its_offset_from_a_bootstrap_node_whose_clock_is_ahead(c
     assert reading is not None and len(reading.offsets) == 1
     assert reading.offsets[0] == pytest.approx(1.5, abs=0.1)  # the bootstrap's clock, measured over the round trip
     assert reading.offset == pytest.approx(0.75, abs=0.05) and again.offset == clock.offset  # alone with it: halfway
-    assert "this machine's clock is 0.75 s behind the swarm's" in caplog.text
+    said = re.search(r"this machine's clock is (\d+\.\d\d) s behind the swarm's", caplog.text)
+    assert said and float(said[1]) == pytest.approx(reading.offset, abs=0.006), caplog.text  # the offset it measured
 
 
 @pytest.mark.slow
