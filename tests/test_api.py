@@ -594,7 +594,7 @@ def test_peers_train_again_after_their_finish_rounds() -> None:
             for peer in peers:
                 peer.close()
     # the finish rounds took the protocol: a finish exchange completed (with both cores busy elsewhere, 1 run in
-    # 103 saw one peer's side abort, "stream closed by the other side", while its partner's completed)
+    # 179 saw one peer's side abort, "stream closed by the other side", while its partner's completed)
     assert any(r.finish_exchanges == 1 for r in first) and all(r.finish_exchanges <= 1 for r in first), first
     assert all(b.exchanges_ok > a.exchanges_ok for a, b in zip(first, again, strict=True)), (first, again)
 
